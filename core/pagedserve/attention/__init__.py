@@ -1,0 +1,1 @@
+"""Attention: the per-step metadata contract and the layer models call into."""

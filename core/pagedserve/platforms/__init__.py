@@ -1,0 +1,1 @@
+"""Platform plugins: the hook specifications, the data contract, discovery and selection."""

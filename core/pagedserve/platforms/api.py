@@ -1,0 +1,194 @@
+"""The data contract between pagedserve's core and its platform plugins.
+
+Everything a plugin returns from a hook is one of the types below. Changing any of them in a way
+that breaks an existing plugin is an API break: bump `PLUGIN_API_VERSION`'s major number. Adding
+an optional field or a new hook is a minor bump.
+
+KV-cache layout (the only one in API 1.x, `KVCacheLayout.NHD`): each attention layer owns one tensor
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]
+
+where index 0 holds keys and index 1 holds values. Token `t` of a request lives in physical block
+`block_table[req, t // block_size]` at offset `t % block_size`; its *slot* is
+`block_id * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+PLUGIN_API_VERSION = "1.0"
+"""The plugin API this build of pagedserve implements. Plugins declare the version they were written
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.0"`; a plugin is accepted when its major
+number equals ours and its minor number is not newer than ours."""
+
+
+class KVCacheLayout(enum.Enum):
+    """Physical layout of one layer's KV cache (see the module docstring)."""
+
+    NHD = "NHD"  # [2, num_blocks, block_size, num_kv_heads, head_size]
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """Whether a platform can run on this machine, and why (not)."""
+
+    available: bool
+    reason: str  # "NVIDIA H100 80GB HBM3 (sm_90)" when available; what is missing when not
+
+
+@dataclass(frozen=True, slots=True)
+class PlatformInfo:
+    """One platform, as a plugin registers it through `pagedserve_platforms`."""
+
+    name: str  # unique across all plugins; what users pass as `platform=`
+    priority: int  # automatic selection takes the highest-priority available platform
+    device_type: str  # torch device type the platform's tensors live on: "cpu", "cuda", ...
+    supported_dtypes: tuple[torch.dtype, ...]  # model/KV dtypes the platform computes in
+    is_available: Callable[[], Availability]  # cheap, must not raise; called at most once per process
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionCapabilities:
+    """What an attention backend promises to compute correctly. The conformance suite checks every
+    declared combination against cpu_reference; anything undeclared must raise `UnsupportedCase`."""
+
+    head_sizes: frozenset[int]
+    dtypes: frozenset[torch.dtype]
+    block_sizes: frozenset[int]
+    kv_cache_layout: KVCacheLayout = KVCacheLayout.NHD
+    sliding_window: bool = False
+    logit_softcap: bool = False
+    max_query_len: int | None = None  # None: any number of new tokens per request (prefill included)
+
+
+class UnsupportedCase(ValueError):
+    """Raised by a backend asked for something outside its declared capabilities."""
+
+
+class AttentionBackend(ABC):
+    """A paged attention implementation for V1 batches.
+
+    One call computes attention for a flattened batch of requests: request `i` owns query rows
+    `query_start_loc[i]:query_start_loc[i+1]`, which are the *last* `query_len` of its `seq_len`
+    tokens (chunked prefill and decode are the same case: cached context plus new tokens). The new
+    tokens' keys and values are already in the cache (the caller runs `reshape_and_cache` first).
+    Attention is causal: query row `j` of request `i` (absolute position `seq_len - query_len + j`)
+    sees key positions `<= ` its own, and with a sliding window `W` only the last `W` of those.
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[AttentionCapabilities]
+
+    def check_supported(
+        self, *, head_size: int, dtype: torch.dtype, block_size: int, sliding_window: int | None,
+        logit_softcap: float | None,
+    ) -> None:
+        """Raise `UnsupportedCase` naming the first undeclared property. Does not mutate."""
+        caps = self.capabilities
+        if head_size not in caps.head_sizes:
+            raise UnsupportedCase(
+                f"{self.name}: head_size={head_size} is not supported; supported: {sorted(caps.head_sizes)}"
+            )
+        if dtype not in caps.dtypes:
+            raise UnsupportedCase(
+                f"{self.name}: dtype={dtype} is not supported; supported: {sorted(map(str, caps.dtypes))}"
+            )
+        if block_size not in caps.block_sizes:
+            raise UnsupportedCase(
+                f"{self.name}: block_size={block_size} is not supported; supported: {sorted(caps.block_sizes)}"
+            )
+        if sliding_window is not None and not caps.sliding_window:
+            raise UnsupportedCase(f"{self.name}: sliding window attention is not supported")
+        if logit_softcap is not None and not caps.logit_softcap:
+            raise UnsupportedCase(f"{self.name}: logit softcap is not supported")
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,  # None: attend to the whole context
+        logit_softcap: float | None = None,  # None: no softcap; else scores = c * tanh(scores / c)
+        out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]; written if given
+    ) -> torch.Tensor:
+        """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype.
+
+        Rows past `metadata.num_actual_tokens` (padding for CUDA graphs) are left unspecified.
+        Does not mutate `kv_cache`; writes only `out`."""
+
+
+class CacheOps(ABC):
+    """The three KV-cache data movements a platform provides. All of them mutate their destination."""
+
+    @abstractmethod
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64; slot = block_id * block_size + offset
+    ) -> None:
+        """Write each token's key and value into its slot. Only the first `len(slot_mapping)` rows
+        of key/value are written; slots must be distinct. Mutates `kv_cache`."""
+
+    @abstractmethod
+    def copy_blocks(
+        self,
+        kv_caches: list[torch.Tensor],  # one per layer, same layout and device
+        block_mapping: torch.Tensor,  # [num_copies, 2] int64: (src_block, dst_block)
+    ) -> None:
+        """Copy whole blocks (keys and values) within each layer's cache, for copy-on-write.
+        Destinations are distinct and never also a source. Mutates `kv_caches`."""
+
+    @abstractmethod
+    def swap_blocks(
+        self,
+        src: torch.Tensor,  # [2, num_src_blocks, block_size, num_kv_heads, head_size]
+        dst: torch.Tensor,  # [2, num_dst_blocks, block_size, num_kv_heads, head_size]
+        block_mapping: torch.Tensor,  # [num_swaps, 2] int64, on the CPU: (src_block, dst_block)
+    ) -> None:
+        """Copy blocks between two caches of one layer that may live on different devices (device
+        pool <-> CPU swap pool). Mutates `dst`."""
+
+
+@dataclass(frozen=True, slots=True)
+class GridOrder:
+    """How a kernel maps its launch-order program id to the tile it computes.
+
+    GPUs that split one chip into several dies with their own L2 (AMD's XCDs) hand consecutive
+    program ids to different dies round-robin. Remapping so that tiles sharing KV data land on one
+    die keeps that data in one L2. `num_groups == 1` is the identity.
+    """
+
+    name: str
+    num_groups: int = 1  # dies the hardware deals program ids across (8 XCDs on MI300X)
+
+    def remap(self, pid: int, num_programs: int) -> int:
+        """The reference mapping, in plain Python; kernels implement the same arithmetic.
+
+        Program `pid` runs on group `pid % num_groups`. Groups are given contiguous ranges of
+        tiles: group g owns tiles [start_g, start_g + size_g), where the first
+        `num_programs % num_groups` groups hold one extra tile. Does not mutate."""
+        if self.num_groups == 1:
+            return pid
+        group = pid % self.num_groups
+        local = pid // self.num_groups
+        per_group, extra = divmod(num_programs, self.num_groups)
+        start = group * per_group + min(group, extra)
+        return start + local
+
+
+IDENTITY_GRID_ORDER = GridOrder(name="identity")

@@ -1,0 +1,1 @@
+"""The CPU reference platform: plain torch, float64-capable, the oracle for every other platform."""

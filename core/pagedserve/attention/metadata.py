@@ -45,7 +45,9 @@ class AttentionMetadata:
         q = torch.as_tensor(query_lens, dtype=torch.int32).cpu()
         s = torch.as_tensor(seq_lens, dtype=torch.int32).cpu()
         if q.shape != s.shape or q.dim() != 1:
-            raise ValueError(f"query_lens {tuple(q.shape)} and seq_lens {tuple(s.shape)} must be equal-length 1-D")
+            raise ValueError(
+                f"query_lens {tuple(q.shape)} and seq_lens {tuple(s.shape)} must be equal-length 1-D"
+            )
         if bool((q < 1).any()) or bool((q > s).any()):
             raise ValueError("every request needs 1 <= query_len <= seq_len")
         bt_cpu = block_table.to("cpu", torch.int32)

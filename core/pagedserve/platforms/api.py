@@ -90,7 +90,12 @@ class AttentionBackend(ABC):
     capabilities: ClassVar[AttentionCapabilities]
 
     def check_supported(
-        self, *, head_size: int, dtype: torch.dtype, block_size: int, sliding_window: int | None,
+        self,
+        *,
+        head_size: int,
+        dtype: torch.dtype,
+        block_size: int,
+        sliding_window: int | None,
         logit_softcap: float | None,
     ) -> None:
         """Raise `UnsupportedCase` naming the first undeclared property. Does not mutate."""
@@ -104,8 +109,9 @@ class AttentionBackend(ABC):
                 f"{self.name}: dtype={dtype} is not supported; supported: {sorted(map(str, caps.dtypes))}"
             )
         if block_size not in caps.block_sizes:
+            supported = sorted(caps.block_sizes)
             raise UnsupportedCase(
-                f"{self.name}: block_size={block_size} is not supported; supported: {sorted(caps.block_sizes)}"
+                f"{self.name}: block_size={block_size} is not supported; supported: {supported}"
             )
         if sliding_window is not None and not caps.sliding_window:
             raise UnsupportedCase(f"{self.name}: sliding window attention is not supported")

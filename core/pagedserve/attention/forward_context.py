@@ -1,0 +1,62 @@
+"""The per-forward context through which attention layers reach the KV cache and the backend.
+
+A model's `forward(input_ids, positions)` signature carries no attention state, so that every
+model (native or transformers fallback) keeps the same two-argument signature. The model runner
+instead opens `forward_context(ctx)` around one forward; each `PagedAttention` layer reads it with
+`get_forward_context()`. The context is held in a `ContextVar` and set only by the context manager,
+so it cannot leak past the forward it belongs to, and opening a second one inside the first (a
+nested forward, almost always a bug in the runner) is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.api import AttentionBackend, CacheOps
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardContext:
+    """Everything an attention layer needs for one forward. Built by the model runner each step."""
+
+    metadata: AttentionMetadata  # shared by every layer of this step
+    kv_caches: list[torch.Tensor]  # layer_idx -> [2, num_blocks, block_size, num_kv_heads, head_size]
+    backend: AttentionBackend
+    cache_ops: CacheOps
+
+
+_CURRENT: ContextVar[ForwardContext | None] = ContextVar("pagedserve_forward_context", default=None)
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `ctx` the current forward context for the duration of the `with` block.
+
+    Raises `RuntimeError` if a forward context is already open (nesting is refused)."""
+    if _CURRENT.get() is not None:
+        raise RuntimeError(
+            "a pagedserve forward context is already open: forward passes must not nest. "
+            "Close the outer `forward_context(...)` before starting another forward."
+        )
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    """Return the open forward context. Raises `RuntimeError` outside `forward_context(...)`."""
+    ctx = _CURRENT.get()
+    if ctx is None:
+        raise RuntimeError(
+            "no pagedserve forward context is open: run the model inside "
+            "`with forward_context(ForwardContext(metadata, kv_caches, backend, cache_ops)):`"
+        )
+    return ctx

@@ -1,0 +1,103 @@
+"""The attention layer models call: write the new K/V into the paged cache, then attend.
+
+Native models own one `PagedAttention` per decoder layer. The transformers fallback calls
+`paged_attention` directly, because there the window and softcap arrive per call from the
+transformers attention module instead of being fixed at construction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.attention.forward_context import get_forward_context
+
+
+def paged_attention(
+    layer_idx: int,
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    *,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size]
+    """Cache this step's keys/values for layer `layer_idx` and return the attention output.
+
+    Mutates the layer's KV cache in the open forward context (and nothing else)."""
+    ctx = get_forward_context()
+    if layer_idx >= len(ctx.kv_caches):
+        raise RuntimeError(
+            f"attention layer {layer_idx} has no KV cache: the forward context holds "
+            f"{len(ctx.kv_caches)} layer caches; allocate one per attention layer (ModelSpec.num_layers)"
+        )
+    kv_cache = ctx.kv_caches[layer_idx]
+    ctx.cache_ops.reshape_and_cache(key, value, kv_cache, ctx.metadata.slot_mapping)
+    return ctx.backend.forward(
+        query,
+        kv_cache,
+        ctx.metadata,
+        scale=scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
+
+
+class PagedAttention(nn.Module):
+    """Multi-head / grouped-query attention over the paged KV cache of one layer.
+
+    Holds no parameters: projections and rotary embedding belong to the model. Keys and values
+    enter already rotated; the output keeps the query's flat head layout."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} "
+                "(grouped-query attention shares each KV head among a whole group of query heads)"
+            )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_size]
+        """Mutates this layer's KV cache (writes the new tokens' keys and values)."""
+        num_tokens = q.shape[0]
+        out = paged_attention(
+            self.layer_idx,
+            q.view(num_tokens, self.num_heads, self.head_size),
+            k.view(num_tokens, self.num_kv_heads, self.head_size),
+            v.view(num_tokens, self.num_kv_heads, self.head_size),
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, sliding_window={self.sliding_window}, "
+            f"logit_softcap={self.logit_softcap}"
+        )

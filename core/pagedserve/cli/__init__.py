@@ -1,0 +1,1 @@
+"""The `pagedserve` command line: one module per subcommand (see `pagedserve.cli.main`)."""

@@ -1,0 +1,59 @@
+"""Engine options shared by `generate`, `serve` and `bench`: one flag per `EngineArgs` field."""
+
+from __future__ import annotations
+
+import argparse
+
+import pydantic
+
+from pagedserve.config import EngineArgs
+
+# flag -> (EngineArgs field, type, help)
+_OPTIONS: dict[str, tuple[str, type, str]] = {
+    "--platform": ("platform", str, "platform name (default: PAGEDSERVE_PLATFORM or the best available)"),
+    "--gguf-file": ("gguf_file", str, "GGUF file inside the model directory"),
+    "--tokenizer": ("tokenizer", str, "tokenizer directory (default: the model's)"),
+    "--dtype": ("dtype", str, "auto, float32, float16, bfloat16 or float64"),
+    "--max-model-len": ("max_model_len", int, "longest prompt + output in tokens"),
+    "--block-size": ("block_size", int, "tokens per KV-cache block"),
+    "--max-num-seqs": ("max_num_seqs", int, "most requests running at once"),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int, "token budget of one step"),
+    "--num-kv-blocks": ("num_kv_blocks", int, "exact number of KV blocks (default: sized from memory)"),
+    "--gpu-memory-utilization": ("gpu_memory_utilization", float, "share of GPU memory to use"),
+    "--cpu-kv-cache-gib": ("cpu_kv_cache_gib", float, "KV budget on CPU platforms, GiB"),
+    "--load-format": ("load_format", str, "auto, safetensors, gguf or dummy (random weights)"),
+    "--seed": ("seed", int, "engine seed"),
+    "--num-speculative-tokens": ("num_speculative_tokens", int, "n-gram draft tokens per step"),
+}
+_SWITCHES: dict[str, tuple[str, bool, str]] = {
+    "--no-prefix-caching": ("enable_prefix_caching", False, "turn prefix caching off"),
+    "--no-chunked-prefill": ("enable_chunked_prefill", False, "turn chunked prefill off"),
+    "--enforce-eager": ("enforce_eager", True, "no CUDA graphs"),
+}
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Add every engine flag to `parser` (defaults stay None: EngineArgs' own defaults apply)."""
+    group = parser.add_argument_group("engine")
+    for flag, (dest, kind, help_text) in _OPTIONS.items():
+        group.add_argument(flag, dest=f"engine_{dest}", type=kind, default=None, help=help_text)
+    for flag, (dest, value, help_text) in _SWITCHES.items():
+        group.add_argument(
+            flag, dest=f"engine_{dest}", action="store_const", const=value, default=None, help=help_text
+        )
+
+
+def engine_args_from(args: argparse.Namespace, model: str | None) -> EngineArgs:
+    """Build EngineArgs from parsed flags. Raises SystemExit with a readable message when invalid."""
+    values = {
+        key.removeprefix("engine_"): value
+        for key, value in vars(args).items()
+        if key.startswith("engine_") and value is not None
+    }
+    try:
+        return EngineArgs(model=model, **values)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in exc.errors()
+        )
+        raise SystemExit(f"pagedserve: invalid engine options: {problems}") from None

@@ -1,0 +1,93 @@
+"""Engine configuration: validated pydantic models, one per concern.
+
+Every field has a range; a bad value raises `pydantic.ValidationError` whose message names the
+field. Cross-field rules (e.g. a token budget smaller than the model length without chunked
+prefill) are checked in `model_validator`s with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"  # free the victim's blocks; re-prefill it later (generated tokens kept)
+    SWAP = "swap"  # copy the victim's blocks to the CPU swap pool; copy them back to resume
+
+
+class CacheConfig(_Config):
+    """The paged KV cache."""
+
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV-cache block")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="exact number of KV blocks; None sizes the pool from platform memory"
+    )
+    enable_prefix_caching: bool = True
+    cache_salt: str | None = Field(None, description="mixed into every block hash (isolates tenants)")
+    swap_space_blocks: int = Field(
+        0, ge=0, description="blocks in the CPU swap pool; needed for preemption_mode='swap'"
+    )
+
+
+class SchedulerConfig(_Config):
+    """The V1 scheduler: one token budget per step."""
+
+    max_num_seqs: int = Field(256, ge=1, description="most requests running at once")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="token budget of one step")
+    max_model_len: int = Field(8192, ge=1, description="longest prompt + output, in tokens")
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    num_speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens scored per step")
+
+    @model_validator(mode="after")
+    def _budget_fits_prompts(self) -> SchedulerConfig:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill off, so long prompts could never be "
+                "scheduled: enable chunked prefill or raise max_num_batched_tokens"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}): every running request needs a token per step"
+            )
+        return self
+
+
+class EngineArgs(_Config):
+    """Everything `LLM(...)`, `pagedserve generate` and `pagedserve serve` accept about the engine.
+
+    Names follow vLLM's so users can switch with one import."""
+
+    model: str | None = Field(
+        None, description="checkpoint directory, .gguf file; None: the embedded SmolLM2"
+    )
+    gguf_file: str | None = Field(None, description="GGUF file name inside `model` when it is a directory")
+    tokenizer: str | None = Field(None, description="tokenizer directory; None: the model's own")
+    skip_tokenizer_init: bool = Field(
+        False, description="no tokenizer: prompts must be token ids and SamplingParams(detokenize=False)"
+    )
+    platform: str | None = Field(None, description="platform name; None: PAGEDSERVE_PLATFORM or automatic")
+    dtype: str = Field("auto", pattern=r"^(auto|float32|float16|bfloat16|float64)$")
+    max_model_len: int | None = Field(None, ge=1, description="None: the model's trained context length")
+    block_size: int = Field(16, ge=1, le=256)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="None: 8192, at least max_num_seqs")
+    num_kv_blocks: int | None = Field(None, ge=1, description="None: sized from the platform's memory")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    cpu_kv_cache_gib: float = Field(2.0, gt=0.0, description="KV budget on CPU platforms")
+    swap_space_gib: float = Field(0.0, ge=0.0, description="CPU swap pool for preemption_mode='swap'")
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    load_format: str = Field("auto", pattern=r"^(auto|safetensors|gguf|dummy)$")
+    seed: int = Field(0, ge=0)
+    enforce_eager: bool = Field(False, description="no CUDA graphs / compilation")
+    num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram (prompt lookup) drafts per step")

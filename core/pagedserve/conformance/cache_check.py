@@ -1,0 +1,171 @@
+"""Running one `CacheOpCase` on a platform's cache ops and comparing with the reference bit for bit.
+
+Data movement is exact, so there is no tolerance: the destination after the call must equal, bit for
+bit, what cpu_reference's cache ops produce from the same inputs. Destinations start out poisoned
+(NaN) and live inside poisoned allocations, so a slot written that should not be, a slot left
+unwritten, or a write past either end of a cache is reported. Inputs (keys, values, source caches)
+must come back unchanged.
+
+The cases mirror how the engine calls the ops: `reshape_and_cache` into shuffled slots that leave
+blocks partly filled, with key/value possibly slices of a fused qkv tensor and with more rows than
+slots; `copy_blocks` over several layers with a source block copied to two destinations (two
+copy-on-write forks); `swap_blocks` within the device and between the device and the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.conformance.cases import CacheOp, CacheOpCase
+from pagedserve.conformance.guards import POISON, GuardedTensor, count_changed
+from pagedserve.conformance.oracle import Oracle
+from pagedserve.conformance.results import CaseResult, Status
+from pagedserve.platforms.api import CacheOps
+
+COMPONENT = "cache_ops"
+EXTRA_ROWS = 2  # key/value rows past len(slot_mapping), which must not be written
+
+
+def _random(shape: tuple[int, ...], case: CacheOpCase, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(case.dtype)
+
+
+def _cache_shape(case: CacheOpCase, num_blocks: int) -> tuple[int, ...]:
+    return (2, num_blocks, case.block_size, case.num_kv_heads, case.head_size)
+
+
+def _margin(case: CacheOpCase) -> int:
+    return case.block_size * case.num_kv_heads * case.head_size
+
+
+class _Checker:
+    """Collects the problems of one call."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def unchanged(self, expected: torch.Tensor, actual: torch.Tensor, what: str) -> None:
+        changed = count_changed(expected, actual)
+        if changed:
+            self.problems.append(f"{what}: {changed} elements differ from the reference")
+
+    def guards(self, guarded: GuardedTensor, what: str) -> None:
+        changed = guarded.margins_changed()
+        if changed:
+            self.problems.append(f"wrote {changed} elements outside {what} (out-of-bounds write)")
+
+
+def _reshape_and_cache(
+    ops: CacheOps,
+    case: CacheOpCase,
+    device: torch.device,
+    oracle: Oracle,
+    gen: torch.Generator,
+    check: _Checker,
+) -> None:
+    n, b = case.num_items, case.block_size
+    num_blocks = 2 * -(-n // b) + 3
+    # Distinct random slots in the interior blocks: blocks end up partly filled, in any order.
+    slots = (torch.randperm((num_blocks - 2) * b, generator=gen)[:n] + b).long()
+    rows = n + EXTRA_ROWS
+    if case.strided_inputs:
+        fused_cpu = _random((rows, 3, case.num_kv_heads, case.head_size), case, gen)
+        fused = fused_cpu.to(device)
+        key, value = fused[:, 1], fused[:, 2]
+        key_cpu, value_cpu = fused_cpu[:, 1], fused_cpu[:, 2]
+    else:
+        key_cpu = _random((rows, case.num_kv_heads, case.head_size), case, gen)
+        value_cpu = _random((rows, case.num_kv_heads, case.head_size), case, gen)
+        key, value = key_cpu.to(device), value_cpu.to(device)
+    cache = GuardedTensor(_cache_shape(case, num_blocks), case.dtype, device, _margin(case))
+    expected = torch.full(_cache_shape(case, num_blocks), POISON, dtype=case.dtype)
+    oracle.cache_ops.reshape_and_cache(key_cpu.contiguous(), value_cpu.contiguous(), expected, slots)
+
+    ops.reshape_and_cache(key, value, cache.tensor, slots.to(device))
+    check.guards(cache, "kv_cache")
+    check.unchanged(expected, cache.tensor, "kv_cache")
+    check.unchanged(key_cpu, key, "key (an input)")
+    check.unchanged(value_cpu, value, "value (an input)")
+
+
+def _copy_blocks(
+    ops: CacheOps,
+    case: CacheOpCase,
+    device: torch.device,
+    oracle: Oracle,
+    gen: torch.Generator,
+    check: _Checker,
+) -> None:
+    n = case.num_items
+    num_blocks = 2 * n + 3
+    chosen = torch.randperm(num_blocks, generator=gen)[: 2 * n].long()
+    src, dst = chosen[:n].clone(), chosen[n:]
+    if n >= 3:
+        src[-1] = src[0]  # one block forked twice
+    mapping = torch.stack((src, dst), dim=1)
+    expected = [_random(_cache_shape(case, num_blocks), case, gen) for _ in range(case.num_layers)]
+    caches = []
+    for layer in expected:
+        guarded = GuardedTensor(tuple(layer.shape), case.dtype, device, _margin(case))
+        guarded.tensor.copy_(layer)
+        caches.append(guarded)
+    oracle.cache_ops.copy_blocks(expected, mapping)
+
+    ops.copy_blocks([c.tensor for c in caches], mapping.to(device))
+    for i, (guarded, want) in enumerate(zip(caches, expected, strict=True)):
+        check.guards(guarded, f"kv_caches[{i}]")
+        check.unchanged(want, guarded.tensor, f"kv_caches[{i}]")
+
+
+def _swap_blocks(
+    ops: CacheOps,
+    case: CacheOpCase,
+    device: torch.device,
+    oracle: Oracle,
+    gen: torch.Generator,
+    check: _Checker,
+) -> None:
+    cpu = torch.device("cpu")
+    src_device, dst_device = {
+        CacheOp.SWAP_SAME_DEVICE: (device, device),
+        CacheOp.SWAP_TO_HOST: (device, cpu),
+        CacheOp.SWAP_FROM_HOST: (cpu, device),
+    }[case.op]
+    n = case.num_items
+    num_src, num_dst = 2 * n + 1, 2 * n + 3  # unequal, so a swapped src/dst block count shows
+    src_ids = torch.randperm(num_src, generator=gen)[:n].long()
+    dst_ids = torch.randperm(num_dst, generator=gen)[:n].long()
+    mapping = torch.stack((src_ids, dst_ids), dim=1)  # on the CPU, as the contract asks
+    src_cpu = _random(_cache_shape(case, num_src), case, gen)
+    src = src_cpu.to(src_device)
+    dst = GuardedTensor(_cache_shape(case, num_dst), case.dtype, dst_device, _margin(case))
+    expected = torch.full(_cache_shape(case, num_dst), POISON, dtype=case.dtype)
+    oracle.cache_ops.swap_blocks(src_cpu, expected, mapping)
+
+    ops.swap_blocks(src, dst.tensor, mapping)
+    check.guards(dst, "dst")
+    check.unchanged(expected, dst.tensor, "dst")
+    check.unchanged(src_cpu, src, "src (an input)")
+
+
+_RUNNERS = {
+    CacheOp.RESHAPE_AND_CACHE: _reshape_and_cache,
+    CacheOp.COPY_BLOCKS: _copy_blocks,
+    CacheOp.SWAP_SAME_DEVICE: _swap_blocks,
+    CacheOp.SWAP_TO_HOST: _swap_blocks,
+    CacheOp.SWAP_FROM_HOST: _swap_blocks,
+}
+
+
+def check_cache_case(ops: CacheOps, case: CacheOpCase, device: torch.device, oracle: Oracle) -> CaseResult:
+    """Run `case` on `ops` (caches on `device`) and compare with the oracle. Never raises for a
+    failure of `ops`: exceptions become problems of a FAILED result."""
+    gen = torch.Generator().manual_seed(case.seed)
+    check = _Checker()
+    try:
+        with torch.no_grad():
+            _RUNNERS[case.op](ops, case, device, oracle, gen, check)
+    except Exception as e:
+        check.problems.append(f"{case.op.value} raised {type(e).__name__}: {e}")
+    status = Status.FAILED if check.problems else Status.PASSED
+    return CaseResult(COMPONENT, case, status, tuple(check.problems), None)

@@ -1,0 +1,331 @@
+"""The conformance case matrix: which batches, shapes and options every backend is run on.
+
+A case is pure data (no tensors); `attention_check` and `cache_check` build its inputs from its
+seed. The matrix is derived from what a backend *declares*, intersected with fixed candidate lists:
+
+* Geometry groups (one flattened V1 batch each, at the backend's base shape): pure prefill,
+  chunked prefill with a context much longer than the query, decode, speculative queries of 2 to 8
+  tokens, a mixed batch (decodes + prefill + chunked prefill + speculative), and sequence lengths
+  around block boundaries. Every case reads keys through a shuffled block table with gaps.
+* `no_out`: the mixed batch without `out=`, checking the returned tensor instead.
+* Sweeps, each varying one property of the mixed batch away from the base shape: GQA ratio (1, 3, 4,
+  8 and MQA), head size, block size, dtype, sliding window, logit softcap. Every declared value in
+  the candidate lists is run; candidates the backend does not declare become *unsupported probes*:
+  the suite asserts that calling them raises `UnsupportedCase`.
+
+`quick=True` keeps every group and every declared dtype but fewer head sizes, block sizes, windows
+and softcaps, and no long-sequence cases: small enough for the Triton interpreter in CI.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from pagedserve.conformance.tolerances import TOLERANCES
+from pagedserve.platforms.api import AttentionCapabilities
+
+HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
+QUICK_HEAD_SIZES = (64, 80)  # a power of two and one a kernel must pad
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+QUICK_BLOCK_SIZES = (16, 32)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BASE_DTYPE_PREFERENCE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+BASE_HEADS = (4, 2)  # (num_q_heads, num_kv_heads): GQA ratio 2, so every case exercises the mapping
+GQA_HEADS = ((2, 2), (6, 2), (8, 2), (8, 1), (16, 2), (4, 1))  # ratios 1, 3, 4, 8 (MQA), 8, 4 (MQA)
+QUICK_GQA_HEADS = GQA_HEADS[:4]
+SLIDING_WINDOWS = (1, 5, 37, 4096)  # own key only, short, longer than a block, wider than any sequence
+QUICK_SLIDING_WINDOWS = (5,)
+SOFTCAPS = (2.0, 30.0)
+QUICK_SOFTCAPS = (2.0,)
+MAX_DECLARED_VALUES = 16  # a declared set at most this large is run in full (e.g. block sizes)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """One flattened batch: request `i` has `query_lens[i]` new tokens out of `seq_lens[i]`."""
+
+    query_lens: tuple[int, ...]  # req index -> new tokens this step
+    seq_lens: tuple[int, ...]  # req index -> context + new tokens
+
+
+def _geometries(block_size: int, quick: bool) -> dict[str, Geometry]:
+    """Geometry group -> batch. Lengths avoid block multiples except where the group is about them."""
+    b = block_size
+    found = {
+        "prefill": Geometry((17, 9), (17, 9)),
+        # Context 147 (not a block multiple) >> query 12; and a short chunk after 40 cached tokens.
+        "chunked_prefill": Geometry((12, 5), (159, 45)),
+        "decode": Geometry((1, 1, 1, 1), (1, 17, 33, 70)),
+        "spec_decode": Geometry((2, 3, 5, 8), (20, 35, 16, 50)),
+        # Decodes, a whole prefill, a chunked prefill and a speculative query in one batch.
+        "mixed": Geometry((1, 9, 6, 1, 4), (40, 9, 70, 16, 23)),
+        "block_boundaries": Geometry((1, 1, 2, 1, 1), (b, b + 1, 2 * b, max(b - 1, 1), 1)),
+    }
+    if not quick:
+        found["long_decode"] = Geometry((1, 1, 1), (517, 300, 1029))
+        found["long_chunked_prefill"] = Geometry((37, 1), (731, 260))
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionCase:
+    """One call of `AttentionBackend.forward` to check against the reference."""
+
+    group: str  # what the case is about: "decode", "gqa", "head_size", ...
+    variant: str  # what distinguishes it within the group: "ratio3", "80", "float16", ...
+    geometry: Geometry
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+    sliding_window: int | None  # None: whole context
+    logit_softcap: float | None  # None: no softcap
+    pass_out: bool  # False: forward gets no `out=` and its return value is checked instead
+    seed: int  # every tensor of the case is drawn from a generator seeded with this
+
+    @property
+    def case_id(self) -> str:
+        """A stable, unique, readable id (used as the pytest id)."""
+        return f"{self.group}[{self.variant}]"
+
+    @property
+    def description(self) -> str:
+        g = self.geometry
+        options = []
+        if self.sliding_window is not None:
+            options.append(f"window={self.sliding_window}")
+        if self.logit_softcap is not None:
+            options.append(f"softcap={self.logit_softcap}")
+        if not self.pass_out:
+            options.append("out=None")
+        return (
+            f"query_lens={list(g.query_lens)} seq_lens={list(g.seq_lens)} heads={self.num_q_heads}/"
+            f"{self.num_kv_heads} head_size={self.head_size} block_size={self.block_size} "
+            f"{dtype_name(self.dtype)}" + "".join(f" {o}" for o in options)
+        )
+
+    def unsupported_reason(self, caps: AttentionCapabilities) -> str | None:
+        """Which property of this case `caps` does not declare, or None if all are declared."""
+        if self.head_size not in caps.head_sizes:
+            return f"head_size={self.head_size} is not declared"
+        if self.dtype not in caps.dtypes:
+            return f"dtype={dtype_name(self.dtype)} is not declared"
+        if self.block_size not in caps.block_sizes:
+            return f"block_size={self.block_size} is not declared"
+        if self.sliding_window is not None and not caps.sliding_window:
+            return "sliding window is not declared"
+        if self.logit_softcap is not None and not caps.logit_softcap:
+            return "logit softcap is not declared"
+        longest = max(self.geometry.query_lens)
+        if caps.max_query_len is not None and longest > caps.max_query_len:
+            return f"query_len={longest} exceeds the declared max_query_len={caps.max_query_len}"
+        return None
+
+
+def _seed(case_id: str, base_seed: int) -> int:
+    return (zlib.crc32(case_id.encode()) + base_seed) % (2**31)
+
+
+def _candidates(
+    declared: Iterable[int], candidates: tuple[int, ...], quick_subset: tuple[int, ...] | None, base: int
+) -> list[int]:
+    """Values a sweep runs: declared candidates (only `quick_subset` ones when given), declared values
+    outside the candidates when the declared set is small, and undeclared candidates as probes.
+    The base value is left out: the geometry groups already run it."""
+    declared_set = set(declared)
+    run = {c for c in candidates if c in declared_set and (quick_subset is None or c in quick_subset)}
+    if quick_subset is None and len(declared_set) <= MAX_DECLARED_VALUES:
+        run |= declared_set
+    probes = {c for c in candidates if c not in declared_set}
+    return sorted((run | probes) - {base})
+
+
+def _base(declared: frozenset[int], preferred: tuple[int, ...]) -> int:
+    for value in preferred:
+        if value in declared:
+            return value
+    return min(declared) if declared else preferred[0]
+
+
+def base_shape(caps: AttentionCapabilities) -> tuple[int, int, torch.dtype]:
+    """(head_size, block_size, dtype) of the geometry groups: declared values, common ones first."""
+    head_size = _base(caps.head_sizes, (64, 128, 80, 96, 32, 256, 112, 192))
+    block_size = _base(caps.block_sizes, (16, 32, 8, 64, 128))
+    dtype = next((d for d in BASE_DTYPE_PREFERENCE if d in caps.dtypes), torch.float32)
+    return head_size, block_size, dtype
+
+
+def attention_cases(caps: AttentionCapabilities, *, quick: bool, seed: int = 0) -> list[AttentionCase]:
+    """The attention case matrix for a backend declaring `caps` (see the module docstring). Pure."""
+    head_size, block_size, dtype = base_shape(caps)
+    hq, hkv = BASE_HEADS
+    base = AttentionCase(
+        group="",
+        variant="",
+        geometry=Geometry((1,), (1,)),
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        sliding_window=None,
+        logit_softcap=None,
+        pass_out=True,
+        seed=0,
+    )
+    cases: list[AttentionCase] = []
+
+    def add(group: str, variant: str, geometry: Geometry, **changes: Any) -> None:
+        seed_ = _seed(f"{group}[{variant}]", seed)
+        cases.append(replace(base, group=group, variant=variant, geometry=geometry, seed=seed_, **changes))
+
+    base_dtypes = [dtype] if quick else [d for d in DTYPES if d in caps.dtypes] or [dtype]
+    for d in base_dtypes:
+        for group, geometry in _geometries(block_size, quick).items():
+            add(group, dtype_name(d), geometry, dtype=d)
+
+    mixed = _geometries(block_size, quick)["mixed"]
+    for q_heads, kv_heads in QUICK_GQA_HEADS if quick else GQA_HEADS:
+        mqa = "_mqa" if kv_heads == 1 else ""
+        add(
+            "gqa",
+            f"ratio{q_heads // kv_heads}{mqa}_h{q_heads}/{kv_heads}",
+            mixed,
+            num_q_heads=q_heads,
+            num_kv_heads=kv_heads,
+        )
+    for h in _candidates(caps.head_sizes, HEAD_SIZES, QUICK_HEAD_SIZES if quick else None, head_size):
+        add("head_size", str(h), mixed, head_size=h)
+    for b in _candidates(caps.block_sizes, BLOCK_SIZES, QUICK_BLOCK_SIZES if quick else None, block_size):
+        add("block_size", str(b), _geometries(b, quick)["mixed"], block_size=b)
+    for d in sorted(DTYPES, key=dtype_name):
+        if d != dtype:
+            add("dtype", dtype_name(d), mixed, dtype=d)
+    for w in QUICK_SLIDING_WINDOWS if quick else SLIDING_WINDOWS:
+        add("sliding_window", str(w), mixed, sliding_window=w)
+        if not quick:
+            add(
+                "sliding_window",
+                f"{w}_chunked",
+                _geometries(block_size, quick)["long_chunked_prefill"],
+                sliding_window=w,
+            )
+    for c in QUICK_SOFTCAPS if quick else SOFTCAPS:
+        add("softcap", str(c), mixed, logit_softcap=c)
+    if not quick:
+        add("softcap", "2.0_window5", mixed, logit_softcap=2.0, sliding_window=5)
+    add("no_out", dtype_name(dtype), mixed, pass_out=False)
+    return cases
+
+
+class CacheOp(enum.Enum):
+    """The cache operation a `CacheOpCase` checks; swaps are split by direction."""
+
+    RESHAPE_AND_CACHE = "reshape_and_cache"
+    COPY_BLOCKS = "copy_blocks"
+    SWAP_SAME_DEVICE = "swap_blocks_same_device"
+    SWAP_TO_HOST = "swap_blocks_to_host"  # device -> CPU (swap out)
+    SWAP_FROM_HOST = "swap_blocks_from_host"  # CPU -> device (swap in)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOpCase:
+    """One call of a `CacheOps` method to compare bit for bit with the reference."""
+
+    op: CacheOp
+    variant: str
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+    num_items: int  # tokens written (reshape_and_cache) or block pairs moved (copies, swaps)
+    num_layers: int  # caches passed to copy_blocks; 1 otherwise
+    strided_inputs: bool  # reshape_and_cache: key/value are slices of a fused qkv tensor
+    seed: int
+
+    @property
+    def group(self) -> str:
+        return self.op.value
+
+    @property
+    def case_id(self) -> str:
+        return f"{self.group}[{self.variant}]"
+
+    @property
+    def description(self) -> str:
+        return (
+            f"{self.op.value}: items={self.num_items} layers={self.num_layers} kv_heads={self.num_kv_heads} "
+            f"head_size={self.head_size} block_size={self.block_size} {dtype_name(self.dtype)}"
+            + (" strided key/value" if self.strided_inputs else "")
+        )
+
+
+def cache_op_cases(
+    dtypes: Iterable[torch.dtype], block_sizes: Iterable[int], *, quick: bool, seed: int = 0
+) -> list[CacheOpCase]:
+    """Cache-op cases for a platform computing in `dtypes` whose backends use `block_sizes`. Cache ops
+    declare no capabilities, so every case must pass. Pure."""
+    dtype_list = sorted({d for d in dtypes if d in TOLERANCES}, key=dtype_name)
+    sizes = sorted({b for b in block_sizes if b in BLOCK_SIZES}) or [16]
+    base_block = 16 if 16 in sizes else sizes[0]
+    base = CacheOpCase(
+        op=CacheOp.RESHAPE_AND_CACHE,
+        variant="",
+        num_kv_heads=2,
+        head_size=64,
+        block_size=base_block,
+        dtype=torch.float32,
+        num_items=13,
+        num_layers=1,
+        strided_inputs=False,
+        seed=0,
+    )
+    cases: list[CacheOpCase] = []
+
+    def add(op: CacheOp, variant: str, **changes: Any) -> None:
+        seed_ = _seed(f"{op.value}[{variant}]", seed)
+        cases.append(replace(base, op=op, variant=variant, seed=seed_, **changes))
+
+    block_list = [base_block] if quick else sizes
+    head_list = (64, 80) if quick else (64, 80, 128, 256)
+    for d in dtype_list:
+        name = dtype_name(d)
+        add(CacheOp.RESHAPE_AND_CACHE, name, dtype=d)
+        add(CacheOp.COPY_BLOCKS, name, dtype=d, num_items=5, num_layers=2)
+        for op in (CacheOp.SWAP_SAME_DEVICE, CacheOp.SWAP_TO_HOST, CacheOp.SWAP_FROM_HOST):
+            add(op, name, dtype=d, num_items=4)
+    d0 = dtype_list[0] if dtype_list else torch.float32
+    for h in head_list:
+        for b in block_list:
+            variant = f"{dtype_name(d0)}_h{h}_b{b}_strided"
+            add(
+                CacheOp.RESHAPE_AND_CACHE,
+                variant,
+                dtype=d0,
+                head_size=h,
+                block_size=b,
+                strided_inputs=True,
+                num_kv_heads=1 if h > 128 else 2,
+            )
+            if not quick:
+                add(
+                    CacheOp.COPY_BLOCKS,
+                    f"{dtype_name(d0)}_h{h}_b{b}",
+                    dtype=d0,
+                    head_size=h,
+                    block_size=b,
+                    num_items=7,
+                    num_layers=3,
+                )
+    return cases

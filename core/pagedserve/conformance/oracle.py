@@ -1,0 +1,38 @@
+"""The oracle: the cpu_reference platform's attention backend and cache ops, found through the
+platform registry like any other plugin and run on CPU tensors (float64 for attention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.errors import PlatformError
+from pagedserve.platforms.registry import PlatformRegistry, load_platforms
+
+ORACLE_PLATFORM = "cpu_reference"
+
+
+@dataclass(frozen=True, slots=True)
+class Oracle:
+    """The reference implementations every case is compared with."""
+
+    attention: AttentionBackend
+    cache_ops: CacheOps
+
+    @classmethod
+    def find(cls, registry: PlatformRegistry | None = None) -> Oracle:
+        """The cpu_reference platform of `registry` if it has one, else of the installed plugins.
+        Raises `PlatformError` saying how to install it when there is none."""
+        registries = [r for r in (registry, load_platforms()) if r is not None]
+        for reg in registries:
+            try:
+                platform = reg.get(ORACLE_PLATFORM)
+            except PlatformError:
+                continue
+            backends = platform.attention_backends()
+            backend = next((b for b in backends if b.name == ORACLE_PLATFORM), backends[0])
+            return cls(attention=backend(), cache_ops=platform.cache_ops())
+        raise PlatformError(
+            f"the conformance suite compares against the {ORACLE_PLATFORM!r} platform, which is not "
+            "installed: reinstall pagedserve (it ships the pagedserve_cpu_reference plugin)"
+        )

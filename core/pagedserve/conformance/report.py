@@ -1,0 +1,271 @@
+"""Turning results into what people read: per-group summaries with the worst case, the text table of
+`pagedserve conformance`, its JSON, and the generated markdown support matrix."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedserve.conformance.cases import AttentionCase, dtype_name
+from pagedserve.conformance.results import CaseResult, Status
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What was run, for headers: enough to reproduce the run."""
+
+    platform: str
+    device: str
+    quick: bool
+    command: str  # the command that reproduces the run
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSummary:
+    """The results of one case group of one component."""
+
+    component: str
+    group: str
+    passed: int
+    failed: int
+    unsupported: int
+    worst: CaseResult | None  # the compared case with the largest err/tol; None when none was compared
+
+
+def summarize(results: Iterable[CaseResult]) -> list[GroupSummary]:
+    """One summary per (component, group), in first-seen order. Pure."""
+    by_group: dict[tuple[str, str], list[CaseResult]] = {}
+    for r in results:
+        by_group.setdefault((r.component, r.group), []).append(r)
+    summaries = []
+    for (component, group), members in by_group.items():
+        compared = [r for r in members if r.errors is not None]
+        worst = max(compared, key=lambda r: r.errors.worst_ratio if r.errors else 0.0, default=None)
+        summaries.append(
+            GroupSummary(
+                component=component,
+                group=group,
+                passed=sum(r.status is Status.PASSED for r in members),
+                failed=sum(r.status is Status.FAILED for r in members),
+                unsupported=sum(r.status is Status.UNSUPPORTED for r in members),
+                worst=worst,
+            )
+        )
+    return summaries
+
+
+def _worst_cells(s: GroupSummary) -> list[str]:
+    if s.worst is None or s.worst.errors is None:
+        return ["-", "-", "-"]
+    e = s.worst.errors
+    return [s.worst.case.case_id, f"{e.max_abs_err:.2g}", f"{e.worst_ratio:.2g}"]
+
+
+def format_text(info: RunInfo, results: list[CaseResult]) -> str:
+    """The CLI's report: every failure in full, then one table per component."""
+    lines = []
+    failures = [r for r in results if r.status is Status.FAILED]
+    for r in failures:
+        lines.append(r.summary())
+    if failures:
+        lines.append("")
+    mode = "quick" if info.quick else "full"
+    lines.append(f"Conformance of platform {info.platform!r} on {info.device} ({mode} case set)")
+    header = ["case group", "passed", "failed", "unsupported", "worst case", "max abs err", "err/tol"]
+    summaries = summarize(results)
+    for component in dict.fromkeys(s.component for s in summaries):
+        rows = [
+            [s.group, str(s.passed), str(s.failed), str(s.unsupported), *_worst_cells(s)]
+            for s in summaries
+            if s.component == component
+        ]
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        lines.append("")
+        lines.append(component)
+        for row in [header, *rows]:
+            lines.append(
+                "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            )
+    counts = {status: sum(r.status is status for r in results) for status in Status}
+    lines.append("")
+    lines.append(
+        f"{len(results)} cases: {counts[Status.PASSED]} passed, {counts[Status.FAILED]} failed, "
+        f"{counts[Status.UNSUPPORTED]} unsupported"
+    )
+    return "\n".join(lines)
+
+
+def to_json(info: RunInfo, results: list[CaseResult]) -> dict[str, Any]:
+    """The report as plain data (`--json`)."""
+    return {
+        "platform": info.platform,
+        "device": info.device,
+        "quick": info.quick,
+        "results": [
+            {
+                "id": r.item_id,
+                "component": r.component,
+                "group": r.group,
+                "case": r.case.case_id,
+                "description": r.case.description,
+                "status": r.status.value,
+                "problems": list(r.problems),
+                "note": r.note,
+                "max_abs_err": r.errors.max_abs_err if r.errors else None,
+                "max_rel_err": r.errors.max_rel_err if r.errors else None,
+                "err_over_tol": r.errors.worst_ratio if r.errors else None,
+            }
+            for r in results
+        ],
+        "groups": [
+            {
+                "component": s.component,
+                "group": s.group,
+                "passed": s.passed,
+                "failed": s.failed,
+                "unsupported": s.unsupported,
+                "worst_case": s.worst.case.case_id if s.worst else None,
+                "worst_err_over_tol": s.worst.errors.worst_ratio if s.worst and s.worst.errors else None,
+            }
+            for s in summarize(results)
+        ],
+    }
+
+
+# --- the support matrix -------------------------------------------------------------------------
+
+MATRIX_TITLE = "# Support matrix"
+MATRIX_PREAMBLE = (
+    "Generated by the conformance suite (see docs/conformance.md); do not edit by hand. Each platform's\n"
+    "section is rewritten by the command quoted in it; other sections are kept. A value *passes* when\n"
+    "every case run with it matched cpu_reference within the tolerance table, *fails* when any case\n"
+    "with it failed, and is *unsupported* when the backend does not declare it and refused it with\n"
+    "`UnsupportedCase`. Only values the run exercised are listed."
+)
+_START = "<!-- conformance platform={name} -->"
+_END = "<!-- end conformance platform={name} -->"
+_SECTION_RE = re.compile(
+    r"<!-- conformance platform=(?P<name>[\w.\-]+) -->\n.*?<!-- end conformance platform=(?P=name) -->",
+    re.DOTALL,
+)
+
+_PROPERTIES: list[tuple[str, Callable[[AttentionCase], str | None]]] = [
+    ("head size", lambda c: str(c.head_size)),
+    ("block size", lambda c: str(c.block_size)),
+    ("dtype", lambda c: dtype_name(c.dtype)),
+    ("q/kv heads (GQA)", lambda c: f"{c.num_q_heads}/{c.num_kv_heads}"),
+    ("sliding window", lambda c: None if c.sliding_window is None else str(c.sliding_window)),
+    ("logit softcap", lambda c: None if c.logit_softcap is None else str(c.logit_softcap)),
+]
+
+
+def _sort_key(value: str) -> tuple[int, float, str]:
+    try:
+        return (0, float(value.split("/")[0]) * 1000 + float(value.split("/")[-1]), value)
+    except ValueError:
+        return (1, 0.0, value)
+
+
+def _property_rows(results: list[CaseResult]) -> list[str]:
+    rows = ["| property | passes | fails | unsupported |", "|---|---|---|---|"]
+    for label, extract in _PROPERTIES:
+        status: dict[str, str] = {}  # value -> "fails" | "passes" | "unsupported"
+        for r in results:
+            assert isinstance(r.case, AttentionCase)
+            value = extract(r.case)
+            if value is None:
+                continue
+            new = {Status.FAILED: "fails", Status.PASSED: "passes", Status.UNSUPPORTED: "unsupported"}[
+                r.status
+            ]
+            old = status.get(value)
+            rank = {"fails": 2, "passes": 1, "unsupported": 0}
+            if old is None or rank[new] > rank[old]:
+                status[value] = new
+        cells = [
+            ", ".join(sorted((v for v, s in status.items() if s == kind), key=_sort_key)) or "-"
+            for kind in ("passes", "fails", "unsupported")
+        ]
+        if any(cell != "-" for cell in cells):
+            rows.append(f"| {label} | {' | '.join(cells)} |")
+    return rows
+
+
+def _group_rows(summaries: list[GroupSummary]) -> list[str]:
+    rows = [
+        "| case group | passed | failed | unsupported | worst case | max abs err | err/tol |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        worst = _worst_cells(s)
+        worst[0] = f"`{worst[0]}`" if worst[0] != "-" else "-"
+        rows.append(f"| {s.group} | {s.passed} | {s.failed} | {s.unsupported} | {' | '.join(worst)} |")
+    return rows
+
+
+def _versions() -> str:
+    try:
+        ours = version("pagedserve")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return f"pagedserve {ours}, torch {torch.__version__.split('+')[0]}"
+
+
+def matrix_section(info: RunInfo, results: list[CaseResult]) -> str:
+    """The markdown section of one platform's run, with its start and end markers. Pure."""
+    counts = {status: sum(r.status is status for r in results) for status in Status}
+    mode = "quick" if info.quick else "full"
+    lines = [
+        _START.format(name=info.platform),
+        f"## Platform `{info.platform}`",
+        "",
+        f"Generated by `{info.command}` ({mode} case set, tensors on {info.device}, {_versions()}): "
+        f"{len(results)} cases, {counts[Status.PASSED]} passed, {counts[Status.FAILED]} failed, "
+        f"{counts[Status.UNSUPPORTED]} unsupported.",
+    ]
+    summaries = summarize(results)
+    for component in dict.fromkeys(r.component for r in results):
+        mine = [r for r in results if r.component == component]
+        groups = [s for s in summaries if s.component == component]
+        if isinstance(mine[0].case, AttentionCase):
+            lines += [
+                "",
+                f"### Attention backend `{component}`",
+                "",
+                *_property_rows(mine),
+                "",
+                *_group_rows(groups),
+            ]
+        else:
+            lines += [
+                "",
+                f"### Cache ops (`{component}`)",
+                "",
+                "Compared bit for bit with cpu_reference.",
+                "",
+            ]
+            lines += ["| case group | passed | failed | dtypes |", "|---|---|---|---|"]
+            for s in groups:
+                dtypes = sorted({dtype_name(r.case.dtype) for r in mine if r.group == s.group})
+                lines.append(f"| {s.group} | {s.passed} | {s.failed} | {', '.join(dtypes)} |")
+    lines.append(_END.format(name=info.platform))
+    return "\n".join(lines)
+
+
+def update_support_matrix(path: Path, info: RunInfo, results: list[CaseResult]) -> None:
+    """Write this run's section into the markdown file at `path`, replacing the platform's previous
+    section and keeping the others (sorted by platform name). Creates the file if needed. Mutates
+    the file."""
+    sections: dict[str, str] = {}
+    if path.exists():
+        for m in _SECTION_RE.finditer(path.read_text()):
+            sections[m["name"]] = m.group(0)
+    sections[info.platform] = matrix_section(info, results)
+    body = "\n\n".join(sections[name] for name in sorted(sections))
+    path.write_text(f"{MATRIX_TITLE}\n\n{MATRIX_PREAMBLE}\n\n{body}\n")

@@ -1,0 +1,136 @@
+"""The conformance suite of one platform: which items it runs and how one item runs.
+
+    suite = ConformanceSuite.for_platform("triton", quick=True)
+    for item in suite.items():
+        result = suite.run_item(item)
+
+Both entry points, `pagedserve conformance` and the pytest plugin, go through this class, so a
+third-party plugin author runs exactly the items and checks that pagedserve's CI runs.
+
+An item is one case for one component: every attention backend of the platform gets the attention
+case matrix derived from its declared capabilities; the platform's cache ops get the cache-op cases
+for the platform's dtypes and its backends' block sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.conformance.attention_check import check_attention_case
+from pagedserve.conformance.cache_check import COMPONENT as CACHE_COMPONENT
+from pagedserve.conformance.cache_check import check_cache_case
+from pagedserve.conformance.cases import AttentionCase, CacheOpCase, attention_cases, cache_op_cases
+from pagedserve.conformance.oracle import Oracle
+from pagedserve.conformance.results import CaseResult
+from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.errors import PlatformError
+from pagedserve.platforms.registry import LoadedPlatform, PlatformRegistry, load_platforms
+
+
+@dataclass(frozen=True, slots=True)
+class SuiteItem:
+    """One case for one component of the platform."""
+
+    component: str  # attention backend name, or "cache_ops"
+    case: AttentionCase | CacheOpCase
+
+    @property
+    def item_id(self) -> str:
+        return f"{self.component}/{self.case.case_id}"
+
+
+def resolve_device(platform: LoadedPlatform, *, allow_unavailable: bool) -> torch.device:
+    """The device to put the platform's tensors on: its own when it is available; the CPU in CPU test
+    mode (`allow_unavailable`), e.g. Triton kernels under TRITON_INTERPRET=1. Raises `PlatformError`
+    naming the reason and the option otherwise."""
+    if platform.availability.available:
+        return platform.device
+    if allow_unavailable:
+        return torch.device("cpu")
+    raise PlatformError(
+        f"platform {platform.name!r} is not available here: {platform.availability.reason}. To run its "
+        "backends on CPU tensors instead (CPU test mode, e.g. Triton with TRITON_INTERPRET=1 set), pass "
+        "--allow-unavailable (pytest: --pagedserve-allow-unavailable)"
+    )
+
+
+class ConformanceSuite:
+    """The items of one platform and the means to run them. Keeps one instance of each backend."""
+
+    def __init__(
+        self, platform: LoadedPlatform, *, device: torch.device, oracle: Oracle, quick: bool, seed: int = 0
+    ) -> None:
+        self.platform = platform
+        self.device = device
+        self.oracle = oracle
+        self.quick = quick
+        self.seed = seed
+        self._backend_classes = {cls.name: cls for cls in platform.attention_backends()}  # name -> class
+        if len(self._backend_classes) != len(platform.attention_backends()):
+            raise PlatformError(f"platform {platform.name!r} has two attention backends with one name")
+        self._backends: dict[str, AttentionBackend] = {}  # name -> instance, made on first use
+        self._cache_ops: CacheOps | None = None
+
+    @classmethod
+    def for_platform(
+        cls,
+        name: str,
+        *,
+        registry: PlatformRegistry | None = None,
+        quick: bool = False,
+        allow_unavailable: bool = False,
+        seed: int = 0,
+    ) -> ConformanceSuite:
+        """The suite of platform `name` from `registry` (default: the installed plugins). Raises
+        `PlatformError` for an unknown or unavailable platform (see `resolve_device`)."""
+        reg = registry if registry is not None else load_platforms()
+        platform = reg.get(name)
+        device = resolve_device(platform, allow_unavailable=allow_unavailable)
+        return cls(platform, device=device, oracle=Oracle.find(reg), quick=quick, seed=seed)
+
+    def backend_names(self) -> list[str]:
+        return list(self._backend_classes)
+
+    def items(self) -> list[SuiteItem]:
+        """Every item, attention backends first (in the platform's order), then cache ops. Pure."""
+        found: list[SuiteItem] = []
+        for name, backend in self._backend_classes.items():
+            found += [
+                SuiteItem(name, c)
+                for c in attention_cases(backend.capabilities, quick=self.quick, seed=self.seed)
+            ]
+        block_sizes = {
+            b for backend in self._backend_classes.values() for b in backend.capabilities.block_sizes
+        }
+        found += [
+            SuiteItem(CACHE_COMPONENT, c)
+            for c in cache_op_cases(
+                self.platform.info.supported_dtypes, block_sizes, quick=self.quick, seed=self.seed
+            )
+        ]
+        return found
+
+    def run_item(self, item: SuiteItem) -> CaseResult:
+        """Run one item and judge it. A backend's exceptions become a FAILED result; errors of the
+        suite itself (a broken oracle) propagate."""
+        if isinstance(item.case, CacheOpCase):
+            return check_cache_case(self._ops(), item.case, self.device, self.oracle)
+        return check_attention_case(self._backend(item.component), item.case, self.device, self.oracle)
+
+    def run(self) -> list[CaseResult]:
+        """Run every item, in order."""
+        return [self.run_item(item) for item in self.items()]
+
+    def _backend(self, name: str) -> AttentionBackend:
+        backend = self._backends.get(name)
+        if backend is None:
+            backend = self._backend_classes[name]()
+            self._backends[name] = backend
+        return backend
+
+    def _ops(self) -> CacheOps:
+        if self._cache_ops is None:
+            self._cache_ops = self.platform.cache_ops()
+        return self._cache_ops

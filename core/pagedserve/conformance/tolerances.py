@@ -1,0 +1,57 @@
+"""The one tolerance table of the conformance suite: how far a backend's output may be from the
+float64 reference, per dtype of the backend's inputs.
+
+An output element `o` passes against the reference `r` when `|o - r| <= atol + rtol * |r|`. Inputs
+are rounded to the tested dtype *before* the reference sees them (it computes on the rounded values
+in float64), so the tolerance only covers rounding inside the backend: storing probabilities and
+partial sums in the tested dtype, exp approximations and a different summation order.
+
+Why these numbers (outputs are averages of standard-normal values, so |r| is at most about 3):
+
+* float64: only summation order differs; 1e-10 is far above that and far below any real bug.
+* float32: GPU kernels may compute dot products in TF32 (10-bit mantissa, relative 2^-11), so
+  scores carry errors near 1e-3 relative; 5e-3 absolute covers that.
+* float16: 11-bit mantissa (2^-11 ~ 4.9e-4); the output is rounded once more and the
+  probabilities are often multiplied in float16: a few ulps of the largest values.
+* bfloat16: 8-bit mantissa (2^-8 ~ 3.9e-3); the same reasoning, eight times wider than float16.
+
+A missing, extra or misplaced key moves an output element by about `|v| * p_key`, which for the
+suite's shapes (at most a few hundred keys, standard-normal scores) is above 1e-2: every bug the
+suite's own tests plant is caught in float32 and float16. Exact data movements (the cache ops)
+are compared bit for bit, not with this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """Absolute and relative error allowed for one dtype."""
+
+    atol: float
+    rtol: float
+
+    def bound(self, reference: torch.Tensor) -> torch.Tensor:
+        """The allowed absolute error per element of `reference`. Does not mutate."""
+        return self.atol + self.rtol * reference.abs()
+
+
+TOLERANCES: dict[torch.dtype, Tolerance] = {  # tested dtype -> tolerance against the float64 reference
+    torch.float64: Tolerance(atol=1e-10, rtol=1e-10),
+    torch.float32: Tolerance(atol=5e-3, rtol=5e-3),
+    torch.float16: Tolerance(atol=1e-2, rtol=1e-2),
+    torch.bfloat16: Tolerance(atol=4e-2, rtol=4e-2),
+}
+
+
+def tolerance_for(dtype: torch.dtype) -> Tolerance:
+    """The tolerance of `dtype`; `KeyError` naming the known dtypes when it has none."""
+    tolerance = TOLERANCES.get(dtype)
+    if tolerance is None:
+        known = ", ".join(str(d) for d in TOLERANCES)
+        raise KeyError(f"the conformance suite has no tolerance for {dtype}; known: {known}")
+    return tolerance

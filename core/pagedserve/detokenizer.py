@@ -1,0 +1,206 @@
+"""Incremental detokenization and stop checking for one sample of one request.
+
+Text. Decoding each new token alone is wrong twice over: a byte-level BPE token may carry only part
+of a multi-byte UTF-8 character (an emoji is often split over 3 or 4 tokens), and SentencePiece
+tokenizers drop a token's leading space unless a token precedes it. So each step decodes a short
+window `ids[prefix_offset:]` and subtracts the decoded `ids[prefix_offset:read_offset]`; while the
+window ends in U+FFFD (an incomplete character) nothing is emitted and the offsets stay put, so a
+replacement character is never emitted for a character that later tokens complete. The window
+starts inside the prompt's last tokens, so the first generated token decodes in context.
+
+Stops, checked token by token (a multi-token step stops at the first token that finishes):
+  * token level, once `min_tokens` are generated: EOS (unless ignore_eos) and `stop_token_ids`.
+    The token stays in `token_ids`; its text is dropped unless include_stop_str_in_output.
+  * stop strings, in text produced after the first `min_tokens` tokens: the text is cut before the
+    earliest match (after it with include_stop_str_in_output). While streaming, a tail of the text
+    that could be the start of a stop string is held back, so no partial stop string is shown.
+  * length: `max_tokens` generated, or prompt + output reaching `max_model_len`. A token that
+    both stops and reaches the length reports "stop".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from pagedserve.outputs import FinishReason
+from pagedserve.sampling.sampling_params import SamplingParams
+
+PROMPT_CONTEXT_TOKENS = 5
+"""Prompt tokens decoded in front of the first generated one (enough for any leading-space rule)."""
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenDecoder(Protocol):
+    """The part of a Hugging Face tokenizer the detokenizer uses."""
+
+    # HF types the result as str | list[str] (a batch decodes to a list); a flat id list gives a str.
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
+def decode_text(tokenizer: TokenDecoder, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
+    """`tokenizer.decode(token_ids)` checked to be a str (e.g. one token's text for a `Logprob`).
+    Does not mutate."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"tokenizer.decode returned {type(text).__name__}, expected str")
+    return text
+
+
+class IncrementalDetokenizer:
+    """Text, token ids and finish state of one sample, updated as tokens arrive."""
+
+    def __init__(
+        self,
+        tokenizer: TokenDecoder | None,  # None is allowed only with detokenize=False
+        params: SamplingParams,
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        eos_token_id: int | None = None,
+        max_model_len: int | None = None,  # finish with "length" when prompt + output reaches it
+    ) -> None:
+        if tokenizer is None and params.detokenize:
+            raise ValueError("a tokenizer is needed to detokenize; pass one or set detokenize=False")
+        self._tokenizer = tokenizer
+        self._params = params
+        self._eos_token_id = eos_token_id
+        self._max_model_len = max_model_len
+        self._num_prompt_tokens = len(prompt_token_ids)
+        self._stop_strings = params.stop_strings
+        self._max_stop_len = max((len(s) for s in self._stop_strings), default=0)
+        self.token_ids: list[int] = []  # generated ids; read-only for callers
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None  # stop token id or stop string; None for EOS / length
+        # Decoding window over prompt tail + generated ids (see the module docstring).
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._window_ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._text = ""  # all text decoded so far (cut at a stop string once one matches)
+        self._stop_check_floor = 0  # stop strings must end after this text offset (min_tokens)
+        self._emitted = 0  # length of the text handed out by take_delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The text that may be shown now: everything once finished; while generating, all but a
+        tail that could begin a stop string."""
+        if self.finished or not self._stop_strings:
+            return self._text
+        return self._text[: len(self._text) - self._stop_prefix_len()]
+
+    def take_delta(self) -> str:
+        """The part of `text` not returned by the previous call (streaming). Mutates the cursor."""
+        visible = self.text
+        delta = visible[self._emitted :]
+        self._emitted = len(visible)
+        return delta
+
+    def append(self, new_token_ids: Sequence[int]) -> int:
+        """Add newly sampled tokens, in order, stopping at the first that finishes the sample.
+        Returns how many were accepted (the rest are dropped). Mutates the detokenizer; raises
+        ValueError if it has already finished."""
+        if self.finished:
+            raise ValueError(
+                f"cannot append tokens to a finished sample (finish_reason={self.finish_reason!r})"
+            )
+        for accepted, token in enumerate(new_token_ids, start=1):
+            self._append_one(token)
+            if self.finished:
+                return accepted
+        return len(new_token_ids)
+
+    def abort(self) -> None:
+        """Mark the sample aborted (no-op if already finished). Mutates."""
+        if not self.finished:
+            self.finish_reason = "abort"
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End the sample for a reason decided elsewhere (e.g. the engine core's length limit):
+        flushes text still waiting for the rest of a character. No-op if already finished, so the
+        first reason wins. Mutates."""
+        if not self.finished:
+            self._finish(reason, stop_reason, decode_last=False)
+
+    # ---- one token ------------------------------------------------------------------------------
+
+    def _append_one(self, token: int) -> None:
+        params = self._params
+        self.token_ids.append(token)
+        past_min_tokens = len(self.token_ids) > params.min_tokens
+        if past_min_tokens and not params.ignore_eos and token == self._eos_token_id:
+            self._finish("stop", None, decode_last=params.include_stop_str_in_output)
+            return
+        if past_min_tokens and token in params.stop_ids:
+            self._finish("stop", token, decode_last=params.include_stop_str_in_output)
+            return
+        if params.detokenize:
+            checked_up_to = len(self._text)
+            self._decode_step([token], final=False)
+            if not past_min_tokens:
+                self._stop_check_floor = len(self._text)
+            elif self._stop_strings and self._find_stop_string(checked_up_to):
+                return
+        max_tokens = params.max_tokens
+        at_max_tokens = max_tokens is not None and len(self.token_ids) >= max_tokens
+        at_model_len = (
+            self._max_model_len is not None
+            and self._num_prompt_tokens + len(self.token_ids) >= self._max_model_len
+        )
+        if at_max_tokens or at_model_len:
+            self._finish("length", None, decode_last=False)
+
+    def _finish(self, reason: FinishReason, stop_reason: int | str | None, *, decode_last: bool) -> None:
+        if self._params.detokenize:
+            # Flush bytes still waiting for the rest of a character: the sample ends here, so they
+            # show as U+FFFD, exactly as tokenizer.decode(token_ids) would show them.
+            self._decode_step([self.token_ids[-1]] if decode_last else [], final=True)
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def _decode(self, token_ids: list[int]) -> str:
+        assert self._tokenizer is not None  # checked in __init__ whenever detokenize is set
+        return decode_text(self._tokenizer, token_ids, skip_special_tokens=self._params.skip_special_tokens)
+
+    def _decode_step(self, new_ids: list[int], *, final: bool) -> None:
+        self._window_ids.extend(new_ids)
+        prefix_text = self._decode(self._window_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._window_ids[self._prefix_offset :])
+        complete = len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT_CHAR)
+        if complete or (final and len(full_text) > len(prefix_text)):
+            self._text += full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._window_ids)
+
+    # ---- stop strings ---------------------------------------------------------------------------
+
+    def _find_stop_string(self, checked_up_to: int) -> bool:
+        """Cut the text at the earliest stop string that ends after both `checked_up_to` (earlier
+        text was already searched) and the min_tokens floor; finish if one is found."""
+        best: tuple[int, int, str] | None = None  # (start, -len, stop): earliest, then longest
+        for stop in self._stop_strings:
+            start_from = max(0, max(checked_up_to, self._stop_check_floor) - len(stop) + 1)
+            index = self._text.find(stop, start_from)
+            if index >= 0 and (best is None or (index, -len(stop)) < best[:2]):
+                best = (index, -len(stop), stop)
+        if best is None:
+            return False
+        index, _, stop = best
+        end = index + len(stop) if self._params.include_stop_str_in_output else index
+        self._text = self._text[:end]
+        self.finish_reason = "stop"
+        self.stop_reason = stop
+        return True
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of some stop string."""
+        text = self._text
+        for length in range(min(self._max_stop_len - 1, len(text)), 0, -1):
+            tail = text[len(text) - length :]
+            if any(stop.startswith(tail) for stop in self._stop_strings):
+                return length
+        return 0

@@ -1,0 +1,107 @@
+"""The engine core: the busy loop that owns the scheduler and the model runner.
+
+It speaks only token ids (`EngineCoreRequest` in, `EngineCoreOutput` out), so it can run in the
+caller's process (the offline `LLM`) or in a process of its own behind the API server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedserve.engine.ngram_proposer import NgramProposer
+from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from pagedserve.outputs import FinishReason
+from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.types import RequestId
+from pagedserve.worker.model_runner import ModelRunner
+
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class EngineCore:
+    """Schedules, runs and reports one step at a time. Single-threaded; every method mutates."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        *,
+        max_model_len: int,
+        proposer: NgramProposer | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.proposer = proposer
+        self._pending_aborts: list[EngineCoreOutput] = []
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a sequence. Raises `RequestRejected` (a ValueError) if it can never run."""
+        params = req.sampling_params
+        prompt_len = len(req.prompt_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        stop = StopCriteria(
+            max_tokens=max(max_tokens, 1),
+            min_tokens=min(params.min_tokens, max(max_tokens, 1)),
+            ignore_eos=params.ignore_eos,
+            eos_token_ids=req.eos_token_ids,
+            stop_token_ids=frozenset(params.stop_ids),
+        )
+        request = Request(
+            req.req_id,
+            req.prompt_token_ids,
+            stop,
+            sampling_params=params,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+        )
+        self.scheduler.add_request(request, fork_of=req.fork_of)
+
+    def abort(self, req_ids: Iterable[RequestId]) -> None:
+        """Abort sequences (unknown or finished ids are ignored); they are reported as finished
+        with reason "abort" by the next `step`."""
+        ids = [r for r in req_ids if self.scheduler.get_request(r) is not None]
+        self.scheduler.abort_requests(ids)
+        self._pending_aborts.extend(EngineCoreOutput(r, [], "abort") for r in ids)
+
+    def finish(self, req_ids: Iterable[RequestId]) -> None:
+        """Stop sequences the front end finished itself (a stop string matched). Not reported back."""
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_aborts)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule one step, run it and apply its samples; return what changed."""
+        outputs, self._pending_aborts = self._pending_aborts, []
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
+        so = self.scheduler.schedule()
+        result = self.runner.execute(so)
+        updates = self.scheduler.update_from_output(so, result.sampled)
+        for update in updates:
+            finish = _FINISH_REASONS.get(update.status)
+            logprobs = result.logprobs.get(update.req_id)
+            if logprobs is not None:
+                logprobs = logprobs[: len(update.new_token_ids)]
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=update.req_id,
+                    new_token_ids=update.new_token_ids,
+                    finish_reason=finish,
+                    stop_token_id=update.stop_token_id,
+                    logprobs=logprobs,
+                    prompt_logprobs=result.prompt_logprobs.get(update.req_id),
+                    num_cached_tokens=getattr(
+                        update, "num_cached_tokens", 0
+                    ),  # XXX until RequestUpdate has it
+                )
+            )
+        return outputs

@@ -1,0 +1,180 @@
+"""The engine front end's bookkeeping: token ids in from the core, `RequestOutput`s out.
+
+Each user request owns one `IncrementalDetokenizer` per sample. Stop strings are matched here
+(the core knows only token ids); when one matches, the processor reports the sequence id so the
+caller can tell the core to stop computing it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pagedserve.detokenizer import IncrementalDetokenizer, TokenDecoder
+from pagedserve.engine.protocol import EngineCoreOutput, TokenLogprobs
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.types import RequestId
+
+
+def sequence_id(request_id: str, index: int, n: int) -> RequestId:
+    """Core-side id of sample `index` of a request: the request id itself when n == 1."""
+    return RequestId(request_id if n == 1 else f"{request_id}#{index}")
+
+
+@dataclass(slots=True)
+class _Sample:
+    index: int
+    detok: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+    cumulative_logprob: float | None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int | None = None
+
+
+class OutputProcessor:
+    """Turns core outputs into `RequestOutput`s. Mutates its own request table."""
+
+    def __init__(
+        self, tokenizer: TokenDecoder | None, *, eos_token_id: int | None, max_model_len: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self._requests: dict[str, _RequestState] = {}
+        self._owner: dict[RequestId, tuple[_RequestState, _Sample]] = {}  # sequence id -> its sample
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[RequestId]:
+        """Start tracking a request; returns its sequence ids (one per sample)."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        samples = [
+            _Sample(
+                index=i,
+                detok=IncrementalDetokenizer(
+                    self.tokenizer,
+                    params,
+                    prompt_token_ids=prompt_token_ids,
+                    eos_token_id=self.eos_token_id,
+                    max_model_len=self.max_model_len,
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            for i in range(params.n)
+        ]
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, samples)
+        self._requests[request_id] = state
+        ids = [sequence_id(request_id, i, params.n) for i in range(params.n)]
+        for seq_id, sample in zip(ids, samples, strict=True):
+            self._owner[seq_id] = (state, sample)
+        return ids
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def sequence_ids(self, request_id: str) -> list[RequestId]:
+        """The core-side ids of a tracked request's samples (empty if unknown). Does not mutate."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        return [sequence_id(request_id, s.index, state.params.n) for s in state.samples]
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[RequestId]]:
+        """Apply one step's core outputs. Returns the updated requests (one `RequestOutput` each,
+        cumulative) and the sequence ids the front end finished itself (stop strings), which the
+        caller must tell the core to stop."""
+        touched: dict[str, _RequestState] = {}
+        to_stop: list[RequestId] = []
+        for out in outputs:
+            owner = self._owner.get(out.req_id)
+            if owner is None:
+                continue  # a sequence aborted by the front end before the core noticed
+            state, sample = owner
+            touched[state.request_id] = state
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [None, *self._decoded(out.prompt_logprobs, state.params)]
+            if state.num_cached_tokens is None:
+                state.num_cached_tokens = out.num_cached_tokens
+            if sample.detok.finished:
+                continue
+            accepted = sample.detok.append(out.new_token_ids) if out.new_token_ids else 0
+            if sample.logprobs is not None and out.logprobs is not None:
+                kept = self._decoded(out.logprobs[:accepted], state.params)
+                sample.logprobs.extend(kept)
+                token_ids = out.new_token_ids[:accepted]
+                assert sample.cumulative_logprob is not None
+                sample.cumulative_logprob += sum(lp[t].logprob for lp, t in zip(kept, token_ids, strict=True))
+            if out.finish_reason is not None and not sample.detok.finished:
+                if out.finish_reason == "abort":
+                    sample.detok.abort()
+                else:
+                    # The core's token-level stop and the detokenizer's agree; "length" from the
+                    # core covers limits the detokenizer does not see.
+                    sample.detok.finish(out.finish_reason, out.stop_token_id)
+            elif out.finish_reason is None and sample.detok.finished:
+                to_stop.append(out.req_id)
+        results = [self._snapshot(state) for state in touched.values()]
+        for state in touched.values():
+            if all(s.detok.finished for s in state.samples):
+                self._forget(state)
+        return results, to_stop
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish every sample of a request as aborted and stop tracking it; returns its final
+        output (None for an unknown id)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        for sample in state.samples:
+            sample.detok.abort()
+        self._forget(state)
+        return self._snapshot(state)
+
+    def _forget(self, state: _RequestState) -> None:
+        self._requests.pop(state.request_id, None)
+        for sample in state.samples:
+            self._owner.pop(sequence_id(state.request_id, sample.index, state.params.n), None)
+
+    def _decoded(self, entries: list[TokenLogprobs], params: SamplingParams) -> list[TokenLogprobs]:
+        """Fill in each logprob's token text (the core sends ids only). Does not mutate `entries`."""
+        tok = self.tokenizer
+        if tok is None or not params.detokenize:
+            return entries
+        return [{t: replace(lp, decoded_token=str(tok.decode([t]))) for t, lp in e.items()} for e in entries]
+
+    def _snapshot(self, state: _RequestState) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detok.text,
+                token_ids=list(s.detok.token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.detok.finish_reason,
+                stop_reason=s.detok.stop_reason,
+            )
+            for s in state.samples
+        ]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=outputs,
+            finished=all(o.finish_reason is not None for o in outputs),
+            num_cached_tokens=state.num_cached_tokens or 0,
+        )
+
+
+__all__ = ["OutputProcessor", "sequence_id"]

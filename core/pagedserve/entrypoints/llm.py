@@ -1,0 +1,172 @@
+"""`LLM`: offline batch generation with vLLM's names, so users switch with one import.
+
+from pagedserve import LLM, SamplingParams
+llm = LLM()  # the embedded SmolLM2-135M-Instruct on the best available platform
+outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pydantic
+from tqdm.auto import tqdm
+
+from pagedserve.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling.sampling_params import SamplingParams
+
+PromptInput = str | Sequence[int]
+Message = dict[str, Any]  # {"role": ..., "content": ...}
+
+
+class LLM:
+    """An engine for offline generation. Keyword arguments are `EngineArgs` fields."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        try:
+            args = EngineArgs(model=model, **kwargs)
+        except pydantic.ValidationError as exc:
+            raise ValueError(_describe_validation_error(exc)) from None
+        self.engine = LLMEngine(args)
+        self._ids = itertools.count()
+
+    @property
+    def platform(self) -> str:
+        return self.engine.setup.platform.name
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string, a list of strings, a list of token ids, or a list
+        of those); returns one finished `RequestOutput` per prompt, in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if not messages:
+            raise ValueError("messages is empty: give a conversation (a list of {'role', 'content'} dicts)")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.require_tokenizer()
+        if chat_template is None and tokenizer.chat_template is None:
+            raise ValueError(
+                "this model's tokenizer has no chat template: pass chat_template= or use generate()"
+            )
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            for message in conversation:
+                if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                    raise ValueError(
+                        f"each message must be a dict with 'role' and 'content', got {message!r}"
+                    )
+            text = tokenizer.apply_chat_template(
+                list(conversation),  # type: ignore[arg-type]
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            # The template already holds any BOS token, so encode without adding special tokens.
+            prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
+        params_list = _as_params_list(sampling_params, len(prompts))
+        return self._run(prompts, params_list, use_tqdm)
+
+    def _run(
+        self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        order: dict[str, int] = {}
+        added: list[str] = []
+        try:
+            for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                request_id = f"gen-{next(self._ids)}"
+                try:
+                    engine.add_request(request_id, prompt, p)
+                except ValueError as exc:
+                    raise ValueError(f"prompt {index}: {exc}") from None
+                order[request_id] = index
+                added.append(request_id)
+            return self._drain(order, use_tqdm)
+        except BaseException:
+            for request_id in added:  # leave the engine clean for the next call
+                engine.abort_request(request_id)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+
+    def _drain(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start = time.perf_counter()
+        out_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        out_tokens += sum(len(o.token_ids) for o in output.outputs)
+                        bar.update(1)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"{out_tokens / max(elapsed, 1e-9):.1f} tok/s out")
+        finally:
+            bar.close()
+        missing = [rid for rid, i in order.items() if results[i] is None]
+        if missing:
+            raise RuntimeError(f"the engine went idle without finishing requests {missing[:5]}")
+        return [r for r in results if r is not None]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if not items:
+        raise ValueError("prompts is empty: give a string, a list of strings or lists of token ids")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in items):
+        return [items]  # type: ignore[list-item]  # one prompt given as token ids
+    for i, p in enumerate(items):
+        if not isinstance(p, str | list | tuple):
+            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+    return items  # type: ignore[return-value]
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    plist = list(params)
+    if len(plist) != n:
+        raise ValueError(f"got {len(plist)} SamplingParams for {n} prompts: give one, or one per prompt")
+    for i, p in enumerate(plist):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return plist
+
+
+def _describe_validation_error(exc: pydantic.ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(x) for x in err["loc"]) or "arguments"
+        parts.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid engine arguments: " + "; ".join(parts)

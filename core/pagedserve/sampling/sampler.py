@@ -1,0 +1,139 @@
+"""The batched sampler: one set of tensor ops turns a batch of logits into one token per request.
+
+Pipeline, for all rows at once (all on the logits' device):
+  1. raw logprobs (if any row asked): log_softmax of the untouched logits;
+  2. logit bias and min_tokens bans (sparse edits), then repetition/frequency/presence penalties;
+  3. greedy rows: argmax of the processed logits (exactly torch.argmax, ties to the lowest id);
+  4. random rows: divide by temperature, then top-k, top-p and min-p (HF's order; min-p commutes
+     with the other two), softmax, and draw by the exponential race: argmax(p_i / E_i) with
+     E_i ~ Exp(1) selects token i with probability p_i. The noise E of a seeded row comes from its
+     own generator seeded by `step_seed(seed, sample, step)`, so its tokens do not depend on which
+     other requests share the batch or on its row; unseeded rows share one generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.sampling.logprobs import LogprobsTensors, gather_logprobs
+from pagedserve.sampling.metadata import SamplingMetadata
+from pagedserve.sampling.penalties import apply_penalties
+
+# Exponential noise is almost never exactly 0, but one 0 would make p / E infinite for a zero-prob token.
+_MIN_NOISE = 1e-20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [num_reqs] int64, on the logits' device
+    logprobs: LogprobsTensors | None  # column 0 is the sampled token; None unless a row wants logprobs
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
+) -> None:
+    """Set to -inf every logit outside each row's top-k and then outside its top-p nucleus.
+
+    top-k keeps every token whose logit ties with the k-th largest (as HF does); top-p keeps the
+    smallest set of most likely tokens whose probability (after top-k) reaches top_p, and always
+    the most likely token. logits: [num_reqs, vocab]; top_k: [num_reqs] int64 in [1, vocab];
+    top_p: [num_reqs] float32 in (0, 1]; max_top_k: the largest top_k below vocab, known on the
+    host, which lets top-k alone use torch.topk instead of a full sort (rows whose top_k exceeds
+    it must have top-k disabled, k == vocab). Mutates `logits`."""
+    if top_k is None and top_p is None:
+        return
+    vocab = logits.shape[1]
+    if top_p is None and top_k is not None and max_top_k is not None and max_top_k < vocab:
+        largest = logits.topk(max_top_k, dim=-1).values
+        kth_largest = largest.gather(1, (top_k - 1).clamp(max=max_top_k - 1).unsqueeze(1))
+        # Rows with top-k disabled (k == vocab) are above max_top_k and keep every token.
+        keep_all = (top_k > max_top_k).unsqueeze(1)
+        kth_largest = kth_largest.masked_fill(keep_all, float("-inf"))
+        logits.masked_fill_(logits < kth_largest, float("-inf"))
+        return
+    ascending, order = logits.sort(dim=-1)
+    if top_k is not None:
+        kth_largest = ascending.gather(1, (vocab - top_k).unsqueeze(1))
+        ascending.masked_fill_(ascending < kth_largest, float("-inf"))
+    if top_p is not None:
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        # Tokens whose cumulative mass from the bottom stays within 1 - top_p are outside the nucleus.
+        outside = cumulative <= (1.0 - top_p).unsqueeze(1)
+        outside[:, -1] = False
+        ascending.masked_fill_(outside, float("-inf"))
+    logits.scatter_(1, order, ascending)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Set to -inf every logit whose probability is below min_p times the row's largest probability.
+    logits: [num_reqs, vocab]; min_p: [num_reqs] float32 in [0, 1]. Mutates `logits`."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def exponential_noise(shape: tuple[int, int], meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [num_reqs, vocab]; each seeded row from its own generator. Does not mutate `meta`
+    (the shared generator's state advances)."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    noise.exponential_(generator=meta.generator)
+    for row, seed in meta.seeds.items():
+        row_generator = torch.Generator(device=device)
+        row_generator.manual_seed(seed)
+        noise[row].exponential_(generator=row_generator)
+    return noise.clamp_min_(_MIN_NOISE)
+
+
+class Sampler:
+    """Stateless; `forward` does not mutate the logits it is given."""
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row. logits: [num_reqs, vocab_size], float32 (other float dtypes are
+        converted first)."""
+        if logits.dim() != 2 or logits.shape != (meta.num_reqs, meta.vocab_size):
+            raise ValueError(
+                f"logits must be [num_reqs={meta.num_reqs}, vocab_size={meta.vocab_size}], "
+                f"got {tuple(logits.shape)}"
+            )
+        logits = logits.to(torch.float32)
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        processed = self._process(logits, meta)
+        if meta.all_greedy:
+            sampled = processed.argmax(dim=-1)
+        elif meta.all_random:
+            sampled = self._sample_random(processed, meta)
+        else:
+            sampled = torch.where(meta.greedy, processed.argmax(dim=-1), self._sample_random(processed, meta))
+        logprobs = None
+        if raw_logprobs is not None and meta.max_num_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    __call__ = forward
+
+    @staticmethod
+    def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Logit edits then penalties, on a copy (the caller's logits stay untouched)."""
+        if meta.logit_edits is None and meta.penalties is None:
+            return logits
+        out = logits.clone()
+        if meta.logit_edits is not None:
+            edits = meta.logit_edits
+            out.index_put_((edits.rows, edits.token_ids), edits.values, accumulate=True)
+        if meta.penalties is not None:
+            apply_penalties(out, meta.penalties)
+        return out
+
+    @staticmethod
+    def _sample_random(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        scaled = processed / meta.temperature.unsqueeze(1)  # a fresh tensor: safe to edit in place
+        apply_top_k_top_p(scaled, meta.top_k, meta.top_p, meta.max_top_k)
+        if meta.min_p is not None:
+            apply_min_p(scaled, meta.min_p)
+        probs = scaled.softmax(dim=-1)
+        noise = exponential_noise((meta.num_reqs, meta.vocab_size), meta, scaled.device)
+        return probs.div_(noise).argmax(dim=-1)

@@ -1,0 +1,184 @@
+"""`SamplingParams`: how one request is decoded, validated when it is built.
+
+Field names and defaults follow vLLM's `SamplingParams`, so a user switches engines by changing one
+import. Every out-of-range value raises `ValueError` naming the field and the allowed range; an
+unknown keyword raises the usual `TypeError` naming it. The object is frozen: an engine that must
+change a field (e.g. cap `max_tokens` at the model length) uses `dataclasses.replace`, which
+validates again.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from numbers import Real
+from typing import cast
+
+GREEDY_TEMPERATURE_EPS = 1e-5
+"""Temperatures below this decode greedily: dividing logits by a tiny temperature overflows and
+means argmax anyway."""
+
+
+class SamplingType(enum.Enum):
+    GREEDY = "greedy"  # exact argmax of the processed logits
+    RANDOM = "random"  # noise from the batch's shared generator
+    RANDOM_SEED = "random_seed"  # noise from a per-request generator seeded from (seed, sample, step)
+
+
+def _is_real(value: object) -> bool:
+    # bool is an int subclass; `temperature=True` is a bug, not a temperature.
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """Decoding options of one request (all of its `n` samples share them)."""
+
+    n: int = 1  # independent samples of the same prompt; they share the prompt's KV blocks
+    presence_penalty: float = 0.0  # in [-2, 2]; subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # in [-2, 2]; subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # > 0; HF/CTRL style over prompt + generated tokens; 1 disables
+    temperature: float = 1.0  # >= 0; 0 (below GREEDY_TEMPERATURE_EPS) is greedy
+    top_p: float = 1.0  # in (0, 1]; 1 disables
+    top_k: int = 0  # 0 or -1 disables (-1 is stored as 0); else keep the k most likely tokens
+    min_p: float = 0.0  # in [0, 1]; drop tokens with prob < min_p * max prob; 0 disables
+    seed: int | None = None  # reproducible noise whatever the batch composition; None: shared RNG
+    stop: str | Sequence[str] | None = None  # stored as tuple[str, ...]; ends generation, excluded from text
+    stop_token_ids: Sequence[int] | None = None  # stored as tuple[int, ...]; end generation (token kept)
+    ignore_eos: bool = False  # keep generating past the EOS token
+    max_tokens: int | None = 16  # >= 1; None: until the model's context length
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are generated
+    logprobs: int | None = None  # >= 0: return the sampled token's logprob plus the top-`logprobs`
+    prompt_logprobs: int | None = None  # >= 0: same for every prompt token after the first
+    detokenize: bool = True  # False: return token ids only (stop strings then cannot be used)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit; stored as a dict copy
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_probabilities()
+        self._normalize_stops()
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ValueError(f"logit_bias must be a dict of token id -> float, got {self.logit_bias!r}")
+            bias: dict[int, float] = {}
+            for token, value in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+                if not _is_real(value) or not math.isfinite(value):
+                    raise ValueError(f"logit_bias[{token}] must be a finite float, got {value!r}")
+                bias[token] = float(value)
+            object.__setattr__(self, "logit_bias", bias)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        for name in (
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _check_counts(self) -> None:
+        def integer(name: str, low: int, allow_none: bool) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not _is_int(value) or value < low:
+                none = " or None" if allow_none else ""
+                raise ValueError(f"{name} must be an int >= {low}{none}, got {value!r}")
+
+        integer("n", 1, allow_none=False)
+        integer("max_tokens", 1, allow_none=True)
+        integer("min_tokens", 0, allow_none=False)
+        integer("logprobs", 0, allow_none=True)
+        integer("prompt_logprobs", 0, allow_none=True)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 disable it), got {self.top_k!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
+
+    def _check_probabilities(self) -> None:
+        def real(name: str, ok: bool, allowed: str) -> None:
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or not ok:
+                raise ValueError(f"{name} must be a float in {allowed}, got {value!r}")
+
+        t = self.temperature
+        real("temperature", _is_real(t) and t >= 0, "[0, inf) (0 means greedy)")
+        real("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1, "(0, 1]")
+        real("min_p", _is_real(self.min_p) and 0 <= self.min_p <= 1, "[0, 1]")
+        real(
+            "presence_penalty",
+            _is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "[-2, 2]",
+        )
+        real(
+            "frequency_penalty",
+            _is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "[-2, 2]",
+        )
+        real(
+            "repetition_penalty",
+            _is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+            "(0, inf) (1 disables it)",
+        )
+
+    def _normalize_stops(self) -> None:
+        stop: tuple[str, ...]
+        if self.stop is None:
+            stop = ()
+        elif isinstance(self.stop, str):
+            stop = (self.stop,)
+        elif isinstance(self.stop, Sequence) and all(isinstance(s, str) for s in self.stop):
+            stop = tuple(self.stop)
+        else:
+            raise ValueError(f"stop must be a str, a list of str or None, got {self.stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop must not contain the empty string (it would match before any text)")
+        if stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched against the text)")
+        object.__setattr__(self, "stop", stop)
+        ids: tuple[int, ...] = ()
+        if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, str | bytes) or not isinstance(self.stop_token_ids, Sequence):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+                raise ValueError(
+                    f"stop_token_ids must hold token ids (ints >= 0), got {self.stop_token_ids!r}"
+                )
+            ids = tuple(self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    # ---- derived, read-only views -----------------------------------------------------------------
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The stop strings as a tuple (possibly empty)."""
+        return cast(tuple[str, ...], self.stop)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The stop token ids as a tuple (possibly empty)."""
+        return cast(tuple[int, ...], self.stop_token_ids)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def bias(self) -> Mapping[int, float]:
+        """logit_bias as a (possibly empty) mapping."""
+        return self.logit_bias if self.logit_bias is not None else {}

@@ -1,0 +1,133 @@
+"""The engine-core process: the scheduler and model-runner loop, alone in its own process.
+
+It never waits on HTTP work: between steps it drains whatever the API process sent (add, abort,
+finish) without blocking, runs `EngineCore.step()` while there is work, and pushes each step's
+outputs plus a stats snapshot back. Only when idle does it block on its input socket, waking once a
+second to check that the API process that started it is still alive (it exits if not, so a killed
+server never leaves an orphaned engine holding memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import zmq
+
+from pagedserve.config import EngineArgs
+from pagedserve.engine.core import EngineCore
+from pagedserve.scheduler.admission import RequestRejected
+from pagedserve.server import serialization as wire
+from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000
+"""How long the idle loop blocks on its input before checking on its parent."""
+
+
+def run_engine_core(args_json: str, input_addr: str, output_addr: str, parent_pid: int) -> None:
+    """Entry point of the spawned process: load the engine, report READY (or FAILED), serve."""
+    # Ctrl-C reaches the whole process group; the API process decides how to shut the core down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s [engine-core] %(message)s")
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block on outputs; the API side drains them
+    outbox.connect(output_addr)
+    try:
+        from pagedserve.engine.setup import build_engine
+
+        args = EngineArgs.model_validate_json(args_json)
+        setup = build_engine(args)
+        info = CoreInfo(
+            max_model_len=setup.max_model_len,
+            vocab_size=setup.loaded.spec.vocab_size,
+            eos_token_ids=setup.eos_token_ids,
+            num_kv_blocks=setup.num_kv_blocks,
+            block_size=args.block_size,
+            platform=setup.platform.name,
+        )
+    except Exception as exc:
+        logger.exception("loading the engine failed")
+        outbox.send(wire.encode_failed(f"loading the engine failed: {type(exc).__name__}: {exc}"))
+        _close(ctx, inbox, outbox)
+        return
+    outbox.send(wire.encode_ready(info))
+    try:
+        EngineCoreLoop(setup.core, inbox, outbox, parent_pid).run()
+    except Exception as exc:
+        logger.exception("the engine core failed")
+        outbox.send(wire.encode_failed(f"the engine core failed: {type(exc).__name__}: {exc}"))
+    _close(ctx, inbox, outbox)
+
+
+def _close(ctx: zmq.Context[zmq.Socket[bytes]], *sockets: zmq.Socket[bytes]) -> None:
+    for sock in sockets:
+        sock.close(linger=2000)  # let a last FAILED/OUTPUTS message reach the API process
+    ctx.term()
+
+
+class EngineCoreLoop:
+    """Feeds messages to an `EngineCore` and steps it. `run` mutates the core until SHUTDOWN."""
+
+    def __init__(
+        self, core: EngineCore, inbox: zmq.Socket[bytes], outbox: zmq.Socket[bytes], parent_pid: int
+    ) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self._stopping = False
+
+    def run(self) -> None:
+        while not self._stopping:
+            busy = self.core.has_unfinished_requests()
+            if not busy and not self.inbox.poll(IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:
+                    logger.warning("the API server process is gone; exiting")
+                    return
+                continue
+            handled = self._drain_inbox()
+            if self._stopping:
+                return
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                self.outbox.send(wire.encode_outputs(outputs, self._stats()))
+            elif handled:  # e.g. FINISH freed blocks: /metrics should see it
+                self.outbox.send(wire.encode_outputs([], self._stats()))
+
+    def _stats(self) -> CoreStats:
+        return CoreStats.from_scheduler(self.core.scheduler.stats())
+
+    def _drain_inbox(self) -> int:
+        """Apply every message already queued, without waiting. Returns how many there were."""
+        count = 0
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return count
+            count += 1
+            self._handle(wire.decode(data))
+
+    def _handle(self, msg: wire.Message) -> None:
+        if msg.kind is MessageType.ADD:
+            assert msg.request is not None
+            try:
+                self.core.add_request(msg.request)
+            except RequestRejected as exc:
+                self.outbox.send(wire.encode_rejected(msg.request.req_id, str(exc)))
+        elif msg.kind is MessageType.ABORT:
+            assert msg.req_ids is not None
+            self.core.abort(msg.req_ids)
+        elif msg.kind is MessageType.FINISH:
+            assert msg.req_ids is not None
+            self.core.finish(msg.req_ids)
+        elif msg.kind is MessageType.SHUTDOWN:
+            self._stopping = True
+        else:
+            raise wire.WireError(f"the engine core cannot handle a {msg.kind.name} message")

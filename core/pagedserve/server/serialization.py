@@ -1,0 +1,253 @@
+"""The wire format between the API server process and the engine-core process.
+
+Every message is one msgpack array `[MessageType, ...payload]` of builtins, encoded with msgspec.
+The protocol dataclasses are converted field by field here, explicitly: nothing is pickled, so a
+message can never run code on decode, and a field added to a dataclass fails loudly in
+`encode_*` until it is given a wire form.
+
+    API -> core:  [ADD, request]  [ABORT, [seq ids]]  [FINISH, [seq ids]]  [SHUTDOWN]
+    core -> API:  [READY, CoreInfo]  [OUTPUTS, [output...], CoreStats]  [REJECTED, seq id, message]
+                  [FAILED, message]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, cast
+
+import msgspec
+
+from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from pagedserve.outputs import FinishReason, Logprob
+from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import SchedulerStats
+from pagedserve.types import RequestId
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder()
+_FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
+
+
+class MessageType(enum.IntEnum):
+    ADD = 1
+    ABORT = 2
+    FINISH = 3
+    SHUTDOWN = 4
+    READY = 10
+    OUTPUTS = 11
+    REJECTED = 12
+    FAILED = 13
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    """What the API process needs to know about the model the core loaded."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    num_kv_blocks: int
+    block_size: int
+    platform: str
+
+
+@dataclass(frozen=True, slots=True)
+class CoreStats:
+    """A snapshot of the scheduler after a step, for /metrics. Counters are totals since start."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_kv_blocks: int
+    num_kv_blocks_in_use: int
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+
+    @classmethod
+    def from_scheduler(cls, stats: SchedulerStats) -> CoreStats:
+        kv = stats.kv_cache
+        return cls(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_preemptions=stats.num_preemptions,
+            num_kv_blocks=kv.num_blocks,
+            num_kv_blocks_in_use=kv.num_blocks_in_use,
+            prefix_queries_tokens=kv.counters.prefix_queries_tokens,
+            prefix_hits_tokens=kv.counters.prefix_hits_tokens,
+        )
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_in_use / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+
+class WireError(ValueError):
+    """A message that does not follow the wire format (a bug or a version mismatch)."""
+
+
+# ---- building blocks ------------------------------------------------------------------------------
+
+
+def _params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    wire: dict[str, Any] = {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, tuple):
+            value = list(value)
+        elif f.name == "logit_bias" and value is not None:
+            value = dict(value)
+        wire[f.name] = value
+    return wire
+
+
+def _params_from_wire(wire: dict[str, Any]) -> SamplingParams:
+    # SamplingParams validates again: a malformed message fails here, naming the field.
+    return SamplingParams(**wire)
+
+
+def _logprobs_to_wire(entries: list[TokenLogprobs] | None) -> list[list[list[Any]]] | None:
+    if entries is None:
+        return None
+    # token id -> Logprob becomes [token id, logprob, rank] triples; decoded_token is always None
+    # here (the core has no tokenizer).
+    return [[[t, lp.logprob, lp.rank] for t, lp in entry.items()] for entry in entries]
+
+
+def _logprobs_from_wire(wire: list[list[list[Any]]] | None) -> list[TokenLogprobs] | None:
+    if wire is None:
+        return None
+    return [{int(t): Logprob(float(lp), rank) for t, lp, rank in entry} for entry in wire]
+
+
+def _request_to_wire(req: EngineCoreRequest) -> list[Any]:
+    return [
+        req.req_id,
+        req.prompt_token_ids,
+        _params_to_wire(req.sampling_params),
+        sorted(req.eos_token_ids),
+        req.fork_of,
+        req.cache_salt,
+        req.priority,
+    ]
+
+
+def _request_from_wire(wire: list[Any]) -> EngineCoreRequest:
+    req_id, prompt, params, eos, fork_of, cache_salt, priority = wire
+    return EngineCoreRequest(
+        req_id=RequestId(req_id),
+        prompt_token_ids=list(prompt),
+        sampling_params=_params_from_wire(params),
+        eos_token_ids=frozenset(eos),
+        fork_of=RequestId(fork_of) if fork_of is not None else None,
+        cache_salt=cache_salt,
+        priority=priority,
+    )
+
+
+def _output_to_wire(out: EngineCoreOutput) -> list[Any]:
+    return [
+        out.req_id,
+        out.new_token_ids,
+        out.finish_reason,
+        out.stop_token_id,
+        _logprobs_to_wire(out.logprobs),
+        _logprobs_to_wire(out.prompt_logprobs),
+        out.num_cached_tokens,
+    ]
+
+
+def _output_from_wire(wire: list[Any]) -> EngineCoreOutput:
+    req_id, new_ids, finish, stop_id, logprobs, prompt_logprobs, cached = wire
+    if finish is not None and finish not in _FINISH_REASONS:
+        raise WireError(f"unknown finish reason {finish!r}")
+    return EngineCoreOutput(
+        req_id=RequestId(req_id),
+        new_token_ids=list(new_ids),
+        finish_reason=cast(FinishReason | None, finish),
+        stop_token_id=stop_id,
+        logprobs=_logprobs_from_wire(logprobs),
+        prompt_logprobs=_logprobs_from_wire(prompt_logprobs),
+        num_cached_tokens=cached,
+    )
+
+
+def _info_to_wire(info: CoreInfo) -> dict[str, Any]:
+    wire = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    wire["eos_token_ids"] = sorted(info.eos_token_ids)
+    return wire
+
+
+# ---- messages -------------------------------------------------------------------------------------
+
+
+def encode_add(req: EngineCoreRequest) -> bytes:
+    return _ENCODER.encode([MessageType.ADD, _request_to_wire(req)])
+
+
+def encode_ids(kind: MessageType, req_ids: list[RequestId]) -> bytes:
+    """An ABORT or FINISH message."""
+    if kind not in (MessageType.ABORT, MessageType.FINISH):
+        raise ValueError(f"encode_ids makes ABORT or FINISH messages, not {kind.name}")
+    return _ENCODER.encode([kind, list(req_ids)])
+
+
+def encode_shutdown() -> bytes:
+    return _ENCODER.encode([MessageType.SHUTDOWN])
+
+
+def encode_ready(info: CoreInfo) -> bytes:
+    return _ENCODER.encode([MessageType.READY, _info_to_wire(info)])
+
+
+def encode_outputs(outputs: list[EngineCoreOutput], stats: CoreStats) -> bytes:
+    stats_wire = [getattr(stats, f.name) for f in dataclasses.fields(stats)]
+    return _ENCODER.encode([MessageType.OUTPUTS, [_output_to_wire(o) for o in outputs], stats_wire])
+
+
+def encode_rejected(req_id: RequestId, message: str) -> bytes:
+    return _ENCODER.encode([MessageType.REJECTED, req_id, message])
+
+
+def encode_failed(message: str) -> bytes:
+    return _ENCODER.encode([MessageType.FAILED, message])
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A decoded message; which fields are set depends on `kind` (see the module docstring)."""
+
+    kind: MessageType
+    request: EngineCoreRequest | None = None  # ADD
+    req_ids: list[RequestId] | None = None  # ABORT, FINISH; REJECTED (one id)
+    outputs: list[EngineCoreOutput] | None = None  # OUTPUTS
+    stats: CoreStats | None = None  # OUTPUTS
+    info: CoreInfo | None = None  # READY
+    text: str | None = None  # REJECTED, FAILED: what went wrong
+
+
+def decode(data: bytes) -> Message:
+    """Decode one message. Raises WireError when it is malformed."""
+    try:
+        raw = _DECODER.decode(data)
+        kind = MessageType(raw[0])
+        if kind is MessageType.ADD:
+            return Message(kind, request=_request_from_wire(raw[1]))
+        if kind in (MessageType.ABORT, MessageType.FINISH):
+            return Message(kind, req_ids=[RequestId(r) for r in raw[1]])
+        if kind is MessageType.SHUTDOWN:
+            return Message(kind)
+        if kind is MessageType.READY:
+            wire = dict(raw[1])
+            wire["eos_token_ids"] = frozenset(wire["eos_token_ids"])
+            return Message(kind, info=CoreInfo(**wire))
+        if kind is MessageType.OUTPUTS:
+            return Message(kind, outputs=[_output_from_wire(o) for o in raw[1]], stats=CoreStats(*raw[2]))
+        if kind is MessageType.REJECTED:
+            return Message(kind, req_ids=[RequestId(raw[1])], text=raw[2])
+        return Message(kind, text=raw[1])
+    except WireError:
+        raise
+    except (msgspec.DecodeError, ValueError, TypeError, IndexError, KeyError) as exc:
+        raise WireError(f"malformed engine message: {type(exc).__name__}: {exc}") from None

@@ -1,0 +1,1 @@
+"""The worker: persistent input batch, staged buffers and the model runner."""

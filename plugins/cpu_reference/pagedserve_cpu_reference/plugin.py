@@ -1,0 +1,47 @@
+"""Hook implementations registering the cpu_reference platform (entry point `cpu_reference`).
+
+The platform has the lowest priority, so automatic selection picks it only when no accelerator
+platform is available; it is always available because it needs nothing but torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, PlatformInfo
+from pagedserve.platforms.hookspecs import hookimpl
+
+from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
+from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
+
+PAGEDSERVE_PLUGIN_API = "1.0"
+
+PLATFORM_NAME = "cpu_reference"
+
+
+def _availability() -> Availability:
+    """Always available: plain torch on the CPU. Does not mutate."""
+    return Availability(available=True, reason=f"plain torch on CPU ({torch.get_num_threads()} threads)")
+
+
+@hookimpl
+def pagedserve_platforms() -> list[PlatformInfo]:
+    return [
+        PlatformInfo(
+            name=PLATFORM_NAME,
+            priority=0,
+            device_type="cpu",
+            supported_dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16),
+            is_available=_availability,
+            description="Plain-torch reference implementation; the oracle other platforms are tested against",
+        )
+    ]
+
+
+@hookimpl
+def pagedserve_attention_backends(platform: str) -> list[type[AttentionBackend]] | None:
+    return [ReferenceAttentionBackend] if platform == PLATFORM_NAME else None
+
+
+@hookimpl
+def pagedserve_cache_ops(platform: str) -> CacheOps | None:
+    return ReferenceCacheOps() if platform == PLATFORM_NAME else None

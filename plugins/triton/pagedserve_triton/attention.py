@@ -1,0 +1,370 @@
+"""`TritonUnifiedAttentionBackend`: the thin host wrapper around `unified_attention`'s kernels.
+
+It checks the layout contract of `pagedserve.platforms.api` (shapes, dtypes, devices, unit stride of
+the last dimension), picks the 2D or 3D kernel with `choose_split`, reads launch parameters from
+the tuned configs (once per shape class) and launches. It never syncs with the device: every
+decision uses host-side metadata (`num_reqs`, `max_query_len`, `max_seq_len`, `num_actual_tokens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+import triton
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.api import (
+    IDENTITY_GRID_ORDER,
+    AttentionBackend,
+    AttentionCapabilities,
+    GridOrder,
+)
+from pagedserve.platforms.tuned_configs import TunedConfigs
+from pagedserve_triton.launch_params import LaunchParams, device_name_of
+from pagedserve_triton.unified_attention import (
+    INTERPRETED,
+    LOG2E,
+    reduce_segments_kernel,
+    unified_attention_2d_kernel,
+    unified_attention_3d_kernel,
+)
+
+# 3D-vs-2D heuristic constants (see `choose_split`).
+MAX_QUERY_LEN_3D = 16  # longer queries have query-block parallelism, and partials grow with tokens
+# Below ~64 keys a split costs more in partial writes + reduction than it saves. Measured on H100
+# (bf16, 32/8 heads, head 128): one decode of 512 keys takes 21 us in 2D, 6.5 us with 8 splits,
+# 5.7 us with 16; 2048 keys: 78 us in 2D, 8.1 us with 32 splits (benchmarks/attention.py).
+MIN_KEYS_PER_SPLIT = 64
+MAX_SPLITS = 64
+TARGET_PROGRAMS_PER_SM = 2  # enough resident programs per SM to hide memory latency
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPlan:
+    """Which kernel runs and over how many KV splits (1 for the 2D kernel, a power of two >= 2 for
+    the 3D kernel)."""
+
+    kind: Literal["2d", "3d"]
+    num_splits: int
+
+
+PLAN_2D = SplitPlan("2d", 1)
+
+
+def choose_split(
+    num_reqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_kv_heads: int,
+    num_sms: int,
+    *,
+    block_q: int = 1,
+    tile_size: int = 16,
+) -> SplitPlan:
+    """Pick the 2D or the split-KV 3D kernel from batch geometry. Pure.
+
+    The 2D grid has about `tiles = num_reqs * ceil(max_query_len / block_q) * num_kv_heads` busy
+    programs. When that already gives every SM a tile, splitting only adds partial writes and a
+    reduction, so the 2D kernel runs. Otherwise (small batches of decodes or short speculative
+    queries) the 3D kernel splits each tile's KV range into a power-of-two number of splits, enough
+    for `TARGET_PROGRAMS_PER_SM` programs per SM but never below `MIN_KEYS_PER_SPLIT` keys (nor
+    below one `tile_size` KV tile of the 3D kernel) per split, and at most `MAX_SPLITS`. Queries
+    longer than `MAX_QUERY_LEN_3D` always use 2D: their query blocks are parallel already and the
+    float32 partials would grow with them."""
+    if num_reqs <= 0 or max_query_len > MAX_QUERY_LEN_3D:
+        return PLAN_2D
+    tiles = num_reqs * triton.cdiv(max_query_len, block_q) * num_kv_heads
+    if tiles >= num_sms:
+        return PLAN_2D
+    by_length = max_seq_len // max(MIN_KEYS_PER_SPLIT, tile_size)
+    if by_length < 2:
+        return PLAN_2D
+    wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, tiles))
+    longest_allowed = 1 << (by_length.bit_length() - 1)  # largest power of two <= by_length
+    num_splits = min(wanted, longest_allowed, MAX_SPLITS)
+    if num_splits < 2:
+        return PLAN_2D
+    return SplitPlan("3d", num_splits)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"TritonUnifiedAttentionBackend: {message}")
+
+
+class TritonUnifiedAttentionBackend(AttentionBackend):
+    """Unified paged attention for V1 batches on any GPU Triton targets (one launch per layer for
+    the 2D kernel, two for the 3D kernel plus its reduction)."""
+
+    name: ClassVar[str] = "triton_unified"
+    capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
+        # Any head size <= 256 works (padded to a power of two); these are the ones tested.
+        head_sizes=frozenset({32, 64, 80, 96, 112, 128, 192, 256}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        block_sizes=frozenset({16, 32, 64}),
+        sliding_window=True,
+        logit_softcap=True,
+    )
+
+    def __init__(
+        self,
+        *,
+        tuned_configs: TunedConfigs | None = None,
+        grid_order: GridOrder = IDENTITY_GRID_ORDER,
+        num_splits: int | None = None,
+    ) -> None:
+        """`tuned_configs` is the platform's (`LoadedPlatform.tuned_configs()`); None reads this
+        plugin's own files. `grid_order` comes from the `pagedserve_grid_order` hook. `num_splits`
+        overrides the heuristic: 1 forces the 2D kernel, a power of two >= 2 the 3D kernel
+        (tests, benchmarks)."""
+        if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
+            raise ValueError(f"num_splits={num_splits} must be None (heuristic) or a power of two >= 1")
+        if grid_order.num_groups < 1:
+            raise ValueError(
+                f"grid order {grid_order.name!r} has num_groups={grid_order.num_groups}; need >= 1"
+            )
+        self._launch_params = LaunchParams(tuned_configs)
+        self._grid_order = grid_order
+        self._num_splits = num_splits
+        self._num_sms: dict[torch.device, int] = {}
+
+    def _sm_count(self, device: torch.device) -> int:
+        count = self._num_sms.get(device)
+        if count is None:
+            # Interpreter runs on CPU tensors: a single "SM" makes the heuristic choose 2D.
+            count = (
+                torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+            )
+            self._num_sms[device] = count
+        return count
+
+    def _check_layout(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor | None,
+    ) -> None:
+        _require(
+            query.dim() == 3, f"query must be [num_tokens, num_q_heads, head_size], got {tuple(query.shape)}"
+        )
+        _require(
+            kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
+            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size] (NHD), "
+            f"got {tuple(kv_cache.shape)}",
+        )
+        _require(
+            kv_cache.shape[4] == query.shape[2],
+            f"head_size differs: query {query.shape[2]}, kv_cache {kv_cache.shape[4]}",
+        )
+        _require(
+            query.shape[1] % kv_cache.shape[3] == 0,
+            f"num_q_heads={query.shape[1]} is not a multiple of num_kv_heads={kv_cache.shape[3]}",
+        )
+        _require(
+            kv_cache.dtype == query.dtype, f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}"
+        )
+        _require(
+            query.stride(-1) == 1 and kv_cache.stride(-1) == 1,
+            "query and kv_cache need a unit-stride last dim",
+        )
+        _require(kv_cache.device == query.device, f"kv_cache on {kv_cache.device}, query on {query.device}")
+        if out is not None:
+            _require(
+                out.shape == query.shape and out.dtype == query.dtype and out.device == query.device,
+                f"out must match query ({tuple(query.shape)}, {query.dtype}, {query.device}), "
+                f"got ({tuple(out.shape)}, {out.dtype}, {out.device})",
+            )
+            _require(out.stride(-1) == 1, "out needs a unit-stride last dim")
+        for field in ("query_start_loc", "seq_lens", "block_table"):
+            t: torch.Tensor = getattr(metadata, field)
+            _require(
+                t.dtype == torch.int32 and t.device == query.device,
+                f"metadata.{field} must be int32 on {query.device}, got {t.dtype} on {t.device}",
+            )
+        _require(
+            metadata.block_table.dim() == 2, "metadata.block_table must be [num_reqs, max_blocks_per_req]"
+        )
+        _require(metadata.block_table.stride(-1) == 1, "metadata.block_table needs a unit-stride last dim")
+        _require(
+            metadata.num_actual_tokens <= query.shape[0],
+            f"metadata has {metadata.num_actual_tokens} tokens but query only {query.shape[0]} rows",
+        )
+        _require(
+            query.device.type != "cpu" or INTERPRETED,
+            "CPU tensors run only under TRITON_INTERPRET=1 (set before importing triton); use GPU tensors",
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+    ) -> torch.Tensor:
+        """Attention output [num_tokens, num_q_heads, head_size]; rows past num_actual_tokens are
+        left as they were in `out` (uninitialised when `out` is None). Writes only `out`."""
+        self._check_layout(query, kv_cache, metadata, out)
+        _, num_q_heads, head_size = query.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        self.check_supported(
+            head_size=head_size,
+            dtype=query.dtype,
+            block_size=block_size,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+        )
+        _require(
+            sliding_window is None or sliding_window >= 1, f"sliding_window={sliding_window} must be >= 1"
+        )
+        _require(logit_softcap is None or logit_softcap > 0, f"logit_softcap={logit_softcap} must be > 0")
+        if out is None:
+            out = torch.empty_like(query)
+        num_tokens = metadata.num_actual_tokens
+        if num_tokens == 0 or metadata.num_reqs == 0:
+            return out
+
+        queries_per_kv = num_q_heads // num_kv_heads
+        device_name = device_name_of(query.device)
+        plan = self.plan(
+            metadata,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            block_size=block_size,
+            dtype=query.dtype,
+            device=query.device,
+        )
+        kernel = "unified_attention_2d" if plan.kind == "2d" else "unified_attention_3d"
+        cfg = self._launch_params.attention(
+            kernel,
+            device_name,
+            head_size=head_size,
+            block_size=block_size,
+            num_queries_per_kv=queries_per_kv,
+            dtype=query.dtype,
+            max_query_len=metadata.max_query_len,
+        )
+        block_m = max(cfg.block_m, triton.next_power_of_2(queries_per_kv))
+        block_q = block_m // queries_per_kv
+        num_q_blocks = num_tokens // block_q + metadata.num_reqs
+        num_programs = num_q_blocks * num_kv_heads * plan.num_splits
+        head_padded = max(triton.next_power_of_2(head_size), 16)
+        common: dict[str, object] = dict(
+            scale_log2=scale * LOG2E,
+            softcap=float(logit_softcap) if logit_softcap is not None else 1.0,
+            window=int(sliding_window) if sliding_window is not None else 0,
+            num_reqs=metadata.num_reqs,
+            num_q_blocks=num_q_blocks,
+            num_programs=num_programs,
+            stride_q_tok=query.stride(0),
+            stride_q_head=query.stride(1),
+            stride_kv_kind=kv_cache.stride(0),
+            stride_kv_block=kv_cache.stride(1),
+            stride_kv_slot=kv_cache.stride(2),
+            stride_kv_head=kv_cache.stride(3),
+            stride_bt_req=metadata.block_table.stride(0),
+            QUERIES_PER_KV=queries_per_kv,
+            BLOCK_M=block_m,
+            BLOCK_Q=block_q,
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=head_padded,
+            BLOCK_SIZE=block_size,
+            TILE_SIZE=cfg.tile_size,
+            USE_SOFTCAP=logit_softcap is not None,
+            USE_WINDOW=sliding_window is not None,
+            # Triton's interpreter (3.9) multiplies bfloat16 dot operands as raw uint16 bits.
+            DOT_IN_FP32=query.dtype == torch.bfloat16 and INTERPRETED,
+            NUM_GRID_GROUPS=self._grid_order.num_groups,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        tensors = (query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
+        if plan.kind == "2d":
+            unified_attention_2d_kernel[(num_programs,)](
+                out, *tensors, stride_o_tok=out.stride(0), stride_o_head=out.stride(1), **common
+            )
+            return out
+        # Float32 partials, one per (token, query head, split); every split writes its slot.
+        partial_shape = (num_tokens, num_q_heads, plan.num_splits)
+        segm_acc = torch.empty((*partial_shape, head_padded), dtype=torch.float32, device=query.device)
+        segm_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
+        segm_sum = torch.empty_like(segm_max)
+        unified_attention_3d_kernel[(num_programs,)](
+            segm_acc,
+            segm_max,
+            segm_sum,
+            *tensors,
+            num_q_heads=num_q_heads,
+            NUM_SPLITS=plan.num_splits,
+            **common,
+        )
+        reduce_cfg = self._launch_params.simple("reduce_segments", device_name, head_size=head_size)
+        reduce_segments_kernel[(num_tokens, num_q_heads)](
+            out,
+            segm_acc,
+            segm_max,
+            segm_sum,
+            num_q_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=head_padded,
+            NUM_SPLITS=plan.num_splits,
+            num_warps=reduce_cfg.num_warps,
+        )
+        return out
+
+    def plan(
+        self,
+        metadata: AttentionMetadata,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> SplitPlan:
+        """The kernel `forward` runs for this batch: the constructor's `num_splits` if given, else
+        `choose_split`. Host-only (no device sync); mutates only the launch-parameter cache."""
+        queries_per_kv = num_q_heads // num_kv_heads
+        device_name = device_name_of(device)
+        if self._num_splits is not None:
+            return PLAN_2D if self._num_splits == 1 else SplitPlan("3d", self._num_splits)
+        # The heuristic needs the 2D kernel's tokens per query block, which its config sets.
+        cfg_2d = self._launch_params.attention(
+            "unified_attention_2d",
+            device_name,
+            head_size=head_size,
+            block_size=block_size,
+            num_queries_per_kv=queries_per_kv,
+            dtype=dtype,
+            max_query_len=metadata.max_query_len,
+        )
+        # ... and the 3D kernel's KV tile: a split shorter than one tile would get no work.
+        cfg_3d = self._launch_params.attention(
+            "unified_attention_3d",
+            device_name,
+            head_size=head_size,
+            block_size=block_size,
+            num_queries_per_kv=queries_per_kv,
+            dtype=dtype,
+            max_query_len=metadata.max_query_len,
+        )
+        block_q = max(cfg_2d.block_m, triton.next_power_of_2(queries_per_kv)) // queries_per_kv
+        return choose_split(
+            metadata.num_reqs,
+            metadata.max_query_len,
+            metadata.max_seq_len,
+            num_kv_heads,
+            self._sm_count(device),
+            block_q=block_q,
+            tile_size=cfg_3d.tile_size,
+        )

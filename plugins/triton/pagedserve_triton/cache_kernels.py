@@ -1,0 +1,82 @@
+# Triton kernel arguments are IR values (pointers, scalars, constexprs) with no Python types.
+# mypy: disable-error-code="no-untyped-def"
+"""Triton kernels that move KV-cache data, launched by `cache_ops.TritonCacheOps`.
+
+Layout (NHD, see `pagedserve.platforms.api`): a layer's cache is [2, num_blocks, block_size,
+num_kv_heads, head_size]; keys at index 0, values at index 1. Inside one block the
+[block_size, num_kv_heads, head_size] elements are contiguous (the wrapper asserts it), so a whole
+block is copied as one flat run of `block_elems` elements.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether this module's kernels run in Triton's interpreter: triton.jit reads the variable when a
+kernel is decorated, i.e. when this module is imported."""
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_size]
+    value_ptr,  # [num_tokens, num_kv_heads, head_size]
+    kv_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping_ptr,  # [num_tokens] int64
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_kv_kind,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+):
+    """One program per (token, KV head): write that head's key and value into the token's slot."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok)
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    d_mask = offs_d < HEAD_SIZE
+    k = tl.load(key_ptr + tok * stride_k_tok + head * stride_k_head + offs_d, mask=d_mask)
+    v = tl.load(value_ptr + tok * stride_v_tok + head * stride_v_head + offs_d, mask=d_mask)
+    dst = (
+        (slot // BLOCK_SIZE) * stride_kv_block + (slot % BLOCK_SIZE) * stride_kv_slot + head * stride_kv_head
+    )
+    tl.store(kv_ptr + dst + offs_d, k, mask=d_mask)
+    tl.store(kv_ptr + stride_kv_kind + dst + offs_d, v, mask=d_mask)
+
+
+@triton.jit
+def copy_blocks_kernel(
+    elem_ref_ptr,  # any cache of the element type; only its pointer type is used
+    src_bases_ptr,  # [num_layers] int64: data_ptr of each layer's source cache
+    dst_bases_ptr,  # [num_layers] int64: data_ptr of each layer's destination cache
+    block_mapping_ptr,  # [num_copies, 2] int64: (src_block, dst_block)
+    src_stride_kind,  # elements between the key and value halves of a source cache
+    dst_stride_kind,
+    block_elems,  # elements in one block of one half: block_size * num_kv_heads * head_size
+    BLOCK: tl.constexpr,  # elements moved per step
+):
+    """One program per (copy, layer, key-or-value half): copy one block. Layers are reached
+    through their base addresses, so all layers and all copies take a single launch. Copies sit on
+    grid axis 0, the only one not limited to 65535."""
+    pair = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1)
+    half = tl.program_id(2).to(tl.int64)
+    src_block = tl.load(block_mapping_ptr + 2 * pair)
+    dst_block = tl.load(block_mapping_ptr + 2 * pair + 1)
+    src_base = tl.load(src_bases_ptr + layer).to(elem_ref_ptr.dtype)
+    dst_base = tl.load(dst_bases_ptr + layer).to(elem_ref_ptr.dtype)
+    src = src_base + half * src_stride_kind + src_block * block_elems
+    dst = dst_base + half * dst_stride_kind + dst_block * block_elems
+    for start in range(0, block_elems, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < block_elems
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)

@@ -1,0 +1,206 @@
+"""`TritonCacheOps`: the thin host wrapper around `cache_kernels`, checking the NHD layout contract
+before every launch (shapes, dtypes, devices, and that each block is one contiguous run)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from pagedserve.platforms.api import CacheOps
+from pagedserve.platforms.tuned_configs import TunedConfigs
+from pagedserve_triton.cache_kernels import INTERPRETED, copy_blocks_kernel, reshape_and_cache_kernel
+from pagedserve_triton.launch_params import LaunchParams, device_name_of
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"TritonCacheOps: {message}")
+
+
+def _check_cache(cache: torch.Tensor, what: str) -> None:
+    _require(
+        cache.dim() == 5 and cache.shape[0] == 2,
+        f"{what} must be [2, num_blocks, block_size, num_kv_heads, head_size] (NHD), "
+        f"got {tuple(cache.shape)}",
+    )
+    _, _, block_size, num_kv_heads, head_size = cache.shape
+    # Each block must be one contiguous run so the copy kernel can move it flat.
+    _require(
+        cache.stride(4) == 1
+        and cache.stride(3) == head_size
+        and cache.stride(2) == num_kv_heads * head_size
+        and cache.stride(1) == block_size * num_kv_heads * head_size,
+        f"{what} must be contiguous within and between blocks, got strides {cache.stride()}",
+    )
+    _require(
+        cache.device.type != "cpu" or INTERPRETED,
+        f"{what} is on the CPU: Triton kernels need GPU tensors "
+        "(or TRITON_INTERPRET=1 set before importing triton)",
+    )
+
+
+def _check_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
+    _require(
+        block_mapping.dim() == 2 and block_mapping.shape[1] == 2 and block_mapping.dtype == torch.int64,
+        "block_mapping must be [num_copies, 2] int64, "
+        f"got {tuple(block_mapping.shape)} {block_mapping.dtype}",
+    )
+    # Range checks need the values on the host; a device mapping is trusted (checking it would sync).
+    if block_mapping.device.type == "cpu" and block_mapping.numel():
+        src, dst = block_mapping[:, 0], block_mapping[:, 1]
+        _require(
+            int(src.min()) >= 0 and int(src.max()) < num_src,
+            f"source block ids must lie in [0, {num_src}), got [{int(src.min())}, {int(src.max())}]",
+        )
+        _require(
+            int(dst.min()) >= 0 and int(dst.max()) < num_dst,
+            f"destination block ids must lie in [0, {num_dst}), got [{int(dst.min())}, {int(dst.max())}]",
+        )
+
+
+class TritonCacheOps(CacheOps):
+    """reshape_and_cache, copy_blocks and swap_blocks for GPUs that Triton targets."""
+
+    def __init__(self, *, tuned_configs: TunedConfigs | None = None) -> None:
+        """`tuned_configs` is the platform's; None reads this plugin's own files."""
+        self._launch_params = LaunchParams(tuned_configs)
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        """Write each token's key and value into its slot. Mutates `kv_cache`."""
+        _check_cache(kv_cache, "kv_cache")
+        _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        for name, t in (("key", key), ("value", value)):
+            _require(
+                t.dim() == 3 and t.shape[1:] == (num_kv_heads, head_size) and t.stride(-1) == 1,
+                f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] with a unit-stride last dim, "
+                f"got {tuple(t.shape)} strides {t.stride()}",
+            )
+            _require(
+                t.dtype == kv_cache.dtype and t.device == kv_cache.device,
+                f"{name} is {t.dtype} on {t.device}; kv_cache is {kv_cache.dtype} on {kv_cache.device}",
+            )
+        _require(
+            slot_mapping.dim() == 1
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.device == kv_cache.device,
+            f"slot_mapping must be 1-D int64 on {kv_cache.device}, got {tuple(slot_mapping.shape)} "
+            f"{slot_mapping.dtype} on {slot_mapping.device}",
+        )
+        num_tokens = slot_mapping.shape[0]
+        _require(
+            key.shape[0] >= num_tokens and value.shape[0] >= num_tokens,
+            f"slot_mapping has {num_tokens} tokens but key/value have {key.shape[0]}/{value.shape[0]} rows",
+        )
+        if num_tokens == 0:
+            return
+        cfg = self._launch_params.simple(
+            "reshape_and_cache", device_name_of(kv_cache.device), head_size=head_size
+        )
+        reshape_and_cache_kernel[(num_tokens, num_kv_heads)](
+            key,
+            value,
+            kv_cache,
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            BLOCK_SIZE=block_size,
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
+            num_warps=cfg.num_warps,
+        )
+
+    def copy_blocks(
+        self,
+        kv_caches: list[torch.Tensor],  # one per layer, same layout and device
+        block_mapping: torch.Tensor,  # [num_copies, 2] int64: (src_block, dst_block)
+    ) -> None:
+        """Copy whole blocks within each layer's cache, all layers in one launch. Mutates `kv_caches`."""
+        _require(len(kv_caches) > 0, "kv_caches is empty")
+        first = kv_caches[0]
+        for i, cache in enumerate(kv_caches):
+            _check_cache(cache, f"kv_caches[{i}]")
+            _require(
+                cache.shape == first.shape and cache.dtype == first.dtype and cache.device == first.device,
+                f"kv_caches[{i}] is {tuple(cache.shape)} {cache.dtype} on {cache.device}; "
+                f"kv_caches[0] is {tuple(first.shape)} {first.dtype} on {first.device}",
+            )
+        _check_mapping(block_mapping, first.shape[1], first.shape[1])
+        if block_mapping.shape[0] == 0:
+            return
+        bases = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64, device=first.device)
+        self._launch_copy(bases, bases, first, first, block_mapping.to(first.device), len(kv_caches))
+
+    def swap_blocks(
+        self,
+        src: torch.Tensor,  # [2, num_src_blocks, block_size, num_kv_heads, head_size]
+        dst: torch.Tensor,  # [2, num_dst_blocks, block_size, num_kv_heads, head_size]
+        block_mapping: torch.Tensor,  # [num_swaps, 2] int64, on the CPU: (src_block, dst_block)
+    ) -> None:
+        """Copy blocks between two caches of one layer, possibly on different devices. Mutates `dst`.
+
+        Same device: one copy-kernel launch. Across devices: a gather on the source device, one
+        transfer (staged through pinned memory for host -> GPU) and a scatter on the destination."""
+        _require(
+            src.dim() == 5
+            and dst.dim() == 5
+            and src.shape[0] == dst.shape[0] == 2
+            and src.shape[2:] == dst.shape[2:],
+            f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must be NHD caches with equal block shapes",
+        )
+        _require(src.dtype == dst.dtype, f"src dtype {src.dtype} != dst dtype {dst.dtype}")
+        _require(
+            block_mapping.device.type == "cpu",
+            f"block_mapping must be on the CPU, got {block_mapping.device}",
+        )
+        _check_mapping(block_mapping, src.shape[1], dst.shape[1])
+        if block_mapping.shape[0] == 0:
+            return
+        if src.device == dst.device:
+            _check_cache(src, "src")
+            _check_cache(dst, "dst")
+            bases_src = torch.tensor([src.data_ptr()], dtype=torch.int64, device=src.device)
+            bases_dst = torch.tensor([dst.data_ptr()], dtype=torch.int64, device=dst.device)
+            self._launch_copy(bases_src, bases_dst, src, dst, block_mapping.to(src.device), 1)
+            return
+        gathered = src.index_select(1, block_mapping[:, 0].to(src.device))
+        if gathered.device.type == "cpu" and dst.device.type == "cuda":
+            gathered = gathered.pin_memory()
+        moved = gathered.to(dst.device, non_blocking=gathered.is_pinned())
+        dst.index_copy_(1, block_mapping[:, 1].to(dst.device), moved)
+
+    def _launch_copy(
+        self,
+        src_bases: torch.Tensor,
+        dst_bases: torch.Tensor,
+        src_like: torch.Tensor,
+        dst_like: torch.Tensor,
+        block_mapping: torch.Tensor,
+        num_layers: int,
+    ) -> None:
+        block_elems = src_like.stride(1)
+        cfg = self._launch_params.simple(
+            "copy_blocks", device_name_of(src_like.device), block_elems=block_elems
+        )
+        copy_blocks_kernel[(block_mapping.shape[0], num_layers, 2)](
+            src_like,
+            src_bases,
+            dst_bases,
+            block_mapping,
+            src_like.stride(0),
+            dst_like.stride(0),
+            block_elems,
+            BLOCK=min(cfg.block, triton.next_power_of_2(block_elems)),
+            num_warps=cfg.num_warps,
+        )

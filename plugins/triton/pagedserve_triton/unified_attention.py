@@ -1,0 +1,608 @@
+# Triton kernel arguments are IR values (pointers, scalars, constexprs) with no Python types.
+# mypy: disable-error-code="no-untyped-def"
+"""Triton kernels for paged attention over V1 batches (any mix of prefill, chunked prefill, decode
+and speculative queries), launched by `attention.TritonUnifiedAttentionBackend`.
+
+There is no prefill kernel and no decode kernel. Every request is "cached context plus `query_len`
+new tokens", and one launch covers the whole flattened batch:
+
+* A *tile* is (query block, KV head). A query block holds `BLOCK_Q` consecutive new tokens of ONE
+  request (a block never crosses a request boundary; the last block of a request is partly masked).
+  The `QUERIES_PER_KV` query heads that share the tile's KV head are packed beside the tokens:
+  the tile has `BLOCK_M` rows (a power of two >= 16 from the tuned config) holding
+  `BLOCK_Q = BLOCK_M // QUERIES_PER_KV` tokens, so even a decode (one token, several heads) feeds
+  the tensor cores and the KV head is read once for all of its query heads.
+  Row `r` is token `r // QUERIES_PER_KV`, query head `kv_head * QUERIES_PER_KV + r % QUERIES_PER_KV`.
+* Global query block numbering: request `i`'s blocks start at `query_start_loc[i] // BLOCK_Q + i`.
+  This is monotonic and leaves at most one unused number per request, so the launch needs only
+  `num_tokens // BLOCK_Q + num_reqs` query blocks (known on the host without a sync) and a program
+  finds its request by binary search over `query_start_loc`.
+* Each program runs the online softmax along the KV axis in `TILE_SIZE`-key steps, reading keys
+  and values through the block table. The loop starts at the first key the tile's earliest query
+  may see (sliding window) and stops after its last query's own position (causal), so nothing
+  outside the window is loaded or computed. Interior tiles, which every row sees whole, run a loop
+  copy without masks (`MASKED=False`); only the edge tiles (window start, causal diagonal,
+  sequence end) build and apply masks.
+* The 2D kernel gives one program the whole KV range of a tile. The 3D kernel (flash-decoding) also
+  splits that range into `NUM_SPLITS` contiguous chunks of tiles, writes unnormalised partial
+  results in float32, and `reduce_segments_kernel` combines them. It exists for batches with too
+  few tiles to fill the GPU (small batches of long decodes).
+
+Scores are kept in base 2 (`log2(e)` is folded into the scale) so the softmax uses `exp2`. Dots
+use IEEE float32 precision: that changes nothing for 16-bit inputs and keeps float32 inputs from
+being rounded to TF32.
+
+Launch order: the 1-D program id goes through `remap_program_id` (the arithmetic of
+`pagedserve.platforms.api.GridOrder.remap`), then tiles are numbered KV-head-major, so tiles that
+read the same KV data (same head, neighbouring query blocks of one request) are adjacent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether this module's kernels run in Triton's interpreter: triton.jit reads the variable when a
+kernel is decorated, i.e. when this module is imported."""
+
+LOG2E = 1.4426950408889634  # host side: the wrapper passes scale * LOG2E
+_LOG2E_K = tl.constexpr(LOG2E)  # kernel side: jit code may only read constexpr globals
+
+
+@triton.jit
+def remap_program_id(pid, num_programs, NUM_GROUPS: tl.constexpr):
+    """Launch-order program id -> tile id, exactly `GridOrder(num_groups=NUM_GROUPS).remap`:
+    program `pid` runs on group `pid % NUM_GROUPS`, and group g computes the contiguous tile range
+    [g * per_group + min(g, extra), ...) where the first `num_programs % NUM_GROUPS` groups hold one
+    extra tile. NUM_GROUPS == 1 is the identity (and compiles to nothing)."""
+    tile = pid
+    if NUM_GROUPS > 1:
+        group = pid % NUM_GROUPS
+        local = pid // NUM_GROUPS
+        per_group = num_programs // NUM_GROUPS
+        extra = num_programs % NUM_GROUPS
+        tile = group * per_group + tl.minimum(group, extra) + local
+    return tile
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
+    """The request owning global query block `q_block`: the last i with
+    query_start_loc[i] // BLOCK_Q + i <= q_block (binary search; query_start_loc[0] == 0)."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through the sigmoid: portable across NVIDIA and AMD (libdevice is vendor-specific).
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _load_query_tile(
+    q_ptr,
+    q_start,
+    q_len,
+    q_block_local,
+    kv_head,
+    stride_q_tok,
+    stride_q_head,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+):
+    """Load the tile's [BLOCK_M, HEAD_SIZE_PADDED] query rows (zeros where masked) and return
+    (q, token index within the request per row, query head per row, row mask, dim offsets, dim mask)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    tok = q_block_local * BLOCK_Q + offs_m // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    row_mask = (offs_m < BLOCK_Q * QUERIES_PER_KV) & (tok < q_len)
+    d_mask = offs_d < HEAD_SIZE
+    row_off = (q_start + tok).to(tl.int64) * stride_q_tok + head.to(tl.int64) * stride_q_head
+    q = tl.load(
+        q_ptr + row_off[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0
+    )
+    return q, tok, head, row_mask, offs_d, d_mask
+
+
+@triton.jit
+def _attend_kv_tiles(
+    q,
+    acc,
+    m_i,
+    l_i,
+    kv_ptr,
+    block_table_row_ptr,
+    kv_head,
+    q_pos,
+    kv_tile_start,
+    kv_tile_end,
+    seq_len,
+    scale_log2,
+    softcap,
+    window,
+    stride_kv_kind,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    offs_d,
+    d_mask,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """Online softmax over KV tiles [kv_tile_start, kv_tile_end) of one request and KV head.
+    `q_pos` [BLOCK_M] is each row's absolute position. Returns the updated (acc, m_i, l_i), where
+    acc is unnormalised and m_i is in base 2. With MASKED false the caller promises that every key
+    of every tile is visible to every row (interior tiles), so no mask is built or applied."""
+    v_ptr = kv_ptr + stride_kv_kind
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+    head_off = kv_head.to(tl.int64) * stride_kv_head
+    for kv_tile in range(kv_tile_start, kv_tile_end):
+        offs_n = kv_tile * TILE_SIZE + tl.arange(0, TILE_SIZE)
+        # A tile may span several cache blocks (TILE_SIZE > BLOCK_SIZE) or part of one; gathering
+        # the physical block per key covers both.
+        if MASKED:
+            n_mask = offs_n < seq_len
+            block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+        else:
+            block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
+            kv_mask = d_mask[None, :]
+        kv_off = block * stride_kv_block + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
+        k = tl.load(kv_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        p_ty = v.dtype
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s * (scale_log2 / _LOG2E_K) / softcap) * _LOG2E_K
+        else:
+            s = s * scale_log2
+        if MASKED:
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if USE_WINDOW:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if MASKED:  # noqa: SIM108 (a constexpr branch: the unmasked loop compiles without the guard)
+            # A row that has seen no visible key yet keeps m == -inf; exp2(-inf - -inf) is NaN.
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new  # every key of an unmasked tile is visible, so m_new is finite
+        alpha = tl.exp2(m_i - m_new_safe)
+        p = tl.exp2(s - m_new_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # p is rounded to the KV dtype as the tensor cores need; DOT_IN_FP32 then widens it again.
+        acc = acc * alpha[:, None] + tl.dot(p.to(p_ty).to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _tile_kv_range(
+    ctx_len,
+    q_len,
+    q_block_local,
+    window,
+    BLOCK_Q: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    """KV tiles [start, end) that the query block's rows can see: up to its last query's own
+    position (causal) and, with a window, from its first query's earliest visible key. Also the
+    interior tiles [full_start, full_end) that every row sees whole (no masking needed)."""
+    first_pos = ctx_len + q_block_local * BLOCK_Q
+    last_pos = ctx_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len) - 1
+    kv_end = last_pos // TILE_SIZE + 1
+    full_end = (first_pos + 1) // TILE_SIZE  # tiles whose last key is <= the first query
+    kv_start = 0
+    full_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(first_pos - window + 1, 0) // TILE_SIZE
+        # tiles whose first key is inside the last query's window
+        full_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), TILE_SIZE)
+    return kv_start, kv_end, full_start, full_end
+
+
+@triton.jit
+def _attend_span(
+    q,
+    acc,
+    m_i,
+    l_i,
+    kv_ptr,
+    block_table_row_ptr,
+    kv_head,
+    q_pos,
+    lo,
+    hi,
+    full_start,
+    full_end,
+    seq_len,
+    scale_log2,
+    softcap,
+    window,
+    stride_kv_kind,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    offs_d,
+    d_mask,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """Tiles [lo, hi) in three runs: masked edge tiles before the interior (window start),
+    unmasked interior tiles [full_start, full_end), masked edge tiles after it (causal diagonal)."""
+    mid_lo = tl.minimum(tl.maximum(full_start, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(full_end, hi), mid_lo)
+    acc, m_i, l_i = _attend_kv_tiles(
+        q,
+        acc,
+        m_i,
+        l_i,
+        kv_ptr,
+        block_table_row_ptr,
+        kv_head,
+        q_pos,
+        lo,
+        mid_lo,
+        seq_len,
+        scale_log2,
+        softcap,
+        window,
+        stride_kv_kind,
+        stride_kv_block,
+        stride_kv_slot,
+        stride_kv_head,
+        offs_d,
+        d_mask,
+        BLOCK_SIZE,
+        TILE_SIZE,
+        USE_SOFTCAP,
+        USE_WINDOW,
+        True,
+        DOT_IN_FP32,
+    )
+    acc, m_i, l_i = _attend_kv_tiles(
+        q,
+        acc,
+        m_i,
+        l_i,
+        kv_ptr,
+        block_table_row_ptr,
+        kv_head,
+        q_pos,
+        mid_lo,
+        mid_hi,
+        seq_len,
+        scale_log2,
+        softcap,
+        window,
+        stride_kv_kind,
+        stride_kv_block,
+        stride_kv_slot,
+        stride_kv_head,
+        offs_d,
+        d_mask,
+        BLOCK_SIZE,
+        TILE_SIZE,
+        USE_SOFTCAP,
+        USE_WINDOW,
+        False,
+        DOT_IN_FP32,
+    )
+    acc, m_i, l_i = _attend_kv_tiles(
+        q,
+        acc,
+        m_i,
+        l_i,
+        kv_ptr,
+        block_table_row_ptr,
+        kv_head,
+        q_pos,
+        mid_hi,
+        hi,
+        seq_len,
+        scale_log2,
+        softcap,
+        window,
+        stride_kv_kind,
+        stride_kv_block,
+        stride_kv_slot,
+        stride_kv_head,
+        offs_d,
+        d_mask,
+        BLOCK_SIZE,
+        TILE_SIZE,
+        USE_SOFTCAP,
+        USE_WINDOW,
+        True,
+        DOT_IN_FP32,
+    )
+    return acc, m_i, l_i
+
+
+@triton.jit
+def unified_attention_2d_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, head_size]
+    q_ptr,  # [num_tokens, num_q_heads, head_size]
+    kv_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    scale_log2,  # softmax scale * log2(e)
+    softcap,  # used only with USE_SOFTCAP
+    window,  # used only with USE_WINDOW
+    num_reqs,
+    num_q_blocks,  # num_tokens // BLOCK_Q + num_reqs
+    num_programs,  # num_q_blocks * num_kv_heads
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_kv_kind,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_bt_req,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
+    NUM_GRID_GROUPS: tl.constexpr,
+):
+    tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
+    kv_head = tile // num_q_blocks
+    q_block = tile % num_q_blocks
+    req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    if q_block_local * BLOCK_Q >= q_len:
+        return  # an unused block number (at most one per request)
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    q, tok, head, row_mask, offs_d, d_mask = _load_query_tile(
+        q_ptr,
+        q_start,
+        q_len,
+        q_block_local,
+        kv_head,
+        stride_q_tok,
+        stride_q_head,
+        QUERIES_PER_KV,
+        BLOCK_M,
+        BLOCK_Q,
+        HEAD_SIZE,
+        HEAD_SIZE_PADDED,
+    )
+    kv_start, kv_end, full_start, full_end = _tile_kv_range(
+        ctx_len, q_len, q_block_local, window, BLOCK_Q, TILE_SIZE, USE_WINDOW
+    )
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_span(
+        q,
+        acc,
+        m_i,
+        l_i,
+        kv_ptr,
+        block_table_ptr + req.to(tl.int64) * stride_bt_req,
+        kv_head,
+        ctx_len + tok,
+        kv_start,
+        kv_end,
+        full_start,
+        full_end,
+        seq_len,
+        scale_log2,
+        softcap,
+        window,
+        stride_kv_kind,
+        stride_kv_block,
+        stride_kv_slot,
+        stride_kv_head,
+        offs_d,
+        d_mask,
+        BLOCK_SIZE,
+        TILE_SIZE,
+        USE_SOFTCAP,
+        USE_WINDOW,
+        DOT_IN_FP32,
+    )
+
+    # Every valid row sees at least its own key, so l_i > 0 there; masked rows are not stored.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_off = (q_start + tok).to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
+    tl.store(
+        out_ptr + out_off[:, None] + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def unified_attention_3d_kernel(
+    segm_acc_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_SIZE_PADDED] float32
+    segm_max_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] float32, base 2
+    segm_sum_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] float32
+    q_ptr,
+    kv_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    softcap,
+    window,
+    num_reqs,
+    num_q_blocks,
+    num_programs,  # num_q_blocks * num_kv_heads * NUM_SPLITS
+    num_q_heads,
+    stride_q_tok,
+    stride_q_head,
+    stride_kv_kind,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_bt_req,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
+    NUM_GRID_GROUPS: tl.constexpr,
+):
+    tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
+    split = tile % NUM_SPLITS
+    tile = tile // NUM_SPLITS
+    kv_head = tile // num_q_blocks
+    q_block = tile % num_q_blocks
+    req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    if q_block_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    q, tok, head, row_mask, offs_d, d_mask = _load_query_tile(
+        q_ptr,
+        q_start,
+        q_len,
+        q_block_local,
+        kv_head,
+        stride_q_tok,
+        stride_q_head,
+        QUERIES_PER_KV,
+        BLOCK_M,
+        BLOCK_Q,
+        HEAD_SIZE,
+        HEAD_SIZE_PADDED,
+    )
+    kv_start, kv_end, full_start, full_end = _tile_kv_range(
+        ctx_len, q_len, q_block_local, window, BLOCK_Q, TILE_SIZE, USE_WINDOW
+    )
+    # This split's contiguous share of the tile range; trailing splits may get nothing and then
+    # write an empty partial (max -inf, sum 0) that the reduction weighs as zero.
+    per_split = tl.cdiv(kv_end - kv_start, NUM_SPLITS)
+    split_start = kv_start + split * per_split
+    split_end = tl.minimum(split_start + per_split, kv_end)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_span(
+        q,
+        acc,
+        m_i,
+        l_i,
+        kv_ptr,
+        block_table_ptr + req.to(tl.int64) * stride_bt_req,
+        kv_head,
+        ctx_len + tok,
+        split_start,
+        split_end,
+        full_start,
+        full_end,
+        seq_len,
+        scale_log2,
+        softcap,
+        window,
+        stride_kv_kind,
+        stride_kv_block,
+        stride_kv_slot,
+        stride_kv_head,
+        offs_d,
+        d_mask,
+        BLOCK_SIZE,
+        TILE_SIZE,
+        USE_SOFTCAP,
+        USE_WINDOW,
+        DOT_IN_FP32,
+    )
+
+    segm = ((q_start + tok).to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split
+    tl.store(segm_max_ptr + segm, m_i, mask=row_mask)
+    tl.store(segm_sum_ptr + segm, l_i, mask=row_mask)
+    tl.store(segm_acc_ptr + segm[:, None] * HEAD_SIZE_PADDED + offs_d[None, :], acc, mask=row_mask[:, None])
+
+
+@triton.jit
+def reduce_segments_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, head_size]
+    segm_acc_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_SIZE_PADDED] float32
+    segm_max_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] float32, base 2
+    segm_sum_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] float32
+    num_q_heads,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """One program per (token, query head): rescale each split's partial to the common maximum
+    and normalise by the combined sum."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    segm = (tok * num_q_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(segm_max_ptr + segm)
+    l_s = tl.load(segm_sum_ptr + segm)
+    m_all = tl.max(m, axis=0)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))
+    total = tl.sum(l_s * weight, axis=0)
+    acc = tl.load(segm_acc_ptr + segm[:, None] * HEAD_SIZE_PADDED + offs_d[None, :])
+    out = tl.sum(acc * weight[:, None], axis=0) / total
+    out_off = tok * stride_o_tok + head.to(tl.int64) * stride_o_head
+    tl.store(out_ptr + out_off + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+
+
+__all__ = [
+    "LOG2E",
+    "reduce_segments_kernel",
+    "remap_program_id",
+    "unified_attention_2d_kernel",
+    "unified_attention_3d_kernel",
+]

@@ -1,0 +1,184 @@
+"""The Triton platform's compiled kernels on a real GPU, at sizes the interpreter cannot reach:
+every declared head size, both 16-bit dtypes and float32, block sizes 16 and 32, long contexts,
+the 3D path and the heuristic, and the cache ops (including host <-> GPU swaps).
+
+Skipped without a CUDA/ROCm device, and when the kernels were imported in interpreter mode in this
+process (the interpreter test files set TRITON_INTERPRET=1): on a GPU machine run this file in its
+own pytest process.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "triton"))
+pytest.importorskip("triton")
+
+# Import the kernels only with a GPU: importing them here first would fix them in compiled mode and
+# make the interpreter test files of the same process skip.
+if torch.cuda.is_available():
+    from pagedserve_triton.unified_attention import INTERPRETED
+else:
+    INTERPRETED = False
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU"),
+    pytest.mark.skipif(
+        INTERPRETED,
+        reason="the kernels were imported under TRITON_INTERPRET=1 in this process (the interpreter "
+        "test files set it); run this file alone to test the compiled kernels",
+    ),
+]
+
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Float32 attention on the GPU, one request at a time, straight from the API contract."""
+    _, hq, d = query.shape
+    _, _, bs, hkv, _ = kv_cache.shape
+    out = torch.zeros(sum(query_lens), hq, d, dtype=torch.float32, device=query.device)
+    start = 0
+    for i, (ql, sl) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        blocks = block_table[i, : -(-sl // bs)].long()
+        k = kv_cache[0, blocks].reshape(-1, hkv, d)[:sl].float().repeat_interleave(hq // hkv, 1)
+        v = kv_cache[1, blocks].reshape(-1, hkv, d)[:sl].float().repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("qhd,khd->hqk", query[start : start + ql].float(), k) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        qp = (sl - ql) + torch.arange(ql, device=query.device)
+        kp = torch.arange(sl, device=query.device)
+        vis = kp[None, :] <= qp[:, None]
+        if window is not None:
+            vis &= kp[None, :] > qp[:, None] - window
+        out[start : start + ql] = torch.einsum(
+            "hqk,khd->qhd", s.masked_fill(~vis, float("-inf")).softmax(-1), v
+        )
+        start += ql
+    return out
+
+
+def _run(
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    hq: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    grid_groups: int = 1,
+) -> None:
+    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve.platforms.api import GridOrder
+    from pagedserve_triton.attention import TritonUnifiedAttentionBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    need = [-(-s // bs) for s in seq_lens]
+    num_blocks = sum(need) + 7
+    kv = torch.randn(2, num_blocks, bs, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen).int()
+    bt = torch.zeros(len(need), max(need), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = perm[used : used + n]
+        used += n
+    q = torch.randn(sum(query_lens), hq, d, device="cuda", dtype=dtype, generator=gen)
+    md = AttentionMetadata.build(query_lens, seq_lens, bt, bs, device="cuda")
+    backend = TritonUnifiedAttentionBackend(
+        num_splits=num_splits, grid_order=GridOrder(name="test", num_groups=grid_groups)
+    )
+    out = backend.forward(q, kv, md, scale=d**-0.5, sliding_window=window, logit_softcap=softcap)
+    ref = _reference(q, kv, query_lens, seq_lens, bt, d**-0.5, window, softcap)
+    err = (out.float() - ref).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.3g}"
+
+
+MIXED = ([300, 1, 1, 4, 37, 1], [300, 2049, 77, 516, 1000, 16])
+
+
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 112, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_mixed_batch_all_head_sizes(d: int, dtype: torch.dtype) -> None:
+    _run(*MIXED, hq=8, hkv=2, d=d, bs=16, dtype=dtype)
+
+
+@pytest.mark.parametrize("bs", [16, 32, 64])
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 8), (12, 4), (32, 8), (16, 1)])
+def test_gqa_and_block_sizes(bs: int, hq: int, hkv: int) -> None:
+    _run(*MIXED, hq=hq, hkv=hkv, d=128, bs=bs, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [None, 2, 8, 32])
+def test_split_kv_decode(num_splits: int | None) -> None:
+    _run([1, 1, 3], [8192, 777, 3000], hq=32, hkv=8, d=128, bs=16, dtype=torch.float16, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_xcd_style_grid_remap(num_splits: int) -> None:
+    _run(*MIXED, hq=8, hkv=2, d=128, bs=16, dtype=torch.float16, grid_groups=8)
+    _run(
+        [1, 2],
+        [3000, 900],
+        hq=8,
+        hkv=2,
+        d=128,
+        bs=16,
+        dtype=torch.float16,
+        num_splits=num_splits,
+        grid_groups=8,
+    )
+
+
+def test_window_and_softcap() -> None:
+    _run(*MIXED, hq=16, hkv=8, d=256, bs=16, dtype=torch.bfloat16, window=128, softcap=30.0)
+    _run([1, 2], [4000, 3001], hq=16, hkv=8, d=256, bs=32, dtype=torch.bfloat16, window=512, num_splits=4)
+
+
+def test_cache_ops_on_gpu() -> None:
+    from pagedserve_triton.cache_ops import TritonCacheOps
+
+    ops = TritonCacheOps()
+    caches = [torch.randn(2, 64, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    before = [c.clone() for c in caches]
+    mapping = torch.tensor([[1, 5], [7, 2], [1, 63]], dtype=torch.int64)
+    ops.copy_blocks(caches, mapping.cuda())
+    for c, b in zip(caches, before, strict=True):
+        expected = b.clone()
+        expected[:, mapping[:, 1]] = b[:, mapping[:, 0]]
+        assert torch.equal(c, expected)
+
+    key = torch.randn(40, 8, 128, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn(40, 8, 128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(64 * 16, device="cuda")[:40]
+    ops.reshape_and_cache(key, value, caches[0], slots)
+    flat = caches[0].reshape(2, 64 * 16, 8, 128)
+    assert torch.equal(flat[0, slots], key) and torch.equal(flat[1, slots], value)
+
+    host = torch.zeros(2, 16, 16, 8, 128, dtype=torch.bfloat16)
+    out_map = torch.tensor([[3, 0], [9, 15]], dtype=torch.int64)
+    ops.swap_blocks(caches[1], host, out_map)
+    assert torch.equal(host[:, [0, 15]], caches[1][:, [3, 9]].cpu())
+    back = torch.tensor([[0, 40], [15, 41]], dtype=torch.int64)
+    ops.swap_blocks(host, caches[2], back)
+    torch.cuda.synchronize()
+    assert torch.equal(caches[2][:, [40, 41]].cpu(), host[:, [0, 15]])
+    ops.swap_blocks(caches[0], caches[1], torch.tensor([[2, 3]], dtype=torch.int64))
+    assert torch.equal(caches[1][:, 3], caches[0][:, 2])

@@ -1,0 +1,209 @@
+"""The triton platform plugin: registration through the framework, availability without a GPU,
+its tuned-config files, the 2D/3D heuristic, and the in-kernel grid remap (interpreter)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton (and the kernels) are imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "triton"))
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from pagedserve.platforms.api import GridOrder
+from pagedserve.platforms.registry import PlatformRegistry
+from pagedserve.platforms.tuned_configs import (
+    TunedConfigError,
+    TunedConfigFile,
+    TunedConfigs,
+    load_tuned_config_file,
+)
+from pagedserve_triton import plugin
+from pagedserve_triton.attention import (
+    MAX_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    PLAN_2D,
+    SplitPlan,
+    TritonUnifiedAttentionBackend,
+    choose_split,
+)
+from pagedserve_triton.launch_params import LaunchParams, tuned_config_files
+from pagedserve_triton.unified_attention import remap_program_id
+
+H100 = "NVIDIA H100 80GB HBM3"
+ATTENTION_KERNELS = ("unified_attention_2d", "unified_attention_3d")
+
+
+# --- registration --------------------------------------------------------------------------------
+
+
+def test_plugin_registers_cleanly_and_is_unavailable_without_gpu() -> None:
+    registry = PlatformRegistry.from_plugins([("triton", plugin)], strict=True)
+    platform = registry.get("triton")
+    assert platform.info.priority == 10 and platform.info.device_type == "cuda"
+    assert platform.attention_backends() == [TritonUnifiedAttentionBackend]
+    assert type(platform.cache_ops()).__name__ == "TritonCacheOps"
+    assert set(platform.tuned_configs().kernels()) == {
+        *ATTENTION_KERNELS,
+        "reduce_segments",
+        "reshape_and_cache",
+        "copy_blocks",
+    }
+    if not torch.cuda.is_available():
+        availability = platform.availability
+        assert not availability.available
+        assert "TRITON_INTERPRET=1 without a GPU" in availability.reason
+        assert registry.available() == []
+
+
+def test_hooks_ignore_other_platforms() -> None:
+    assert plugin.PAGEDSERVE_PLUGIN_API == "1.0"
+    assert plugin.pagedserve_attention_backends(platform="cpu_reference") is None
+    assert plugin.pagedserve_cache_ops(platform="cpu_reference") is None
+    assert plugin.pagedserve_tuned_config_files(platform="cpu_reference") is None
+
+
+# --- tuned configs -------------------------------------------------------------------------------
+
+
+def test_config_files_validate_and_cover_default_and_h100() -> None:
+    files = tuned_config_files()
+    by_key = {(f.kernel, f.device) for f in map(load_tuned_config_file, files)}
+    kernels = {kernel for kernel, _ in by_key}
+    assert {(k, "default") for k in kernels} <= by_key
+    assert {(k, "h100") for k in kernels} <= by_key
+
+
+@pytest.mark.parametrize("device_name", ["cpu", H100, "AMD Instinct MI300X"])
+def test_every_declared_shape_class_has_valid_params(device_name: str) -> None:
+    params = LaunchParams()
+    caps = TritonUnifiedAttentionBackend.capabilities
+    for kernel in ATTENTION_KERNELS:
+        for head_size in caps.head_sizes:
+            for block_size in caps.block_sizes:
+                for dtype in caps.dtypes:
+                    for group in (1, 3, 8):
+                        for max_query_len in (1, 4, 16, 17, 2048):
+                            cfg = params.attention(
+                                kernel,
+                                device_name,
+                                head_size=head_size,
+                                block_size=block_size,
+                                num_queries_per_kv=group,
+                                dtype=dtype,
+                                max_query_len=max_query_len,
+                            )
+                            assert cfg.tile_size >= 16 and cfg.block_m >= 16
+    for head_size in caps.head_sizes:
+        assert params.simple("reduce_segments", device_name, head_size=head_size).num_warps >= 1
+        assert params.simple("reshape_and_cache", device_name, head_size=head_size).num_warps >= 1
+    assert params.simple("copy_blocks", device_name, block_elems=16 * 8 * 128).block >= 16
+
+
+def test_lookups_are_cached_per_shape_class() -> None:
+    params = LaunchParams()
+    a = params.attention(
+        "unified_attention_2d",
+        H100,
+        head_size=128,
+        block_size=16,
+        num_queries_per_kv=4,
+        dtype=torch.bfloat16,
+        max_query_len=3,
+    )
+    b = params.attention(
+        "unified_attention_2d",
+        H100,
+        head_size=128,
+        block_size=16,
+        num_queries_per_kv=4,
+        dtype=torch.bfloat16,
+        max_query_len=4,
+    )  # same power-of-two bucket
+    assert a is b
+
+
+def test_bad_params_are_rejected_with_the_file_context() -> None:
+    content = {
+        "schema_version": 1,
+        "kernel": "unified_attention_2d",
+        "device": "default",
+        "configs": [{"params": {"num_warps": 3, "num_stages": 2, "TILE_SIZE": 32, "BLOCK_M": 16}}],
+    }
+    params = LaunchParams(TunedConfigs([(Path("<bad>"), TunedConfigFile.model_validate(content))]))
+    with pytest.raises(TunedConfigError, match="num_warps=3 must be one of"):
+        params.attention(
+            "unified_attention_2d",
+            "cpu",
+            head_size=64,
+            block_size=16,
+            num_queries_per_kv=1,
+            dtype=torch.float16,
+            max_query_len=1,
+        )
+
+
+# --- 2D / 3D heuristic ---------------------------------------------------------------------------
+
+
+def test_heuristic_keeps_2d_when_the_grid_is_full() -> None:
+    # 256 decodes x 8 KV heads = 2048 tiles on 132 SMs.
+    assert choose_split(256, 1, 8192, 8, 132) == PLAN_2D
+    # A long prefill: query blocks give the parallelism, and partials would be huge.
+    assert choose_split(1, 4096, 4096, 8, 132, block_q=4) == PLAN_2D
+
+
+def test_heuristic_splits_small_batches_of_long_decodes() -> None:
+    plan = choose_split(1, 1, 8192, 8, 132)
+    assert plan.kind == "3d" and plan.num_splits >= 2 and plan.num_splits & (plan.num_splits - 1) == 0
+    # Two programs per SM: 8 tiles -> 33 splits wanted -> rounded up to 64 (== MAX_SPLITS).
+    assert plan == SplitPlan("3d", 64)
+    # A shorter context caps the splits at MIN_KEYS_PER_SPLIT keys each: 1024 // 64 = 16.
+    assert choose_split(1, 1, 1024, 8, 132) == SplitPlan("3d", 16)
+    # Speculative queries of a small batch are still split.
+    assert choose_split(4, 3, 4096, 8, 132, block_q=4).kind == "3d"
+
+
+def test_heuristic_respects_length_and_split_caps() -> None:
+    # Too short to split: fewer than two chunks of MIN_KEYS_PER_SPLIT keys.
+    assert choose_split(1, 1, 2 * MIN_KEYS_PER_SPLIT - 1, 8, 132) == PLAN_2D
+    # 3 chunks of keys allowed -> largest power of two <= 3.
+    assert choose_split(1, 1, 3 * MIN_KEYS_PER_SPLIT, 8, 132) == SplitPlan("3d", 2)
+    # A 3D tile longer than MIN_KEYS_PER_SPLIT sets the cap instead: 1024 // 128 = 8.
+    assert choose_split(1, 1, 1024, 8, 132, tile_size=128) == SplitPlan("3d", 8)
+    # A single KV head on a huge GPU asks for many splits; capped at MAX_SPLITS.
+    assert choose_split(1, 1, 1 << 20, 1, 10_000).num_splits == MAX_SPLITS
+    assert choose_split(0, 1, 8192, 8, 132) == PLAN_2D
+
+
+def test_heuristic_splits_fall_as_the_batch_grows() -> None:
+    splits = [choose_split(b, 1, 8192, 8, 132).num_splits for b in (1, 2, 4, 8, 16, 17)]
+    assert splits == sorted(splits, reverse=True) and splits[-1] == 1
+
+
+# --- grid remap (interpreter) --------------------------------------------------------------------
+
+
+@triton.jit
+def _remap_probe(out_ptr, num_programs, NUM_GROUPS: tl.constexpr):  # type: ignore[no-untyped-def]
+    pid = tl.program_id(0)
+    tl.store(out_ptr + pid, remap_program_id(pid, num_programs, NUM_GROUPS))
+
+
+@pytest.mark.skipif(not isinstance(_remap_probe, InterpretedFunction), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("num_groups", [1, 3, 8])
+@pytest.mark.parametrize("num_programs", [1, 5, 8, 37])
+def test_kernel_remap_matches_grid_order(num_groups: int, num_programs: int) -> None:
+    out = torch.full((num_programs,), -1, dtype=torch.int32)
+    _remap_probe[(num_programs,)](out, num_programs, NUM_GROUPS=num_groups)
+    order = GridOrder(name="probe", num_groups=num_groups)
+    assert out.tolist() == [order.remap(pid, num_programs) for pid in range(num_programs)]
+    assert sorted(out.tolist()) == list(range(num_programs))  # a permutation of the tiles

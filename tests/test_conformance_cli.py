@@ -104,7 +104,7 @@ def test_cli_passes_a_correct_narrow_platform_and_writes_the_matrix(
     assert "narrow" in out and "sliding_window" in out and " 0 failed" in out
     text = matrix.read_text()
     assert text.startswith("# Support matrix")
-    assert f"## Platform `{names['narrow']}`" in text
+    assert f"## Platform `{names['narrow']}` on cpu" in text
     assert "| sliding window | - | - | 5 |" in text  # undeclared: refused, hence unsupported
     assert "| head size | 64 | - | 32, 80, 96, 112, 128, 192, 256 |" in text
 
@@ -115,7 +115,9 @@ def test_cli_passes_a_correct_narrow_platform_and_writes_the_matrix(
     out = capsys.readouterr().out
     assert "FAILED off_by_one/" in out and "non-finite output" in out
     text = matrix.read_text()
-    assert f"## Platform `{names['narrow']}`" in text and f"## Platform `{names['buggy']}`" in text
+    assert (
+        f"## Platform `{names['narrow']}` on cpu" in text and f"## Platform `{names['buggy']}` on cpu" in text
+    )
     assert "| head size | - | 64 |" in text  # the buggy backend's only declared head size fails
 
 
@@ -142,7 +144,8 @@ def test_cli_refuses_unknown_and_unavailable_platforms(
     with pytest.raises(PlatformError, match="--allow-unavailable"):
         ConformanceSuite.for_platform(names["absent"])
     suite = ConformanceSuite.for_platform(names["absent"], allow_unavailable=True)
-    assert suite.device.type == "cpu"
+    assert suite.device.type == "cpu" and suite.cpu_test_mode
+    assert suite.describe_device() == "cpu (CPU test mode)"
 
 
 def test_pytest_plugin_runs_the_same_items(names: dict[str, str], pytester: pytest.Pytester) -> None:

@@ -13,9 +13,8 @@ from pagedserve.conformance.report import RunInfo, matrix_section
 from pagedserve.conformance.suite import ConformanceSuite
 
 MATRIX = Path(__file__).resolve().parents[1] / "docs" / "support_matrix.md"
-SECTION = re.compile(
-    r"<!-- conformance platform=cpu_reference -->.*?<!-- end conformance platform=cpu_reference -->", re.S
-)
+KEY = "platform=cpu_reference device=cpu"
+SECTION = re.compile(f"<!-- conformance {KEY} -->.*?<!-- end conformance {KEY} -->", re.S)
 
 
 def _tables(section: str) -> list[str]:
@@ -36,7 +35,7 @@ def test_cpu_reference_section_matches_a_fresh_run() -> None:
     found = SECTION.search(MATRIX.read_text())
     assert found, "docs/support_matrix.md has no cpu_reference section; generate it (docs/conformance.md)"
     suite = ConformanceSuite.for_platform("cpu_reference", quick=False)
-    info = RunInfo("cpu_reference", "cpu", False, "(fresh run)")
+    info = RunInfo("cpu_reference", "cpu", "cpu", False, "(fresh run)")
     fresh = matrix_section(info, suite.run())
     assert _tables(found.group(0)) == _tables(fresh), (
         "docs/support_matrix.md is stale: run `pagedserve conformance --platform cpu_reference "

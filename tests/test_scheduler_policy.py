@@ -399,3 +399,19 @@ def test_a_request_blocked_at_the_head_is_counted_once_as_a_prefix_query() -> No
     for _ in range(3):
         step(s)
     assert s.stats().kv_cache.counters.prefix_queries_tokens == 80
+
+
+def test_a_block_filled_by_decoding_is_shared_with_a_request_arriving_next_step() -> None:
+    s = make()
+    s.add_request(req("a", list(range(10)), max_tokens=50))
+    step(s, token=100)  # prefill: 10 computed, 11 known
+    for _ in range(6):
+        step(s, token=100)  # decodes positions 10..15: block 0 is now full and computed
+    a = s.get_request(rid("a"))
+    assert a is not None and a.num_computed_tokens == 16
+    s.add_request(req("b", [*a.all_token_ids[:16], 999]))
+    out = s.schedule()
+    # a's decode needs block 1, which indexes block 0 first; b, admitted after it, hits it.
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == "b" and new.num_computed_tokens == 16
+    assert new.block_ids[0] == s.kv.block_ids(rid("a"))[0]

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 EXIT_FAILED = 1
 EXIT_UNUSABLE = 2  # unknown or unavailable platform, or no oracle: nothing was checked
@@ -76,13 +79,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve conformance: {e}", file=sys.stderr)
         return EXIT_UNUSABLE
     print(
-        f"running {len(items)} conformance cases of platform {args.platform!r} on {suite.device}",
+        f"running {len(items)} conformance cases of platform {args.platform!r} on {suite.describe_device()}",
         file=sys.stderr,
     )
     start = time.monotonic()
-    results = [suite.run_item(item) for item in items]
+    results = []
+    for item in items:
+        results.append(suite.run_item(item))
+        logger.debug("%s", results[-1].summary())  # `pagedserve -v conformance ...` shows progress
     elapsed = time.monotonic() - start
-    info = RunInfo(args.platform, str(suite.device), args.quick, _command(args))
+    device = suite.describe_device()
+    info = RunInfo(args.platform, suite.device.type, device, args.quick, _command(args))
     if args.json:
         print(json.dumps({**to_json(info, results), "seconds": round(elapsed, 1)}, indent=2))
     else:

@@ -90,6 +90,19 @@ class ConformanceSuite:
         device = resolve_device(platform, allow_unavailable=allow_unavailable)
         return cls(platform, device=device, oracle=Oracle.find(reg), quick=quick, seed=seed)
 
+    @property
+    def cpu_test_mode(self) -> bool:
+        """Whether the platform's backends run on CPU tensors because the platform is unavailable."""
+        return not self.platform.availability.available
+
+    def describe_device(self) -> str:
+        """The device for people: "cuda:0 (NVIDIA H100 80GB HBM3)", "cpu (CPU test mode)"."""
+        if self.cpu_test_mode:
+            return f"{self.device} (CPU test mode)"
+        if self.device.type == "cuda":
+            return f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        return str(self.device)
+
     def backend_names(self) -> list[str]:
         return list(self._backend_classes)
 

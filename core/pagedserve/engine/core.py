@@ -99,9 +99,7 @@ class EngineCore:
                     stop_token_id=update.stop_token_id,
                     logprobs=logprobs,
                     prompt_logprobs=result.prompt_logprobs.get(update.req_id),
-                    num_cached_tokens=getattr(
-                        update, "num_cached_tokens", 0
-                    ),  # XXX until RequestUpdate has it
+                    num_cached_tokens=update.num_cached_tokens,
                 )
             )
         return outputs

@@ -78,7 +78,8 @@ def choose_backend(platform: LoadedPlatform, spec: ModelSpec, block_size: int) -
                 head_size=spec.head_size,
                 dtype=spec.dtype,
                 block_size=block_size,
-                sliding_window=spec.max_sliding_window if spec.uses_sliding_window else None,
+                # Any sliding layer needs window support, even if other layers attend fully.
+                sliding_window=next((w for w in spec.sliding_windows if w is not None), None),
                 logit_softcap=spec.logit_softcap,
             )
         except UnsupportedCase as exc:

@@ -179,8 +179,10 @@ class KVCacheManager:
         """Make room for `num_new_tokens` KV writes starting at the request's first uncomputed
         token (after `cached_prefix`, the hits of `find_cached_prefix`, for a request holding no
         blocks yet). Any block the writes touch that is shared (ref_cnt > 1) is first replaced by a
-        private copy (copy-on-write). Returns None, changing nothing, when the pool lacks blocks.
-        Mutates the pool and the request's table; does not change `request.num_computed_tokens`."""
+        private copy (copy-on-write). Off the decode fast path it also registers the request's
+        full computed blocks in the prefix cache: that is how a decode's filled block is indexed
+        without a per-step check. Returns None, changing no block table, when the pool lacks
+        blocks. Mutates the pool and the request's table; does not change `num_computed_tokens`."""
         held = self._held.get(request.id)
         table = held.blocks if held is not None else []
         bs = self.block_size
@@ -190,6 +192,10 @@ class KVCacheManager:
         first = start // bs
         if num_new_blocks <= 0 and end_block - first == 1 and table[first].ref_cnt == 1:
             return _NOTHING_NEW  # the decode fast path: room left in the last block, not shared
+        if held is not None and self.enable_caching and held.num_cached_blocks < start // bs:
+            # Blocks completed since the last registration (a decode that just filled its last
+            # block lands here, as it needs a new one): index them now, before this step.
+            self.cache_computed_blocks(request)
         shared = [i for i in range(first, min(len(table), end_block)) if table[i].ref_cnt > 1]
         if num_new_blocks <= 0 and not shared:
             return _NOTHING_NEW

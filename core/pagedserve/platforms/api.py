@@ -83,7 +83,11 @@ class AttentionBackend(ABC):
     tokens (chunked prefill and decode are the same case: cached context plus new tokens). The new
     tokens' keys and values are already in the cache (the caller runs `reshape_and_cache` first).
     Attention is causal: query row `j` of request `i` (absolute position `seq_len - query_len + j`)
-    sees key positions `<= ` its own, and with a sliding window `W` only the last `W` of those.
+    sees key positions `<= ` its own, and with a sliding window `W` only the last `W` of those
+    (keys in `[p - W + 1, p]` for a query at position `p`).
+
+    The host constructs a backend with no arguments, once per engine, and calls it from one thread;
+    a backend reads its launch parameters (tuned configs) and grid order itself at construction.
     """
 
     name: ClassVar[str]
@@ -148,7 +152,9 @@ class CacheOps(ABC):
         slot_mapping: torch.Tensor,  # [num_tokens] int64; slot = block_id * block_size + offset
     ) -> None:
         """Write each token's key and value into its slot. Only the first `len(slot_mapping)` rows
-        of key/value are written; slots must be distinct. Mutates `kv_cache`."""
+        of key/value are written; slots must be distinct. `key` and `value` may be strided views
+        (e.g. slices of a fused qkv projection): only their last dimension is unit-stride.
+        Mutates `kv_cache`."""
 
     @abstractmethod
     def copy_blocks(

@@ -251,6 +251,7 @@ class Scheduler:
         if self.config.preemption_mode is PreemptionMode.SWAP:
             swapped = self.kv.swap_out(victim)
         if swapped is None:
+            self.kv.cache_computed_blocks(victim)  # so that its resumption can hit them
             self.kv.free(victim)
             victim.num_computed_tokens = 0
         else:
@@ -390,7 +391,6 @@ class Scheduler:
         append_update = updates.append
         running = RequestStatus.RUNNING
         caching = self.kv.enable_caching
-        bs = self.block_size
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
             if request is None or request.status is not running:
@@ -400,9 +400,11 @@ class Scheduler:
                 self._roll_back_rejected(request, spec[req_id], tokens)
                 if caching:
                     self.kv.cache_computed_blocks(request)
-            # Hash only when the step completed a block (its computed count crossed a multiple of
-            # block_size): a decode pays once per block_size steps, and one modulo otherwise.
-            elif caching and request.num_computed_tokens % bs < num_scheduled:
+            # A chunk of several tokens may have filled blocks: index them now, so that requests
+            # admitted next step can share them. A one-token decode's filled block is indexed
+            # by allocate_slots when the next step needs a new block (no per-request check
+            # here), or just below if the request finishes.
+            elif caching and num_scheduled > 1:
                 self.kv.cache_computed_blocks(request)
             known = request.all_token_ids
             if not tokens:
@@ -435,6 +437,8 @@ class Scheduler:
             else:
                 update = self._append_tokens(request, tokens)
             if update.status is not running:
+                if caching:
+                    self.kv.cache_computed_blocks(request)  # its last blocks outlive it in the cache
                 self._finish(request, update.status)
             else:
                 unsent[req_id] = update.new_token_ids

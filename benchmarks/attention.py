@@ -12,6 +12,19 @@ upper bound that a paged kernel cannot beat by layout alone.
     PYTHONPATH=core:plugins/triton python benchmarks/attention.py --tune OUT_DIR   # writes JSON
 
 Defaults are a Llama-3-8B layer: 32 query heads, 8 KV heads, head size 128, bfloat16, block 16.
+
+--issue-cases measures exactly the cases of issue 5 in one run (decode b{1,16,64,256} x ctx
+{512,2048,8192}; prefill 4 x 2048; chunked q1024 after 7168 tokens of context; 64 decodes at
+ctx 2048 + 2 prefills of 1024; speculative b64 q4 ctx 2048), for 32q/8kv and 64q/8kv heads, against
+SDPA flash, SDPA cuDNN and compiled FlexAttention on contiguous copies, with vLLM's reference
+numbers and our targets beside them. "ctx N" of a decode or speculative request is its seq_len
+(keys it sees, new tokens included). The exact command for an H100 (about 3-4 minutes):
+
+    PYTHONPATH=core:plugins/triton python benchmarks/attention.py --issue-cases --json issue5.json
+
+and the CPU plumbing check (tiny shapes, Triton interpreter, timings meaningless):
+
+    TRITON_INTERPRET=1 PYTHONPATH=core:plugins/triton python benchmarks/attention.py --issue-cases --smoke
 """
 
 from __future__ import annotations
@@ -19,9 +32,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
+import time
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +47,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.tuned_configs import TunedConfigFile, TunedConfigs, device_family
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.launch_params import CONFIG_DIR
+from pagedserve_triton.unified_attention import INTERPRETED
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -52,9 +70,9 @@ class Batch:
     seq_lens: list[int]  # req index -> seq_len
 
 
-def make_batch(shape: Shape, query_lens: list[int], seq_lens: list[int]) -> Batch:
+def make_batch(shape: Shape, query_lens: list[int], seq_lens: list[int], device: str = "cuda") -> Batch:
     """Random data in a cache whose blocks are handed out in shuffled order. Does not mutate."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     need = [-(-s // shape.block_size) for s in seq_lens]
     num_blocks = sum(need)
     kv = torch.randn(
@@ -63,19 +81,19 @@ def make_batch(shape: Shape, query_lens: list[int], seq_lens: list[int]) -> Batc
         shape.block_size,
         shape.kv_heads,
         shape.head_size,
-        device="cuda",
+        device=device,
         dtype=shape.dtype,
         generator=gen,
     )
-    ids = torch.randperm(num_blocks, device="cuda", generator=gen).int()
-    table = torch.zeros(len(need), max(need), dtype=torch.int32, device="cuda")
+    ids = torch.randperm(num_blocks, device=device, generator=gen).int()
+    table = torch.zeros(len(need), max(need), dtype=torch.int32, device=device)
     used = 0
     for i, n in enumerate(need):
         table[i, :n] = ids[used : used + n]
         used += n
-    md = AttentionMetadata.build(query_lens, seq_lens, table, shape.block_size, device="cuda")
+    md = AttentionMetadata.build(query_lens, seq_lens, table, shape.block_size, device=device)
     q = torch.randn(
-        md.num_actual_tokens, shape.q_heads, shape.head_size, device="cuda", dtype=shape.dtype, generator=gen
+        md.num_actual_tokens, shape.q_heads, shape.head_size, device=device, dtype=shape.dtype, generator=gen
     )
     return Batch(q, kv, md, query_lens, seq_lens)
 
@@ -247,6 +265,644 @@ def tune(shape: Shape, out_dir: Path) -> None:
         print(f"wrote {path}")
 
 
+# ----------------------------------------------------------------------------------------------
+# --issue-cases: exactly the cases of issue 5, every backend in one run, one table.
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One goal of issue 5 for a 32q/8kv case: `metric` must be <= `bound` ("us") or >= it."""
+
+    metric: Literal["us", "gbps", "tflops"]
+    bound: float
+    # Prefill targets also ask for at least FlexAttention's speed measured in the same run.
+    beat_flex: bool = False
+
+    def describe(self) -> str:
+        op = "<=" if self.metric == "us" else ">="
+        unit = {"us": " us", "gbps": " GB/s", "tflops": " TFLOP/s"}[self.metric]
+        return f"{op} {self.bound:g}{unit}" + (" and <= flex" if self.beat_flex else "")
+
+
+@dataclass(frozen=True, slots=True)
+class IssueCase:
+    name: str
+    kind: Literal["decode", "prefill", "chunked", "mixed", "spec"]
+    query_lens: list[int]  # req index -> query_len
+    seq_lens: list[int]  # req index -> seq_len (context + new tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class IssueSizes:
+    """The lengths of issue 5's cases; `--smoke` shrinks them so Triton's interpreter can run them."""
+
+    decode_batches: tuple[int, ...] = (1, 16, 64, 256)
+    decode_contexts: tuple[int, ...] = (512, 2048, 8192)
+    prefill: tuple[int, int] = (4, 2048)  # (requests, tokens each)
+    chunked: tuple[int, int] = (1024, 7168)  # (new tokens, context already cached)
+    mixed: tuple[int, int, int, int] = (64, 2048, 2, 1024)  # (decodes, their ctx, prefills, their len)
+    spec: tuple[int, int, int] = (64, 4, 2048)  # (requests, query_len, ctx)
+
+
+SMOKE_SIZES = IssueSizes(
+    decode_batches=(1, 3),
+    decode_contexts=(24, 72),
+    prefill=(2, 40),
+    chunked=(24, 40),
+    mixed=(3, 40, 2, 24),
+    spec=(3, 4, 40),
+)
+
+# vLLM's Triton unified attention on the lead's H100, 32q/8kv, CUDA-graph timed (us), with the
+# other baselines measured there; printed beside ours, never used to judge a target.
+VLLM_REFERENCE_US: dict[str, float] = {
+    "decode b1 ctx8192": 42.5,
+    "decode b16 ctx2048": 68.0,
+    "decode b64 ctx2048": 188.0,
+    "decode b256 ctx8192": 2890.0,
+    "prefill 4x2048": 1920.0,
+    "chunked q1024 ctx7168": 1800.0,
+    "mixed 64x2048 + 2x1024": 430.0,
+    "spec b64 q4 ctx2048": 190.0,
+}
+REFERENCE_NOTES = "vLLM run also measured: prefill 4x2048 cuDNN SDPA 296 us, flex 414 us; chunked flex 324 us"
+
+
+def issue_cases(sizes: IssueSizes) -> list[IssueCase]:
+    """Issue 5's cases, longest-compiling baselines (prefills) first so a Flex budget cut hits
+    decodes last. Pure."""
+    n_pre, len_pre = sizes.prefill
+    q_chunk, ctx_chunk = sizes.chunked
+    n_dec, ctx_dec, n_mix_pre, len_mix_pre = sizes.mixed
+    n_spec, q_spec, ctx_spec = sizes.spec
+    cases = [
+        IssueCase(f"prefill {n_pre}x{len_pre}", "prefill", [len_pre] * n_pre, [len_pre] * n_pre),
+        IssueCase(f"chunked q{q_chunk} ctx{ctx_chunk}", "chunked", [q_chunk], [q_chunk + ctx_chunk]),
+        IssueCase(
+            f"mixed {n_dec}x{ctx_dec} + {n_mix_pre}x{len_mix_pre}",
+            "mixed",
+            [1] * n_dec + [len_mix_pre] * n_mix_pre,
+            [ctx_dec] * n_dec + [len_mix_pre] * n_mix_pre,
+        ),
+        IssueCase(f"spec b{n_spec} q{q_spec} ctx{ctx_spec}", "spec", [q_spec] * n_spec, [ctx_spec] * n_spec),
+    ]
+    cases += [
+        IssueCase(f"decode b{b} ctx{c}", "decode", [1] * b, [c] * b)
+        for b in sizes.decode_batches
+        for c in sizes.decode_contexts
+    ]
+    return cases
+
+
+def issue_target(case: IssueCase, q_heads: int, kv_heads: int) -> Target | None:
+    """Issue 5's goal for this case, or None (targets are stated for 32q/8kv only). Pure."""
+    if (q_heads, kv_heads) != (32, 8):
+        return None
+    if case.kind in ("prefill", "chunked"):
+        return Target("tflops", 350.0, beat_flex=True)
+    if case.kind == "mixed":
+        return Target("us", 300.0)
+    if case.kind == "spec":
+        return Target("us", 170.0)
+    batch, ctx = len(case.seq_lens), case.seq_lens[0]
+    if batch >= 64 and ctx >= 2048:
+        return Target("gbps", 2700.0)
+    return {(1, 8192): Target("us", 25.0), (16, 2048): Target("us", 45.0)}.get((batch, ctx))
+
+
+def needed_kv_bytes(seq_lens: list[int], kv_heads: int, head_size: int, dtype_bytes: int) -> int:
+    """Bytes of K and V the batch must read at least once: every request's seq_len tokens. Pure."""
+    return sum(seq_lens) * kv_heads * head_size * 2 * dtype_bytes
+
+
+def causal_flops(query_lens: list[int], seq_lens: list[int], q_heads: int, head_size: int) -> int:
+    """FLOPs of causal attention: a request's query rows are its last query_len tokens, so row j
+    (0-based) sees `seq_len - query_len + j + 1` keys; each key costs q_heads * head_size * 4
+    (QK^T and PV, a multiply-add counted as 2). Pure."""
+    total = 0
+    for q, s in zip(query_lens, seq_lens, strict=True):
+        keys_seen = q * (s - q) + q * (q + 1) // 2
+        total += keys_seen * q_heads * head_size * 4
+    return total
+
+
+def target_met(target: Target, us: float, gbps: float, tflops: float, flex_us: float | None) -> bool:
+    """Whether a measurement meets `target`; `flex_us` None means Flex was not measured, and the
+    "at least Flex's speed" half of a prefill target is then not judged. Pure."""
+    value = {"us": us, "gbps": gbps, "tflops": tflops}[target.metric]
+    ok = value <= target.bound if target.metric == "us" else value >= target.bound
+    if target.beat_flex and flex_us is not None:
+        ok = ok and us <= flex_us
+    return ok
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Requests sharing (query_len, seq_len), as contiguous batched copies for SDPA and Flex."""
+
+    query_len: int
+    seq_len: int
+    q: torch.Tensor  # [n, q_heads, query_len, head_size]
+    k: torch.Tensor  # [n, kv_heads, seq_len, head_size]
+    v: torch.Tensor  # [n, kv_heads, seq_len, head_size]
+    rows: torch.Tensor  # [n * query_len] int64: the flattened batch's row of each (request, position)
+
+
+def contiguous_request_kv(batch: Batch, req: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request `req`'s K and V as [kv_heads, seq_len, head_size] copies out of the paged cache."""
+    s = batch.seq_lens[req]
+    blocks = batch.metadata.block_table[req].long()
+    _, _, _, hkv, d = batch.kv_cache.shape
+    k = batch.kv_cache[0][blocks].reshape(-1, hkv, d)[:s].transpose(0, 1).contiguous()
+    v = batch.kv_cache[1][blocks].reshape(-1, hkv, d)[:s].transpose(0, 1).contiguous()
+    return k, v
+
+
+def make_groups(batch: Batch) -> list[Group]:
+    """Contiguous copies of `batch`, one batched group per distinct (query_len, seq_len). Does not
+    mutate `batch`."""
+    starts = batch.metadata.query_start_loc_cpu.tolist()
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(zip(batch.query_lens, batch.seq_lens, strict=True)):
+        by_shape.setdefault(key, []).append(i)
+    _, _, _, hkv, d = batch.kv_cache.shape
+    groups = []
+    for (ql, sl), reqs in by_shape.items():
+        rows = torch.cat([torch.arange(starts[i], starts[i] + ql) for i in reqs]).to(batch.query.device)
+        q = batch.query[rows].reshape(len(reqs), ql, *batch.query.shape[1:]).transpose(1, 2).contiguous()
+        # Only the blocks these requests own: [n, blocks, block, kv_heads, head] -> [n, kv_heads, sl, head]
+        blocks = batch.metadata.block_table[torch.tensor(reqs, device=batch.query.device)].long()
+        blocks = blocks[:, : -(-sl // batch.kv_cache.shape[2])]
+        k = batch.kv_cache[0][blocks].reshape(len(reqs), -1, hkv, d)[:, :sl].transpose(1, 2).contiguous()
+        v = batch.kv_cache[1][blocks].reshape(len(reqs), -1, hkv, d)[:, :sl].transpose(1, 2).contiguous()
+        groups.append(Group(ql, sl, q, k, v, rows))
+    return groups
+
+
+def scatter_groups(batch: Batch, groups: list[Group], outs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-group outputs [n, q_heads, query_len, head_size] back into the batch's row order."""
+    full = torch.empty_like(batch.query)
+    for g, o in zip(groups, outs, strict=True):
+        full[g.rows] = o.transpose(1, 2).reshape(-1, *batch.query.shape[1:])
+    return full
+
+
+def lower_right_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[query_len, seq_len] bool, True where query row j may see key i (i <= seq_len - query_len + j)."""
+    return torch.ones(query_len, seq_len, dtype=torch.bool, device=device).tril(seq_len - query_len)
+
+
+@dataclass(slots=True)
+class Measured:
+    """One backend's result on one case: a time, or why there is none."""
+
+    us: float | None = None
+    timing: str = ""  # "graph" (CUDA-graph replay), "events" (launches timed by events) or "wall" (CPU)
+    error: str | None = None
+    max_diff: float | None = None  # max |out - ours| over the batch
+    note: str = ""
+
+    kv_expanded: bool = False  # GQA refused: K/V were expanded to the query heads (more bytes read)
+
+    def cell(self, tolerance: float) -> str:
+        if self.us is None:
+            return f"n/a ({self.error or '?'})"
+        mark = "*" if self.timing == "events" else ""
+        mark += "x" if self.kv_expanded else ""
+        if self.max_diff is not None and not self.max_diff <= tolerance:
+            mark += "!"
+        return f"{self.us:.1f}{mark}"
+
+
+class Timer:
+    """Times a callable: CUDA-graph replay on a GPU (falling back to CUDA events over many plain
+    launches when capture fails), wall clock on CPU (`--smoke`, plumbing only)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn: Callable[[], object], m: Measured) -> None:
+        """Fills `m.us` and `m.timing`; mutates only `m`."""
+        if self.device.type != "cuda":
+            fn()
+            start = time.perf_counter()
+            fn()
+            m.us, m.timing = (time.perf_counter() - start) * 1e6, "wall"
+            return
+        try:
+            m.us, m.timing = time_graph(fn), "graph"
+        except Exception as e:  # some compiled or library paths refuse capture: time plain launches
+            torch.cuda.synchronize()
+            m.note = f"graph capture failed ({type(e).__name__}); events over launches"
+            m.us, m.timing = time_events(fn), "events"
+
+
+def time_events(fn: Callable[[], object], iters: int = 50) -> float:
+    """Microseconds per call of `fn` from CUDA events over `iters` launches (median of 5 rounds)."""
+    for _ in range(3):
+        fn()
+    rounds = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        rounds.append(start.elapsed_time(end) * 1000 / iters)
+    return sorted(rounds)[2]
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """A baseline ready to time: its call, the map of its output to [tokens, q_heads, head_size],
+    and anything the table should say about how it ran."""
+
+    fn: Callable[[], torch.Tensor]
+    to_rows: Callable[[torch.Tensor], torch.Tensor]
+    note: str = ""
+    kv_expanded: bool = False
+
+
+def measure(build: Callable[[], Built], ours: torch.Tensor, timer: Timer) -> Measured:
+    """Build a baseline, check its output against ours, then time it. Any exception becomes "n/a"
+    with its type (a backend refusing a shape is a result to report, not a crash)."""
+    m = Measured()
+    try:
+        built = build()
+        m.note, m.kv_expanded = built.note, built.kv_expanded
+        m.max_diff = float((built.to_rows(built.fn()).float() - ours.float()).abs().max())
+        timer(built.fn, m)
+    except Exception as e:
+        m.us, m.error = None, type(e).__name__
+        first_line = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        m.note = f"{type(e).__name__}: {first_line}"
+    return m
+
+
+def sdpa_builder(batch: Batch, groups: list[Group], backend: str) -> Callable[[], Built]:
+    """SDPA `backend` ("flash" or "cudnn") on the contiguous groups, one call per group: no mask
+    for decodes, is_causal for full prefills. A query shorter than its sequence needs bottom-right
+    causality: flash gets it from its own op (whose `is_causal` is bottom-right aligned), cuDNN
+    from an explicit bool mask. K/V keep their 8 heads (`enable_gqa`); only if the backend refuses
+    that are they expanded to the query heads before timing, which the table notes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdp = SDPBackend.FLASH_ATTENTION if backend == "flash" else SDPBackend.CUDNN_ATTENTION
+    scale = batch.query.shape[-1] ** -0.5
+    masks = {
+        (g.query_len, g.seq_len): lower_right_mask(g.query_len, g.seq_len, batch.query.device)
+        for g in groups
+        if 1 < g.query_len < g.seq_len and backend == "cudnn"
+    }
+
+    def one(g: Group, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if 1 < g.query_len < g.seq_len and backend == "flash":
+            out: torch.Tensor = torch.ops.aten._scaled_dot_product_flash_attention(
+                g.q, k, v, 0.0, is_causal=True, scale=scale
+            )[0]
+            return out
+        mask = masks.get((g.query_len, g.seq_len))
+        causal = g.query_len == g.seq_len and g.query_len > 1
+        with sdpa_kernel([sdp]):
+            return F.scaled_dot_product_attention(
+                g.q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+            )
+
+    def build() -> Built:
+        outs: list[torch.Tensor] = []
+        kvs = [(g.k, g.v) for g in groups]
+
+        def fn() -> torch.Tensor:
+            outs[:] = [one(g, k, v) for g, (k, v) in zip(groups, kvs, strict=True)]
+            return outs[0]
+
+        note, expanded = "", False
+        try:
+            fn()
+        except RuntimeError as e:
+            group = batch.query.shape[1] // batch.kv_cache.shape[3]
+            if group == 1:
+                raise
+            kvs[:] = [(g.k.repeat_interleave(group, 1), g.v.repeat_interleave(group, 1)) for g in groups]
+            fn()  # if expanded K/V fail too, that error is the result
+            note = f"GQA refused ({type(e).__name__}); K/V expanded to {batch.query.shape[1]} heads"
+            expanded = True
+        return Built(fn, lambda _: scatter_groups(batch, groups, outs), note, expanded)
+
+    return build
+
+
+_FLEX: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def flex_fn(compiled: bool) -> Callable[..., torch.Tensor]:
+    """FlexAttention, compiled once per process (shapes recompile inside dynamo's cache)."""
+    key = "compiled" if compiled else "eager"
+    if key not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if compiled:
+            # One static-shape compile per case; dynamo's default limit (8) would silently fall
+            # back to eager (dense scores) after the eighth shape.
+            # (Older torch names these cache_size_limit; set whichever this version has.)
+            for name, value in (
+                ("recompile_limit", 256),
+                ("cache_size_limit", 256),
+                ("accumulated_recompile_limit", 4096),
+                ("accumulated_cache_size_limit", 4096),
+            ):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, value)
+            _FLEX[key] = torch.compile(flex_attention, dynamic=False)
+        else:
+            _FLEX[key] = flex_attention
+    return _FLEX[key]
+
+
+def flex_builder(batch: Batch, groups: list[Group], compiled: bool) -> Callable[[], Built]:
+    """FlexAttention on contiguous copies. A uniform batch runs batched with a bottom-right causal
+    block mask (none for decodes); a ragged batch runs as one concatenated sequence with a
+    document mask: a query sees keys of its own request at positions <= its own."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    flex = flex_fn(compiled)
+    dev = batch.query.device
+    scale = batch.query.shape[-1] ** -0.5
+
+    def build() -> Built:
+        if len(groups) == 1:
+            g = groups[0]
+            block_mask = None
+            if g.query_len > 1:
+                offset = g.seq_len - g.query_len
+
+                def offset_causal(
+                    b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+                ) -> torch.Tensor:
+                    return ki <= qi + offset
+
+                block_mask = create_block_mask(offset_causal, None, None, g.query_len, g.seq_len, device=dev)
+
+            def fn() -> torch.Tensor:
+                out: torch.Tensor = flex(g.q, g.k, g.v, block_mask=block_mask, scale=scale, enable_gqa=True)
+                return out
+
+            return Built(fn, lambda o: scatter_groups(batch, groups, [o]))
+        q = batch.query[: batch.metadata.num_actual_tokens].transpose(0, 1).unsqueeze(0).contiguous()
+        kvs = [contiguous_request_kv(batch, i) for i in range(len(batch.seq_lens))]
+        k = torch.cat([kv[0] for kv in kvs], dim=1).unsqueeze(0)
+        v = torch.cat([kv[1] for kv in kvs], dim=1).unsqueeze(0)
+        del kvs
+        # Mask lookups are padded to Flex's 128-row blocks with document ids no real row has, so
+        # a padded index never reads past a table or matches a request.
+        n = len(batch.seq_lens)
+        pad = 128
+
+        def doc_table(
+            lens: list[int], first_pos: list[int], pad_doc: int
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            docs = torch.repeat_interleave(torch.arange(n), torch.tensor(lens))
+            pos = torch.cat([torch.arange(p, p + ln) for p, ln in zip(first_pos, lens, strict=True)])
+            extra = -len(docs) % pad
+            docs = torch.cat([docs, torch.full((extra,), pad_doc)])
+            pos = torch.cat([pos, torch.zeros(extra, dtype=torch.long)])
+            return docs.to(dev), pos.to(dev)
+
+        contexts = [s - ql for ql, s in zip(batch.query_lens, batch.seq_lens, strict=True)]
+        q_doc, q_pos = doc_table(batch.query_lens, contexts, n)
+        k_doc, k_pos = doc_table(batch.seq_lens, [0] * n, n + 1)
+
+        def document_causal(
+            b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+        ) -> torch.Tensor:
+            return (q_doc[qi] == k_doc[ki]) & (k_pos[ki] <= q_pos[qi])
+
+        block_mask = create_block_mask(document_causal, None, None, q.shape[2], k.shape[2], device=dev)
+
+        def ragged() -> torch.Tensor:
+            out: torch.Tensor = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+            return out
+
+        return Built(ragged, lambda o: o[0].transpose(0, 1), "concatenated, document mask")
+
+    return build
+
+
+@dataclass(slots=True)
+class CaseResult:
+    case: IssueCase
+    q_heads: int
+    kv_heads: int
+    kv_bytes: int
+    flops: int
+    plan: str = ""
+    ours: Measured = field(default_factory=Measured)
+    forced_2d: Measured = field(default_factory=Measured)
+    baselines: dict[str, Measured] = field(default_factory=dict)  # "flash" | "cudnn" | "flex" -> result
+    target: Target | None = None
+    target_met: bool | None = None
+    error: str | None = None
+
+    def rates(self, us: float | None) -> tuple[float, float]:
+        """(GB/s of needed K/V bytes, TFLOP/s) at `us` microseconds; NaN when not measured."""
+        if not us:
+            return float("nan"), float("nan")
+        return self.kv_bytes / us / 1e3, self.flops / us / 1e6
+
+    def to_json(self) -> dict[str, object]:
+        def m(x: Measured) -> dict[str, object]:
+            gbps, tflops = self.rates(x.us)
+            d = asdict(x)
+            d.update(gbps=None if x.us is None else gbps, tflops=None if x.us is None else tflops)
+            return d
+
+        return {
+            "case": self.case.name,
+            "kind": self.case.kind,
+            "q_heads": self.q_heads,
+            "kv_heads": self.kv_heads,
+            "num_reqs": len(self.case.seq_lens),
+            "num_tokens": sum(self.case.query_lens),
+            "needed_kv_bytes": self.kv_bytes,
+            "flops": self.flops,
+            "plan": self.plan,
+            "ours": m(self.ours),
+            "ours_forced_2d": m(self.forced_2d),
+            "baselines": {k: m(v) for k, v in self.baselines.items()},
+            "vllm_reference_us": VLLM_REFERENCE_US.get(self.case.name) if self.q_heads == 32 else None,
+            "target": None if self.target is None else self.target.describe(),
+            "target_met": self.target_met,
+            "error": self.error,
+        }
+
+
+def ours_call(backend: TritonUnifiedAttentionBackend, batch: Batch) -> Callable[[], torch.Tensor]:
+    """One layer's attention call of `backend` on `batch`, writing a preallocated output."""
+    out = torch.empty_like(batch.query)
+    scale = batch.query.shape[-1] ** -0.5
+    return lambda: backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=scale, out=out)
+
+
+def measure_baselines(
+    res: CaseResult, batch: Batch, ours_out: torch.Tensor, timer: Timer, flex_left_s: list[float]
+) -> None:
+    """SDPA flash, SDPA cuDNN and Flex on contiguous copies of `batch`, into `res.baselines`.
+    Mutates `res` and `flex_left_s[0]` (the Flex budget left, compile included)."""
+    try:
+        groups = make_groups(batch)
+    except Exception as e:  # e.g. out of memory for the copies: ours is measured, baselines are not
+        for name in ("flash", "cudnn", "flex"):
+            res.baselines[name] = Measured(error=type(e).__name__, note=f"contiguous copies: {str(e)[:160]}")
+        return
+    for name in ("flash", "cudnn"):
+        res.baselines[name] = measure(sdpa_builder(batch, groups, name), ours_out, timer)
+    if flex_left_s[0] <= 0:
+        res.baselines["flex"] = Measured(error="budget", note="skipped: --flex-budget-s spent")
+        return
+    start = time.perf_counter()
+    compiled = batch.query.device.type == "cuda"  # CPU smoke runs Flex eagerly: no C++ compile
+    res.baselines["flex"] = measure(flex_builder(batch, groups, compiled), ours_out, timer)
+    flex_left_s[0] -= time.perf_counter() - start
+
+
+def run_issue_case(
+    case: IssueCase, shape: Shape, device: torch.device, timer: Timer, flex_left_s: list[float]
+) -> CaseResult:
+    """Measure one case: ours (heuristic plan and forced 2D), SDPA flash and cuDNN, FlexAttention.
+    `flex_left_s[0]` is the remaining Flex budget (compile + timing), decremented here."""
+    res = CaseResult(
+        case,
+        shape.q_heads,
+        shape.kv_heads,
+        needed_kv_bytes(case.seq_lens, shape.kv_heads, shape.head_size, shape.dtype.itemsize),
+        causal_flops(case.query_lens, case.seq_lens, shape.q_heads, shape.head_size),
+        target=issue_target(case, shape.q_heads, shape.kv_heads),
+    )
+    batch = make_batch(shape, case.query_lens, case.seq_lens, device=device.type)
+    scale = shape.head_size**-0.5
+    res.plan = plan_of(batch)
+    heuristic = TritonUnifiedAttentionBackend()
+    ours_out = heuristic.forward(batch.query, batch.kv_cache, batch.metadata, scale=scale).clone()
+    for m, splits in ((res.ours, None), (res.forced_2d, 1)):
+        call = ours_call(TritonUnifiedAttentionBackend(num_splits=splits), batch)
+        timer(call, m)
+        m.max_diff = float((call().float() - ours_out.float()).abs().max())
+    measure_baselines(res, batch, ours_out, timer, flex_left_s)
+    del batch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if res.target is not None and res.ours.us is not None:
+        gbps, tflops = res.rates(res.ours.us)
+        res.target_met = target_met(res.target, res.ours.us, gbps, tflops, res.baselines["flex"].us)
+    return res
+
+
+# (header, width); negative width = left-aligned. Baseline cells fit "n/a (NotImplementedError)".
+COLUMNS = [
+    ("case", -23), ("heads", 5), ("plan", 5), ("ours us", 9), ("2d us", 9), ("GB/s", 6), ("TFLOP/s", 7),
+    ("flash us", 21), ("cudnn us", 21), ("flex us", 21), ("vllm us", 7), ("target", -1),
+]  # fmt: skip
+
+
+def _row(cells: list[str]) -> str:
+    """Cells under COLUMNS' widths; a FAILED row passes only its first cells."""
+    widths = [w for _, w in COLUMNS[: len(cells)]]
+    return " ".join(
+        f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)
+    ).rstrip()
+
+
+def print_issue_table(results: list[CaseResult], tolerance: float) -> None:
+    """The compact table, then the legend and every distinct note (errors, fallbacks) once."""
+    head = _row([h for h, _ in COLUMNS])
+    print(head)
+    print("-" * len(head))
+    notes: dict[str, list[str]] = {}  # message -> cases it applies to
+    for r in results:
+        heads = f"{r.q_heads}/{r.kv_heads}"
+        if r.error is not None:
+            print(f"{_row([r.case.name, heads])}  FAILED: {r.error}")
+            continue
+        gbps, tflops = r.rates(r.ours.us)
+        ref = VLLM_REFERENCE_US.get(r.case.name) if r.q_heads == 32 else None
+        target = ""
+        if r.target is not None:
+            verdict = "?" if r.target_met is None else ("met" if r.target_met else "MISSED")
+            target = f"{verdict} ({r.target.describe()})"
+        cells = [r.case.name, heads, r.plan, r.ours.cell(tolerance), r.forced_2d.cell(tolerance)]
+        cells += [f"{gbps:.0f}", f"{tflops:.1f}"]
+        cells += [r.baselines[k].cell(tolerance) for k in ("flash", "cudnn", "flex")]
+        cells += ["" if ref is None else f"{ref:g}", target]
+        print(_row(cells))
+        for k, m in (("ours", r.ours), ("2d", r.forced_2d), *r.baselines.items()):
+            if m.note:
+                notes.setdefault(f"{k}: {m.note}", []).append(f"{r.case.name} {heads}")
+    print(
+        "* = timed with CUDA events over launches (graph capture failed); x = K/V expanded for GQA; "
+        f"! = output differs from ours by more than {tolerance:g}.\nGB/s (needed K/V bytes) and TFLOP/s "
+        "(causal) are ours with the heuristic plan; vllm us is the reference run (32q/8kv).\n"
+        + REFERENCE_NOTES
+    )
+    for message, where in notes.items():
+        print(f"  {message}  [{', '.join(where) if len(where) <= 3 else f'{len(where)} cases'}]")
+
+
+def run_issue_cases(args: argparse.Namespace) -> None:
+    """The --issue-cases mode: every case for each head configuration, then one table."""
+    smoke = bool(args.smoke)
+    device = torch.device("cpu" if smoke else "cuda")
+    sizes = SMOKE_SIZES if smoke else IssueSizes()
+    # Smoke keeps the real head counts (so targets are judged) at the smallest tested head size.
+    heads = [(32, 8, 32), (64, 8, 32)] if smoke else [(32, 8, 128), (64, 8, 128)]
+    dtype = DTYPES[args.dtype]
+    tolerance = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-3}[dtype]
+    timer = Timer(device)
+    if smoke:  # Flex runs eagerly on CPU on purpose (plumbing only): its advice to compile is noise
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    flex_left_s = [float(args.flex_budget_s)]
+    results: list[CaseResult] = []
+    started = time.perf_counter()
+    try:
+        for hq, hkv, d in heads:
+            shape = Shape(hq, hkv, d, args.block_size, dtype)
+            for case in issue_cases(sizes):
+                t0 = time.perf_counter()
+                try:
+                    res = run_issue_case(case, shape, device, timer, flex_left_s)
+                except Exception as e:  # keep going: one broken case must not cost the whole run
+                    res = CaseResult(case, hq, hkv, 0, 0, error=f"{type(e).__name__}: {str(e)[:200]}")
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                results.append(res)
+                print(
+                    f"[{time.perf_counter() - t0:6.1f} s] {case.name} {hq}/{hkv}", file=sys.stderr, flush=True
+                )
+    finally:
+        print(
+            f"\n{_device_line(device)}; dtype {args.dtype}, block {args.block_size}, shuffled block tables; "
+            f"total {time.perf_counter() - started:.0f} s{' (SMOKE: timings meaningless)' if smoke else ''}"
+        )
+        print_issue_table(results, tolerance)
+        if args.json is not None:
+            payload = {
+                "device": _device_line(device),
+                "torch": torch.__version__,
+                "smoke": smoke,
+                "dtype": args.dtype,
+                "block_size": args.block_size,
+                "tolerance": tolerance,
+                "reference_notes": REFERENCE_NOTES,
+                "results": [r.to_json() for r in results],
+            }
+            args.json.write_text(json.dumps(payload, indent=2) + "\n")
+            print(f"wrote {args.json}")
+
+
+def _device_line(device: torch.device) -> str:
+    return torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -266,7 +922,31 @@ def main() -> None:
         "--flex", action="store_true", help="also time torch FlexAttention (compiles per shape)"
     )
     parser.add_argument("--tune", type=Path, metavar="OUT_DIR", help="sweep launch params; write JSON here")
+    parser.add_argument(
+        "--issue-cases", action="store_true", help="issue 5's cases, all baselines, one table"
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="with --issue-cases: tiny shapes on CPU (TRITON_INTERPRET=1)"
+    )
+    parser.add_argument(
+        "--json", type=Path, metavar="PATH", help="with --issue-cases: write every number here"
+    )
+    parser.add_argument(
+        "--flex-budget-s",
+        type=float,
+        default=150.0,
+        help="with --issue-cases: seconds of Flex compile + timing after which Flex is skipped",
+    )
     args = parser.parse_args()
+    if args.issue_cases:
+        if args.smoke and not INTERPRETED:
+            raise SystemExit("--smoke runs Triton on CPU: set TRITON_INTERPRET=1 in the environment")
+        if not args.smoke and not torch.cuda.is_available():
+            raise SystemExit("--issue-cases needs a CUDA GPU; use --smoke for the CPU plumbing check")
+        run_issue_cases(args)
+        return
+    if args.smoke or args.json is not None:
+        raise SystemExit("--smoke and --json apply only with --issue-cases")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA/ROCm GPU (torch.cuda.is_available() is False)")
     shape = Shape(args.q_heads, args.kv_heads, args.head_size, args.block_size, DTYPES[args.dtype])

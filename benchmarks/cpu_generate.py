@@ -6,13 +6,20 @@ Measures
   * batched throughput: 32 concurrent requests, 128 prompt tokens and 128 output tokens each;
   * HF transformers single-stream `generate` on the same prompt (the baseline of the targets).
 
-    python benchmarks/cpu_generate.py [--threads N] [--batch 32] [--skip-hf]
+    python benchmarks/cpu_generate.py [--threads N] [--dtype float32|bfloat16] [--repeats 3] [--skip-hf]
+
+Both engines run in the same process, on the same prompts, in the same dtype; with `--repeats R`
+the measurements are interleaved (ours, HF, ours, HF, ...) and medians reported, because the
+machine this runs on is shared and its load changes from minute to minute. The 1-minute load
+average is recorded before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
 
 import torch
@@ -55,12 +62,16 @@ def bench_pagedserve(llm: LLM, prompt: list[int], batch: list[list[int]], out_le
     }
 
 
-def bench_hf(prompt: list[int], out_len: int) -> dict[str, float]:
+def load_hf(dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     source = default_model_source()
-    model = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.gguf_file, dtype=dtype)
     model.eval()
+    return model
+
+
+def bench_hf(model: torch.nn.Module, prompt: list[int], out_len: int) -> dict[str, float]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
         model.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
@@ -79,23 +90,47 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of both; medians reported")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(max_model_len=512, max_num_seqs=args.batch, num_kv_blocks=args.batch * 16 + 64)
+    load_before = os.getloadavg()[0]
+    llm = LLM(
+        max_model_len=512, max_num_seqs=args.batch, num_kv_blocks=args.batch * 16 + 64, dtype=args.dtype
+    )
     vocab = llm.engine.vocab_size
     prompt = _prompts(vocab, 1, args.prompt_len, seed=0)[0]
     batch = _prompts(vocab, args.batch, args.prompt_len, seed=1)
-    ours = bench_pagedserve(llm, prompt, batch, args.output_len)
-    result = {"threads": torch.get_num_threads(), "pagedserve": ours}
-    if not args.skip_hf:
-        del llm
-        hf = bench_hf(prompt, args.output_len)
+    hf_model = None if args.skip_hf else load_hf(getattr(torch, args.dtype))
+    ours_runs: list[dict[str, float]] = []
+    hf_runs: list[dict[str, float]] = []
+    for _ in range(args.repeats):
+        ours_runs.append(bench_pagedserve(llm, prompt, batch, args.output_len))
+        if hf_model is not None:
+            hf_runs.append(bench_hf(hf_model, prompt, args.output_len))
+    ours = _medians(ours_runs)
+    result: dict[str, object] = {
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "backend": llm.engine.setup.backend.name,
+        "repeats": args.repeats,
+        "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "pagedserve": ours,
+        "pagedserve_runs": ours_runs,
+    }
+    if hf_runs:
+        hf = _medians(hf_runs)
         result["hf"] = hf
+        result["hf_runs"] = hf_runs
         result["single_stream_speedup"] = ours["single_decode_tok_s"] / hf["single_decode_tok_s"]
         result["batched_vs_hf_single"] = ours["batch_output_tok_s"] / hf["single_decode_tok_s"]
     print(json.dumps(result, indent=2))
+
+
+def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 if __name__ == "__main__":

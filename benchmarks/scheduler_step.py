@@ -6,22 +6,31 @@ known tokens; that dict is built outside the timed region (a real worker produce
 Workloads:
   decode-N  N running requests with ~512-token prompts (staggered lengths), all decoding;
             the prefill is not timed
-  mixed     ~128 running decodes, a new 1024-token prompt every 4 steps, chunked under a
-            2048-token budget; requests finish after 128 outputs
+  mixed     a new 1024-token prompt every 4 steps, chunked under a 2048-token budget, with
+            requests finishing after 128 outputs: starts with 128 running, settles at ~32
+            decodes plus the prefill; 200 steps of warm-up are not timed
 Prefix-cache modes:
   off       enable_prefix_caching=False
   on-0%     caching on, every prompt distinct: pure hashing and indexing overhead
   on-75%    caching on, every prompt shares its first 75% with the others
 
 Method: the three modes' schedulers are built side by side (prefill untimed) and stepped in
-rotation, off / on-0% / on-75% / off / ..., so that interference from other processes on a
-shared machine lands on all three alike; this is what makes a 1%-level comparison possible at
-all. Each figure is the mean over `--steps` steps per mode, without the slowest 5% (steps another
-process or a garbage collection lengthened). "cache work" is the CPU time per step inside the
-prefix cache's own methods (hashing, look-ups, inserts), measured afterwards in `--steps` more
-steps with timing wrappers whose own overhead is calibrated and subtracted.
+rotation, so that interference from other processes on a shared machine lands on all three
+alike. That alone is not enough for a 1%-level comparison: two schedulers of the *same* mode,
+built and stepped side by side, differ by up to 10-15% (their objects sit in different memory,
+and a mode's position in the rotation matters too; an A/A run showed it). So the whole thing is
+repeated `--repeats` times with fresh schedulers, built and rotated in a different random order
+each time; a repeat yields each mode's mean step time without its slowest 5% of steps, and that
+mean's ratio to off's; the table gives the median over repeats of both. "spread" is the range
+of that ratio over the repeats.
+"cache work" is the CPU time per step inside the prefix cache's public methods (look-ups with
+the materializations they trigger, deferrals, eager inserts), measured after the last repeat in
+`--steps` more steps with timing wrappers whose own overhead is calibrated and subtracted.
+"preempt" counts preemptions during the timed steps: the decode workloads have blocks for every
+request's full length, so it must read 0 there.
 
-Usage: .venv/bin/python benchmarks/scheduler_step.py [--steps 1000] [--workloads decode-256,mixed]
+Usage: .venv/bin/python benchmarks/scheduler_step.py [--steps 1000] [--repeats 5]
+       [--workloads decode-256,mixed] [--gc-freeze]
 """
 
 from __future__ import annotations
@@ -52,8 +61,10 @@ class CacheWorkMeter:
     def __init__(self, kv: KVCacheManager) -> None:
         self.ns = 0
         self.calls = 0
-        for name in ("cache_computed_blocks", "find_cached_prefix"):
-            setattr(kv, name, self._wrap(getattr(kv, name)))
+        for name in ("cache_computed_blocks", "defer_computed_blocks", "find_cached_prefix"):
+            # hasattr: the same script also times older revisions (PYTHONPATH=<a copy of core>)
+            if hasattr(kv, name):
+                setattr(kv, name, self._wrap(getattr(kv, name)))
 
     def _wrap(self, method: Callable[..., object]) -> Callable[..., object]:
         def timed(*args: object) -> object:
@@ -119,7 +130,9 @@ class Workload:
 
 def decode_workload(n: int, caching: bool, shared: float) -> tuple[Workload, Callable[[], None]]:
     """n requests decoding after an untimed prefill; nothing arrives during timing."""
-    w = Workload(caching, shared, max_seqs=n, budget=max(8192, n), num_blocks=n * 64)
+    # Blocks for every request's whole max_model_len: a decode workload that ran out of blocks
+    # would measure preemption churn instead of decoding (n * 64 blocks did, after ~500 steps).
+    w = Workload(caching, shared, max_seqs=n, budget=max(8192, n), num_blocks=n * (4096 // 16))
     for i in range(n):
         # Staggered lengths: each step about n/16 requests fill a block (one hash, one new block),
         # as in a real server, instead of all of them on every 16th step.
@@ -162,7 +175,9 @@ def _timed(fn: Callable[[], object]) -> int:
 
 
 def trimmed_mean_us(times: list[int]) -> float:
-    """Mean step time without the slowest 5% of steps (interference, garbage collections)."""
+    """Mean step time without the slowest 5% of steps (another process or a garbage collection
+    lengthened them). A mean, not a median: the mixed workload's steps come in kinds of very
+    different cost (with or without a prefill chunk), and a median would pick one kind."""
     kept = sorted(times)[: max(1, len(times) * 95 // 100)]
     return statistics.fmean(kept) / 1000
 
@@ -171,41 +186,85 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=1000, help="timed steps per mode")
+    parser.add_argument("--steps", type=int, default=1000, help="timed steps per mode and repeat")
+    parser.add_argument("--repeats", type=int, default=5, help="fresh schedulers, random order")
     parser.add_argument("--workloads", default="decode-256,decode-1024,mixed")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() after building each workload, as an engine could after start-up: "
+        "long-lived objects (blocks, requests) leave the cyclic collector's generations",
+    )
     args = parser.parse_args()
     overhead = CacheWorkMeter.overhead_ns()
     print(f"machine speed: sum(range(1000)) takes {machine_speed_us():.1f} us (lower is faster)")
-    print(f"CPU time per step (us), {args.steps} steps per mode, modes stepped in rotation")
-    header = ("workload", "mode", "us/step", "vs off", "cache work us", "cache work %")
-    print("{:<12} {:<8} {:>9} {:>8} {:>14} {:>13}".format(*header))
+    print(
+        f"CPU time per step (us): median over {args.repeats} repeats of the trimmed mean of "
+        f"{args.steps} steps per mode, modes stepped in rotation"
+    )
+    header = ("workload", "mode", "us/step", "vs off", "spread", "cache work us", "cache work %", "preempt")
+    line = "{:<12} {:<8} {:>9} {:>8} {:>16} {:>14} {:>13} {:>8}"
+    print(line.format(*header))
+    order_rng = random.Random(1)
     for workload in args.workloads.split(","):
-        built = {}
-        for mode, (caching, shared) in MODES.items():
-            if workload.startswith("decode-"):
-                built[mode] = decode_workload(int(workload.split("-")[1]), caching, shared)
-            else:
-                built[mode] = mixed_workload(caching, shared)
-        gc.collect()
-        times: dict[str, list[int]] = {mode: [] for mode in MODES}
-        for _ in range(args.steps):
-            for mode, (w, arrivals) in built.items():
-                arrivals()
-                times[mode].append(w.step())
-        base = trimmed_mean_us(times["off"])
-        for mode, (w, arrivals) in built.items():
-            mean = trimmed_mean_us(times[mode])
+        means: dict[str, list[float]] = {mode: [] for mode in MODES}
+        ratios: dict[str, list[float]] = {mode: [] for mode in MODES}
+        preemptions = dict.fromkeys(MODES, 0)
+        for _ in range(args.repeats):
+            built = build(workload, order_rng.sample(list(MODES), len(MODES)))
+            gc.collect()
+            if args.gc_freeze:
+                gc.freeze()
+            rotation = order_rng.sample(list(MODES), len(MODES))
+            before = {mode: w.sched.num_preemptions for mode, (w, _) in built.items()}
+            times: dict[str, list[int]] = {mode: [] for mode in MODES}
+            for _ in range(args.steps):
+                for mode in rotation:
+                    w, arrivals = built[mode]
+                    arrivals()
+                    times[mode].append(w.step())
+            for mode, (w, _) in built.items():
+                preemptions[mode] += w.sched.num_preemptions - before[mode]
+                means[mode].append(trimmed_mean_us(times[mode]))
+                ratios[mode].append(trimmed_mean_us(times[mode]) / trimmed_mean_us(times["off"]))
+            if args.gc_freeze:
+                gc.unfreeze()  # let this repeat's objects go before the next one is built
+        for mode in MODES:
+            w, arrivals = built[mode]  # the last repeat's scheduler
             work = share = ""
+            median = statistics.median(means[mode])
             if MODES[mode][0]:
                 meter = CacheWorkMeter(w.sched.kv)
                 for _ in range(args.steps):
                     arrivals()
                     w.step()
                 work_us = max(0.0, meter.ns - meter.calls * overhead) / 1000 / args.steps
-                work, share = f"{work_us:.1f}", f"{100 * work_us / mean:.1f}%"
-            row = (workload, mode, f"{mean:.1f}", f"{100 * (mean / base - 1):+.1f}%", work, share)
-            print("{:<12} {:<8} {:>9} {:>8} {:>14} {:>13}".format(*row), flush=True)
+                work, share = f"{work_us:.1f}", f"{100 * work_us / median:.1f}%"
+            lo, hi = min(ratios[mode]), max(ratios[mode])
+            row = (
+                workload,
+                mode,
+                f"{median:.1f}",
+                f"{100 * (statistics.median(ratios[mode]) - 1):+.1f}%",
+                f"{100 * (lo - 1):+.1f}..{100 * (hi - 1):+.1f}%",
+                work,
+                share,
+                preemptions[mode],
+            )
+            print(line.format(*row), flush=True)
     print(f"machine speed at the end: sum(range(1000)) takes {machine_speed_us():.1f} us")
+
+
+def build(workload: str, order: list[str]) -> dict[str, tuple[Workload, Callable[[], None]]]:
+    """Fresh schedulers of every mode for `workload`, constructed in `order`."""
+    built = {}
+    for mode in order:
+        caching, shared = MODES[mode]
+        if workload.startswith("decode-"):
+            built[mode] = decode_workload(int(workload.split("-")[1]), caching, shared)
+        else:
+            built[mode] = mixed_workload(caching, shared)
+    return built
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,7 +105,7 @@ def start_server(model_dir: Path, *extra: str, name: str = "tiny") -> ServerProc
     log: list[str] = []
     pattern = re.compile(r"serving '.*' on (http://\S+) \(engine core pid (\d+)\)")
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    for line in _lines(proc.stdout):
+    for line in iter(proc.stdout.readline, ""):
         log.append(line)
         match = pattern.search(line)
         if match:
@@ -117,10 +117,6 @@ def start_server(model_dir: Path, *extra: str, name: str = "tiny") -> ServerProc
     proc.kill()
     proc.wait(timeout=10)
     raise RuntimeError("pagedserve serve did not start:\n" + "".join(log[-40:]))
-
-
-def _lines(stream: Iterable[str]) -> Iterator[str]:
-    yield from stream
 
 
 def _drain(stream: Iterable[str], log: list[str]) -> None:

@@ -10,6 +10,7 @@ from pagedserve.platforms import hookspecs
 from pagedserve.platforms.api import PLUGIN_API_VERSION
 from pagedserve_cpu_reference import plugin
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
+from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 
 
@@ -37,7 +38,10 @@ def test_platform_is_lowest_priority_cpu_and_always_available() -> None:
 
 def test_backends_and_cache_ops_only_for_cpu_reference() -> None:
     hook = plugin_manager().hook
-    assert hook.pagedserve_attention_backends(platform="cpu_reference") == [[ReferenceAttentionBackend]]
+    # The fast backend first (the engine serves with it), the oracle after it.
+    assert hook.pagedserve_attention_backends(platform="cpu_reference") == [
+        [FastCpuAttentionBackend, ReferenceAttentionBackend]
+    ]
     assert isinstance(hook.pagedserve_cache_ops(platform="cpu_reference"), ReferenceCacheOps)
     assert hook.pagedserve_attention_backends(platform="cuda") == []  # pluggy drops None answers
     assert hook.pagedserve_cache_ops(platform="cuda") is None

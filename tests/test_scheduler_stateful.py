@@ -211,6 +211,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert block.ref_cnt == holders[block.block_id], block
         for h, block in pool.cached.items():
             assert block.block_hash == h
+        for block in pool.blocks:  # a deferred run's marked blocks are free and unregistered
+            if block.deferred_by is not None:
+                assert block.ref_cnt == 0 and block.block_hash is None, block
+        for key, runs in kv._deferred.items():
+            assert runs and all(held.deferred_key == key for held in runs)
         for request in self.sched.requests.values():
             assert request.num_computed_tokens <= request.num_tokens
             held = kv.block_ids(request.id)

@@ -23,14 +23,18 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def server(model_dir: Path) -> Iterator[ServerProcess]:
-    proc = start_server(model_dir, "--max-model-len", "512", "--num-kv-blocks", "64", "--shutdown-timeout", "20")
+    proc = start_server(
+        model_dir, "--max-model-len", "512", "--num-kv-blocks", "64", "--shutdown-timeout", "20"
+    )
     try:
         yield proc
     finally:
         proc.stop()
 
 
-def _stream_events(server: ServerProcess, body: dict[str, object], events: list[str], started: threading.Event) -> None:
+def _stream_events(
+    server: ServerProcess, body: dict[str, object], events: list[str], started: threading.Event
+) -> None:
     """Read a completion stream's `data:` events into `events` (in a thread)."""
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():

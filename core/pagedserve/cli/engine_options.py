@@ -29,6 +29,7 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--no-prefix-caching": ("enable_prefix_caching", False, "turn prefix caching off"),
     "--no-chunked-prefill": ("enable_chunked_prefill", False, "turn chunked prefill off"),
     "--enforce-eager": ("enforce_eager", True, "no CUDA graphs"),
+    "--skip-tokenizer-init": ("skip_tokenizer_init", True, "no tokenizer: token-id prompts only"),
 }
 
 

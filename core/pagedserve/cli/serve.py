@@ -13,11 +13,26 @@ import asyncio
 import logging
 import socket
 import sys
+from types import FrameType
+
+import uvicorn
 
 from pagedserve.cli.engine_options import add_engine_options, engine_args_from
 from pagedserve.config import EngineArgs
 
 logger = logging.getLogger("pagedserve.serve")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM/SIGINT are not raised again after its graceful
+    shutdown (uvicorn does, which would kill this process before the engine core is stopped).
+    A second signal forces the exit."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        else:
+            self.should_exit = True
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -63,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     # Heavy imports here: `pagedserve --help` must stay fast.
-    import uvicorn
-
     from pagedserve.server.api_server import ServerConfig, build_app
     from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError
 
@@ -86,7 +99,7 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             api_key=args.api_key,
         )
         app = build_app(engine, config)
-        server = uvicorn.Server(
+        server = _Server(
             uvicorn.Config(
                 app,
                 log_level=args.log_level,

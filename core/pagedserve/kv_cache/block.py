@@ -13,7 +13,7 @@ class KVBlock:
     Only `BlockPool` and `FreeBlockQueue` mutate these fields; everyone else reads them.
     """
 
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "deferred_by", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: BlockId) -> None:
         self.block_id = block_id
@@ -23,6 +23,11 @@ class KVBlock:
         # Set while the block is registered in the prefix cache (it is full and its KV computed);
         # None while it holds a partial block or nothing reusable.
         self.block_hash: BlockHash | None = None
+        # Set while the block is free and holds full, computed KV of a finished request whose
+        # registration in the prefix cache is deferred (see KVCacheManager): the owner of that
+        # deferred run, told when the block is evicted. Typed `object` because the owner type
+        # lives in the manager, above this module. None otherwise (and always while in use).
+        self.deferred_by: object | None = None
         # Free-queue links; both None while the block is in use (ref_cnt > 0).
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None

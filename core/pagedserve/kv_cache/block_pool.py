@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedserve.kv_cache.block import KVBlock
 from pagedserve.kv_cache.free_queue import FreeBlockQueue
@@ -32,6 +32,9 @@ class BlockPool:
         # block hash -> the one block holding that prefix. A second block with the same content
         # (two requests prefilled the same prefix concurrently) stays unindexed and is freed plainly.
         self.cached: dict[BlockHash, KVBlock] = {}
+        # Called when allocation takes a free block whose `deferred_by` is set (its deferred,
+        # never-registered content is lost); the KV-cache manager forgets the run it belonged to.
+        self.on_deferred_evict: Callable[[KVBlock], None] = _clear_deferred
 
     @property
     def num_free(self) -> int:
@@ -51,6 +54,8 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 self._evict(block)
+            elif block.deferred_by is not None:
+                self.on_deferred_evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -97,3 +102,7 @@ class BlockPool:
         for block in dropped:
             self._evict(block)
         return len(dropped)
+
+
+def _clear_deferred(block: KVBlock) -> None:
+    block.deferred_by = None

@@ -244,6 +244,25 @@ class DecoderForCausalLM(PagedCausalLM):
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+        self._relayout_for_cpu()
+
+    @torch.no_grad()
+    def _relayout_for_cpu(self) -> None:
+        """On the CPU in float32, store every projection matrix (and the embedding, which is the
+        tied head) input-major: `weight` keeps its [out, in] shape but its transpose is the
+        contiguous one. Why: MKL's float32 GEMM streams an [in, out] matrix about twice as fast
+        as an [out, in] one at decode's few rows (the tied head: 12 ms -> 6 ms per token here), and
+        is no slower at prefill's many; bfloat16 goes through oneDNN, which prefers [out, in],
+        so it is left alone. Values are unchanged. Mutates the parameters' storage."""
+        for module in self.modules():
+            weight = getattr(module, "weight", None)
+            if (
+                isinstance(module, nn.Linear | nn.Embedding)
+                and isinstance(weight, nn.Parameter)
+                and weight.device.type == "cpu"
+                and weight.dtype == torch.float32
+            ):
+                weight.data = weight.data.t().contiguous().t()
 
     def _expected_weight_keys(self) -> list[str]:
         """Every key `load_weights` must see once: plain parameter names, and fused ones as

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.config import CacheConfig, PreemptionMode, SchedulerConfig
-from pagedserve.kv_cache.kv_cache_manager import KVCacheManager, SlotAllocation
+from pagedserve.kv_cache.kv_cache_manager import NONE_IN_FLIGHT, KVCacheManager, SlotAllocation
 from pagedserve.kv_cache.stats import KVCacheStats
 from pagedserve.scheduler.admission import RequestRejected, check_admissible
 from pagedserve.scheduler.budget import TokenBudget
@@ -160,6 +160,9 @@ class Scheduler:
         if self._finished_since_step:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         step = _StepBuilder()
+        # Tokens scheduled in this step are not computed until update_from_output: a prefix
+        # lookup by an admission below must not register blocks they are still to fill.
+        self.kv.in_flight = step.num_scheduled
         budget = TokenBudget(self.config.max_num_batched_tokens)
         self._schedule_running(budget, step)
         if not step.preempted:  # blocks are short: admitting more would only preempt again
@@ -174,6 +177,7 @@ class Scheduler:
         # drafts, needs a preemption or changed its row.
         running = self.running
         allocate = self.kv.allocate_slots
+        new_tuple = tuple.__new__
         unsent = self._unsent_tokens
         shrunk = self._rows_shrunk
         num_scheduled = step.num_scheduled
@@ -206,8 +210,12 @@ class Scheduler:
                 shrunk.discard(req_id)
                 replaced = self.kv.block_ids(req_id)
             new_block_ids = list(alloc.new_block_ids) if alloc.new_block_ids and replaced is None else []
+            # CachedRequestData(req_id, new_token_ids, new_block_ids, replaced_block_ids,
+            # num_computed_tokens), built without the NamedTuple's generated __new__: see output.py.
             cached_reqs.append(
-                CachedRequestData(req_id, unsent.pop(req_id, []), new_block_ids, replaced, num_computed)
+                new_tuple(
+                    CachedRequestData, (req_id, unsent.pop(req_id, []), new_block_ids, replaced, num_computed)
+                )
             )
             i += 1
         budget.tokens_left = tokens_left
@@ -251,8 +259,7 @@ class Scheduler:
         if self.config.preemption_mode is PreemptionMode.SWAP:
             swapped = self.kv.swap_out(victim)
         if swapped is None:
-            self.kv.cache_computed_blocks(victim)  # so that its resumption can hit them
-            self.kv.free(victim)
+            self.kv.free(victim)  # its computed blocks stay findable, so its resumption can hit them
             victim.num_computed_tokens = 0
         else:
             step.swap_out.extend(swapped)
@@ -389,8 +396,11 @@ class Scheduler:
         requests = self.requests
         unsent = self._unsent_tokens
         append_update = updates.append
+        new_tuple = tuple.__new__
         running = RequestStatus.RUNNING
-        caching = self.kv.enable_caching
+        kv = self.kv
+        kv.in_flight = NONE_IN_FLIGHT  # the step's KV is written now
+        caching = kv.enable_caching
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
             if request is None or request.status is not running:
@@ -399,13 +409,13 @@ class Scheduler:
             if spec and req_id in spec:
                 self._roll_back_rejected(request, spec[req_id], tokens)
                 if caching:
-                    self.kv.cache_computed_blocks(request)
-            # A chunk of several tokens may have filled blocks: index them now, so that requests
-            # admitted next step can share them. A one-token decode's filled block is indexed
-            # by allocate_slots when the next step needs a new block (no per-request check
-            # here), or just below if the request finishes.
+                    kv.defer_computed_blocks(request)
+            # A chunk of several tokens may have filled blocks: make them findable now (deferred
+            # registration: no hashing unless a lookup reaches them), so that requests admitted
+            # next step can share them. A one-token decode's filled block is entered by
+            # allocate_slots when the next step needs a new block (no per-request check here).
             elif caching and num_scheduled > 1:
-                self.kv.cache_computed_blocks(request)
+                kv.defer_computed_blocks(request)
             known = request.all_token_ids
             if not tokens:
                 if request.num_computed_tokens >= len(known):
@@ -428,7 +438,11 @@ class Scheduler:
                 known.append(token)
                 if token not in stop.stopping_ids or len(outputs) < stop.min_tokens:
                     unsent[req_id] = tokens
-                    append_update(RequestUpdate(req_id, tokens, running, None, request.num_cached_tokens))
+                    # RequestUpdate(req_id, new_token_ids, status, stop_token_id,
+                    # num_cached_tokens), built as in _schedule_running.
+                    append_update(
+                        new_tuple(RequestUpdate, (req_id, tokens, running, None, request.num_cached_tokens))
+                    )
                     continue
                 request.stop_token_id = token
                 update = RequestUpdate(
@@ -437,9 +451,7 @@ class Scheduler:
             else:
                 update = self._append_tokens(request, tokens)
             if update.status is not running:
-                if caching:
-                    self.kv.cache_computed_blocks(request)  # its last blocks outlive it in the cache
-                self._finish(request, update.status)
+                self._finish(request, update.status)  # its computed blocks stay findable (free)
             else:
                 unsent[req_id] = update.new_token_ids
             append_update(update)

@@ -216,7 +216,7 @@ class AsyncLLMEngine:
         assert proc is not None
         asyncio.get_running_loop().remove_reader(proc.sentinel)
         if not self._closed:
-            proc.join(0)
+            proc.join(1.0)  # the sentinel fires as it exits; reap it to read the exit code
             self._mark_dead(f"the engine core process exited unexpectedly (exit code {proc.exitcode})")
 
     def _mark_dead(self, reason: str) -> None:

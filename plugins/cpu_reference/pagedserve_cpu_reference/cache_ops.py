@@ -51,8 +51,15 @@ class ReferenceCacheOps(CacheOps):
             return
         num_slots = num_blocks * block_size
         _check_ids(slot_mapping, num_slots, "slot_mapping", "slot")
-        if torch.unique(slot_mapping).numel() != n:
+        # One slot cannot repeat (and single-token decode steps skip the sort behind `unique`).
+        if n > 1 and torch.unique(slot_mapping).numel() != n:
             raise ValueError("slot_mapping has repeated slots; each new token needs its own slot")
+        if kv_cache.is_contiguous():
+            # A slot is one row of the [2, num_slots, Hkv, D] view: one indexed copy per tensor.
+            flat = kv_cache.view(2, num_slots, num_kv_heads, head_size)
+            flat[0].index_copy_(0, slot_mapping, key[:n])
+            flat[1].index_copy_(0, slot_mapping, value[:n])
+            return
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
         kv_cache[0][blocks, offsets] = key[:n]
         kv_cache[1][blocks, offsets] = value[:n]

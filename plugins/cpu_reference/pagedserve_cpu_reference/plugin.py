@@ -12,6 +12,7 @@ from pagedserve.platforms.hookspecs import hookimpl
 
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
+from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend
 
 PAGEDSERVE_PLUGIN_API = "1.0"
 
@@ -39,7 +40,9 @@ def pagedserve_platforms() -> list[PlatformInfo]:
 
 @hookimpl
 def pagedserve_attention_backends(platform: str) -> list[type[AttentionBackend]] | None:
-    return [ReferenceAttentionBackend] if platform == PLATFORM_NAME else None
+    # The fast backend first, so the engine serves with it; the oracle stays registered for what the
+    # fast one does not cover (float64) and as the conformance suite's reference.
+    return [FastCpuAttentionBackend, ReferenceAttentionBackend] if platform == PLATFORM_NAME else None
 
 
 @hookimpl

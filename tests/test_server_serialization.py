@@ -1,0 +1,106 @@
+"""The engine wire format: every message survives encode -> decode unchanged, and a malformed
+message is refused with WireError instead of being half-applied."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from pagedserve.outputs import Logprob
+from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.server import serialization as wire
+from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType, WireError
+from pagedserve.types import RequestId
+
+
+def test_add_round_trip_keeps_every_sampling_field() -> None:
+    params = SamplingParams(
+        n=2,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.05,
+        seed=123,
+        stop=["\n\n", "END"],
+        stop_token_ids=[7, 8],
+        ignore_eos=True,
+        max_tokens=33,
+        min_tokens=2,
+        logprobs=3,
+        prompt_logprobs=1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logit_bias={42: -3.5, 7: 1.0},
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+    )
+    req = EngineCoreRequest(
+        req_id=RequestId("r#1"),
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=params,
+        eos_token_ids=frozenset({2, 0}),
+        fork_of=RequestId("r#0"),
+        cache_salt="tenant",
+        priority=3,
+    )
+    msg = wire.decode(wire.encode_add(req))
+    assert msg.kind is MessageType.ADD
+    assert msg.request == req
+
+
+def test_outputs_round_trip_with_logprobs_and_stats() -> None:
+    outputs = [
+        EngineCoreOutput(
+            req_id=RequestId("a"),
+            new_token_ids=[5, 6],
+            finish_reason=None,
+            logprobs=[{5: Logprob(-0.1, 1), 9: Logprob(-2.5, 2)}, {6: Logprob(-0.3, 1)}],
+            prompt_logprobs=[{1: Logprob(-4.0, None)}],
+            num_cached_tokens=16,
+        ),
+        EngineCoreOutput(RequestId("b"), [], "abort"),
+        EngineCoreOutput(RequestId("c"), [2], "stop", stop_token_id=2),
+    ]
+    stats = CoreStats(1, 2, 3, 64, 10, 100, 40)
+    msg = wire.decode(wire.encode_outputs(outputs, stats))
+    assert msg.outputs == outputs
+    assert msg.stats == stats
+    assert stats.kv_cache_usage == pytest.approx(10 / 64)
+
+
+def test_control_messages_round_trip() -> None:
+    ids = [RequestId("x"), RequestId("y#1")]
+    assert wire.decode(wire.encode_ids(MessageType.ABORT, ids)).req_ids == ids
+    assert wire.decode(wire.encode_ids(MessageType.FINISH, ids)).kind is MessageType.FINISH
+    assert wire.decode(wire.encode_shutdown()).kind is MessageType.SHUTDOWN
+    info = CoreInfo(512, 49152, frozenset({2}), 64, 16, "cpu_reference")
+    assert wire.decode(wire.encode_ready(info)).info == info
+    rejected = wire.decode(wire.encode_rejected(RequestId("z"), "too long"))
+    assert rejected.req_ids == ["z"] and rejected.text == "too long"
+    assert wire.decode(wire.encode_failed("boom")).text == "boom"
+    with pytest.raises(ValueError, match="ABORT or FINISH"):
+        wire.encode_ids(MessageType.ADD, ids)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xc1",  # not msgpack
+        msgspec.msgpack.encode([99]),  # unknown message type
+        msgspec.msgpack.encode([MessageType.ADD]),  # missing payload
+        msgspec.msgpack.encode([MessageType.OUTPUTS, [["a", [], "exploded", None, None, None, 0]], [0] * 7]),
+    ],
+)
+def test_malformed_messages_raise_wire_error(raw: bytes) -> None:
+    with pytest.raises(WireError):
+        wire.decode(raw)
+
+
+def test_invalid_sampling_params_on_the_wire_are_refused() -> None:
+    good = wire.encode_add(EngineCoreRequest(RequestId("r"), [1], SamplingParams(), frozenset()))
+    raw = msgspec.msgpack.decode(good)
+    raw[1][2]["temperature"] = -1.0
+    with pytest.raises(WireError, match="temperature"):
+        wire.decode(msgspec.msgpack.encode(raw))

@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -62,16 +63,18 @@ def bench_pagedserve(llm: LLM, prompt: list[int], batch: list[list[int]], out_le
     }
 
 
-def load_hf(dtype: torch.dtype) -> torch.nn.Module:
+def load_hf(dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     source = default_model_source()
-    model = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.gguf_file, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(source.directory), gguf_file=source.gguf_file, dtype=dtype
+    )
     model.eval()
     return model
 
 
-def bench_hf(model: torch.nn.Module, prompt: list[int], out_len: int) -> dict[str, float]:
+def bench_hf(model: Any, prompt: list[int], out_len: int) -> dict[str, float]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
         model.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
@@ -85,7 +88,9 @@ def bench_hf(model: torch.nn.Module, prompt: list[int], out_len: int) -> dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)

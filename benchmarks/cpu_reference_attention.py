@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve_cpu_reference.attention import DEFAULT_CHUNK_ELEMENTS, ReferenceAttentionBackend
 

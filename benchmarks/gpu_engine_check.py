@@ -46,7 +46,9 @@ CONFIGS = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--platform", default="triton")
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args()
@@ -65,7 +67,10 @@ def main() -> int:
             for platform in ("cpu_reference", args.platform):
                 for label, engine in (
                     ("plain", {"num_kv_blocks": 256}),
-                    ("chunked+preempt", {"num_kv_blocks": 28, "max_num_batched_tokens": 64, "max_num_seqs": 4}),
+                    (
+                        "chunked+preempt",
+                        {"num_kv_blocks": 28, "max_num_batched_tokens": 64, "max_num_seqs": 4},
+                    ),
                 ):
                     llm = LLM(
                         str(path),
@@ -86,8 +91,10 @@ def main() -> int:
                 same = sum(a == b for a, b in zip(tokens, reference, strict=True))
                 ok = same == len(reference)
                 failures += not ok
-                print(f"  {arch:8s} {key[0]:14s} {key[1]:16s} equal to cpu_reference: {same}/{len(reference)}"
-                      + ("" if ok else "  <-- MISMATCH"))
+                print(
+                    f"  {arch:8s} {key[0]:14s} {key[1]:16s} equal to cpu_reference: {same}/{len(reference)}"
+                    + ("" if ok else "  <-- MISMATCH")
+                )
     print("ALL EQUAL" if failures == 0 else f"{failures} MISMATCHES")
     return 1 if failures else 0
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from pagedserve.platforms.api import PLUGIN_API_VERSION, Availability, PlatformInfo
 from pagedserve.platforms.hookspecs import hookimpl
 

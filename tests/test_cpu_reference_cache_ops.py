@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 
 OPS = ReferenceCacheOps()

@@ -6,12 +6,13 @@ from importlib.metadata import entry_points
 
 import pluggy
 import torch
+
 from pagedserve.platforms import hookspecs
 from pagedserve.platforms.api import PLUGIN_API_VERSION
 from pagedserve_cpu_reference import plugin
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
-from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
+from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend
 
 
 def plugin_manager() -> pluggy.PluginManager:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 from models_harness import save_checkpoint, tiny_hf_model
-from pagedserve import LLM, SamplingParams
 from transformers import LlamaConfig
+
+from pagedserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
 
@@ -25,8 +26,9 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
         max_position_embeddings=128,
     )
     path: Path = save_checkpoint(tiny_hf_model(config, seed=0), tmp_path_factory.mktemp("tiny"))
-    return LLM(str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=32, num_kv_blocks=16,
-               block_size=4)
+    return LLM(
+        str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=32, num_kv_blocks=16, block_size=4
+    )
 
 
 @pytest.mark.parametrize(

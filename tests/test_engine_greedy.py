@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from models_harness import hf_greedy, random_prompts, save_checkpoint, tiny_hf_model
+from transformers import GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
 from pagedserve import LLM, SamplingParams
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 VOCAB = 96
 MAX_NEW = 12
@@ -39,6 +40,17 @@ CONFIGS = {
     "mistral": lambda: _small(MistralConfig, sliding_window=8),
     "qwen2": lambda: _small(Qwen2Config),
     "qwen3": lambda: _small(Qwen3Config),
+    # No native implementation: served through the transformers fallback (partial rotary).
+    "gpt_neox": lambda: GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rotary_pct=0.5,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -204,3 +216,20 @@ def test_seeded_sampling_is_independent_of_batch(checkpoints: dict) -> None:
     alone = llm.generate([PROMPTS[1]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     mixed = llm.generate([PROMPTS[0], PROMPTS[3], PROMPTS[1]], [other, other, seeded], use_tqdm=False)
     assert mixed[2].outputs[0].token_ids == alone
+
+
+def test_fallback_architecture_runs_through_transformers(checkpoints: dict) -> None:
+    path, expected = checkpoints["gpt_neox"]
+    llm = LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=4,
+        max_model_len=64,
+        num_kv_blocks=128,
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+    )
+    assert llm.engine.setup.loaded.spec.implementation == "transformers"
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from pagedserve import LLM, SamplingParams
 from pagedserve.cli.main import main as cli_main
 from pagedserve.models.loader import default_model_source
-from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,9 @@ def test_stop_string_cuts_text_where_it_starts(llm: LLM) -> None:
     words = text.split()
     assert len(words) > 6, text
     stop = words[4]
-    cut = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=40, stop=[stop]), use_tqdm=False)[0]
+    cut = llm.generate(
+        [PROMPTS[3]], SamplingParams(temperature=0, max_tokens=40, stop=[stop]), use_tqdm=False
+    )[0]
     sample = cut.outputs[0]
     assert sample.text == text[: text.index(stop)]
     assert sample.finish_reason == "stop" and sample.stop_reason == stop
@@ -73,8 +76,18 @@ def test_chat_applies_the_template(llm: LLM) -> None:
 
 
 def test_cli_generate_streams_text(capsys: pytest.CaptureFixture[str]) -> None:
-    status = cli_main(["generate", "The capital of France is", "--max-tokens", "6", "--max-model-len", "256",
-                       "--num-kv-blocks", "64"])
+    status = cli_main(
+        [
+            "generate",
+            "The capital of France is",
+            "--max-tokens",
+            "6",
+            "--max-model-len",
+            "256",
+            "--num-kv-blocks",
+            "64",
+        ]
+    )
     captured = capsys.readouterr()
     assert status == 0
     assert "Paris" in captured.out

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pagedserve.cli
 import pytest
+from plugins_support import platform_info, platform_plugin, unique_module_name
+
+import pagedserve.cli
 from pagedserve.cli import main as cli_main
 from pagedserve.cli.platforms import describe, format_text
 from pagedserve.platforms.registry import PlatformRegistry, forget_platforms
-from plugins_support import platform_info, platform_plugin, unique_module_name
 
 
 @pytest.fixture

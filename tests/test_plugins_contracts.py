@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
+
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.platforms import hookspecs
 

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from plugins_support import install_example_plugin, install_fake_distribution, unique_module_name
+
 from pagedserve.cli.main import main
 from pagedserve.platforms.api import PLUGIN_API_VERSION, AttentionBackend, CacheOps
 from pagedserve.platforms.registry import (
@@ -18,7 +20,6 @@ from pagedserve.platforms.registry import (
     forget_platforms,
     load_platforms,
 )
-from plugins_support import install_example_plugin, install_fake_distribution, unique_module_name
 
 
 @pytest.fixture(autouse=True)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from plugins_support import platform_info, platform_plugin
+
 from pagedserve.platforms.api import Availability
 from pagedserve.platforms.registry import PlatformError, PlatformRegistry
-from plugins_support import platform_info, platform_plugin
 
 
 @pytest.fixture(autouse=True)

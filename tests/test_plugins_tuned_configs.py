@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plugins_support import platform_info, platform_plugin
+
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve.platforms.registry import PlatformRegistry
 from pagedserve.platforms.tuned_configs import (
@@ -18,7 +20,6 @@ from pagedserve.platforms.tuned_configs import (
     device_family,
     load_tuned_config_file,
 )
-from plugins_support import platform_info, platform_plugin
 
 H100 = "NVIDIA H100 80GB HBM3"
 

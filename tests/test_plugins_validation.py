@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from plugins_support import platform_info, platform_plugin
+
 from pagedserve.platforms.api import (
     PLUGIN_API_VERSION,
     AttentionBackend,
@@ -16,7 +18,6 @@ from pagedserve.platforms.api import (
 )
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve.platforms.registry import PlatformError, PlatformRegistry, PluginError
-from plugins_support import platform_info, platform_plugin
 
 MAJOR, MINOR = (int(p) for p in PLUGIN_API_VERSION.split("."))
 API = PLUGIN_API_VERSION

@@ -16,7 +16,8 @@ from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError, Inva
 
 def test_generate_abort_and_shutdown(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "tiny")
-    args = EngineArgs(model=str(model), max_model_len=128, num_kv_blocks=32)
+    # 6 blocks of 16 tokens: less than one max_model_len request, so the core must reject some.
+    args = EngineArgs(model=str(model), max_model_len=128, num_kv_blocks=6, block_size=16)
 
     async def main() -> None:
         engine = await AsyncLLMEngine.launch(args)
@@ -33,7 +34,7 @@ def test_generate_abort_and_shutdown(tmp_path: Path) -> None:
             assert again.outputs[0].text == outs[-1].outputs[0].text
 
             # abort() ends a running generate loop with finish_reason "abort".
-            long = SamplingParams(max_tokens=100, ignore_eos=True)
+            long = SamplingParams(max_tokens=60, ignore_eos=True)
             seen: list[RequestOutput] = []
 
             async def consume() -> None:
@@ -46,9 +47,15 @@ def test_generate_abort_and_shutdown(tmp_path: Path) -> None:
             assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
 
             # Cancelling the consumer aborts too; the engine frees the blocks.
-            task = asyncio.ensure_future(_drain(engine.generate("y", long, "d")))
-            await asyncio.sleep(0.3)
-            task.cancel()
+            started = asyncio.Event()
+
+            async def consume_until_cancelled() -> None:
+                async for _ in engine.generate("y", long, "d"):
+                    started.set()
+
+            task = asyncio.ensure_future(consume_until_cancelled())
+            await asyncio.wait_for(started.wait(), 30)
+            task.cancel()  # 59 more tokens to go: the request is surely still running
             with pytest.raises(asyncio.CancelledError):
                 await task
             for _ in range(100):
@@ -63,6 +70,12 @@ def test_generate_abort_and_shutdown(tmp_path: Path) -> None:
             assert exc.value.param == "max_tokens"
             with pytest.raises(InvalidRequest, match="prompt"):
                 await _drain(engine.generate([10**6], params, "f"))
+            # Fits max_model_len but not the whole KV cache: the core process rejects it.
+            with pytest.raises(InvalidRequest, match="KV blocks"):
+                await _drain(engine.generate([5], SamplingParams(max_tokens=120), "h"))
+            assert engine.num_unfinished_requests == 0
+            after = [o async for o in engine.generate("ok", params, "i")][-1]  # still serving
+            assert after.finished and len(after.outputs[0].token_ids) == 4
         finally:
             await engine.shutdown()
         assert not pid_alive(core_pid)

@@ -118,7 +118,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.json_path:
         write_json(args.json_path, summary, config)
     if args.plot:
-        plot_latencies(args.plot, results)
+        try:
+            plot_latencies(args.plot, results)
+        except ImportError:
+            print("pagedserve bench serve: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 1
     return 0 if summary.failed == 0 else 1
 
 

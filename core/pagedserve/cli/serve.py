@@ -10,29 +10,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import socket
 import sys
 from types import FrameType
-
-import uvicorn
+from typing import TYPE_CHECKING
 
 from pagedserve.cli.engine_options import add_engine_options, engine_args_from
 from pagedserve.config import EngineArgs
 
+if TYPE_CHECKING:
+    import uvicorn
+
 logger = logging.getLogger("pagedserve.serve")
 
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, except that SIGTERM/SIGINT are not raised again after its graceful
-    shutdown (uvicorn does, which would kill this process before the engine core is stopped).
-    A second signal forces the exit."""
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit:
-            self.force_exit = True
-        else:
-            self.should_exit = True
+_SERVER_MODULES = ("fastapi", "uvicorn", "zmq", "msgspec", "prometheus_client")
+"""Import names of the `serve` extra's packages."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -69,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         print(f"pagedserve serve: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
+    missing = [m for m in _SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"pagedserve serve: {', '.join(missing)} not installed; install the server's dependencies "
+            "with: pip install 'pagedserve[serve]'",
+            file=sys.stderr,
+        )
+        return 1
     logging.getLogger("pagedserve").setLevel(logging.INFO)
     try:
         return asyncio.run(_serve(args, engine_args))
@@ -78,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     # Heavy imports here: `pagedserve --help` must stay fast.
+    import uvicorn
+
     from pagedserve.server.api_server import ServerConfig, build_app
     from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError
 
@@ -99,7 +103,7 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             api_key=args.api_key,
         )
         app = build_app(engine, config)
-        server = _Server(
+        server = _graceful_server(
             uvicorn.Config(
                 app,
                 log_level=args.log_level,
@@ -117,3 +121,19 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     finally:
         await engine.shutdown()
     return 0
+
+
+def _graceful_server(config: uvicorn.Config) -> uvicorn.Server:
+    """uvicorn's server, except that SIGTERM/SIGINT are not raised again after its graceful
+    shutdown (uvicorn does, which would kill this process before the engine core is stopped).
+    A second signal forces the exit. uvicorn is imported lazily: `pagedserve --help` stays fast."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+    return GracefulServer(config)

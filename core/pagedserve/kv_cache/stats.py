@@ -25,7 +25,7 @@ class KVCacheStats:
     num_blocks: int
     num_blocks_in_use: int  # ref_cnt > 0
     num_free_blocks: int  # ref_cnt == 0, cached or not
-    num_cached_blocks: int  # indexed in the prefix cache (in use or free)
+    num_cached_blocks: int  # registered in the prefix cache (in use or free); deferred runs not counted
     kv_waste_slots: int  # slots in requests' block tables holding no computed KV (yet)
     num_swap_blocks_free: int
     counters: KVCacheCounters  # a copy; later steps do not change it

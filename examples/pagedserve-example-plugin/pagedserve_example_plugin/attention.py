@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+
 from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, PlatformInfo
 from pagedserve.platforms.hookspecs import hookimpl
-
 from pagedserve_example_plugin.attention import GatherAttentionBackend
 from pagedserve_example_plugin.cache_ops import TorchCacheOps
 

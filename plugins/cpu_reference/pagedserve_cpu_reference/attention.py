@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities
 

@@ -8,6 +8,7 @@ hide a model/cache mismatch that a GPU kernel would not forgive.
 from __future__ import annotations
 
 import torch
+
 from pagedserve.platforms.api import CacheOps
 
 

@@ -14,8 +14,7 @@ things make it several times faster on decode batches:
 * Reduced-precision matmuls stay reduced. bfloat16/float16 scores and outputs come from matmuls in
   the input dtype (accumulating in float32 inside oneDNN); only the softmax runs in float32. The
   oracle converts everything to float32 first, which costs four times the memory traffic.
-
-float64 is left to the oracle (it is the reference dtype, not a serving dtype).
+  float64 stays float64 throughout.
 """
 
 from __future__ import annotations
@@ -25,16 +24,19 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities
-
 from pagedserve_cpu_reference.attention import (
+    ReferenceAttentionBackend,
     RequestGroup,
     _check_layout,
     _check_options,
     _Options,
     plan_groups,
 )
+
+_REDUCED = (torch.bfloat16, torch.float16)
 
 _SMALL_GROUP_ELEMENTS = 1 << 16
 """Gathered keys (elements) up to which a bfloat16/float16 group is computed in float32."""
@@ -92,19 +94,14 @@ class _Scratch:
 
 
 class FastCpuAttentionBackend(AttentionBackend):
-    """Paged attention for serving on the CPU (float32, bfloat16, float16).
+    """Paged attention for serving on the CPU (float32, bfloat16, float16; float64 too).
 
     An instance keeps the last step's plan and scratch buffers, so one instance must not run two
     calls at once (from two threads)."""
 
     name: ClassVar[str] = "cpu_fast"
-    capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
-        head_sizes=frozenset(range(1, 513)),
-        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
-        block_sizes=frozenset({1, 2, 4, 8, 16, 32, 64, 128}),
-        sliding_window=True,
-        logit_softcap=True,
-    )
+    # It computes exactly what the oracle does, so it promises exactly the oracle's capabilities.
+    capabilities: ClassVar[AttentionCapabilities] = ReferenceAttentionBackend.capabilities
 
     def __init__(self, chunk_elements: int = FAST_CHUNK_ELEMENTS) -> None:
         if chunk_elements < 1:
@@ -195,7 +192,7 @@ class FastCpuAttentionBackend(AttentionBackend):
         num_q_heads = query.shape[1]
         group_size = num_q_heads // num_kv_heads
         r, s, dtype = group.num_reqs, group.padded_len, kv_cache.dtype
-        if dtype != torch.float32 and r * s * num_kv_heads * head_size <= _SMALL_GROUP_ELEMENTS:
+        if dtype in _REDUCED and r * s * num_kv_heads * head_size <= _SMALL_GROUP_ELEMENTS:
             # Reduced-precision matmuls have a large fixed cost per call on the CPU; a small group
             # (a single decode stream) is computed in float32, converted during the copy below.
             dtype = torch.float32
@@ -235,7 +232,8 @@ class FastCpuAttentionBackend(AttentionBackend):
                 allowed &= key_pos[None, None] > q_pos[:, :, None] - options.sliding_window
             scores = scores.view(r, num_kv_heads, group_size, num_rows, key_end)
             scores = scores.masked_fill(~allowed[:, None, None], -math.inf)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+            softmax_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+            probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(dtype)
             o = torch.bmm(probs.view(r * num_kv_heads, group_size * num_rows, key_end), values[:, :key_end])
             o = o.view(r, num_kv_heads, group_size, num_rows, head_size).permute(0, 3, 1, 2, 4)
             o = o.reshape(r, num_rows, num_q_heads, head_size)

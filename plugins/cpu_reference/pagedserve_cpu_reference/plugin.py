@@ -7,9 +7,9 @@ platform is available; it is always available because it needs nothing but torch
 from __future__ import annotations
 
 import torch
+
 from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, PlatformInfo
 from pagedserve.platforms.hookspecs import hookimpl
-
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend

@@ -73,8 +73,13 @@ PROMPTS.append([*PROMPTS[2][:12], 9, 1])
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False)
 
 
+def _llm(path: Path, **engine: object) -> LLM:
+    """An engine on a tiny checkpoint: token ids only, float32, blocks of 4, 64-token context."""
+    return LLM(str(path), skip_tokenizer_init=True, dtype="float32", block_size=4, max_model_len=64, **engine)
+
+
 def _generate(path: Path, prompts: list[list[int]], **engine: object) -> list[list[int]]:
-    llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32", block_size=4, max_model_len=64, **engine)
+    llm = _llm(path, **engine)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == prompts
     return [o.outputs[0].token_ids for o in outs]
@@ -101,15 +106,7 @@ def test_greedy_matches_hf_under_pressure(checkpoints: dict, engine: dict) -> No
 
 def test_preemption_really_happens(checkpoints: dict) -> None:
     path, expected = checkpoints["llama"]
-    llm = LLM(
-        str(path),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        block_size=4,
-        max_model_len=64,
-        num_kv_blocks=14,
-        max_num_seqs=6,
-    )
+    llm = _llm(path, num_kv_blocks=14, max_num_seqs=6)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.core.scheduler.num_preemptions > 0
@@ -117,14 +114,7 @@ def test_preemption_really_happens(checkpoints: dict) -> None:
 
 def test_prefix_cache_hits_are_reported(checkpoints: dict) -> None:
     path, expected = checkpoints["llama"]
-    llm = LLM(
-        str(path),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        block_size=4,
-        max_model_len=64,
-        num_kv_blocks=128,
-    )
+    llm = _llm(path, num_kv_blocks=128)
     first = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0]
     again = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
@@ -137,9 +127,7 @@ def test_logprobs_match_hf_log_softmax(checkpoints: dict, tmp_path: Path) -> Non
     path, _ = checkpoints["qwen2"]
     hf = tiny_hf_model(CONFIGS["qwen2"](), seed=list(CONFIGS).index("qwen2"))
     prompt = PROMPTS[1]
-    llm = LLM(
-        str(path), skip_tokenizer_init=True, dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=64
-    )
+    llm = _llm(path, num_kv_blocks=64)
     params = SamplingParams(
         temperature=0, max_tokens=4, ignore_eos=True, detokenize=False, logprobs=3, prompt_logprobs=2
     )
@@ -168,9 +156,7 @@ def test_logprobs_match_hf_log_softmax(checkpoints: dict, tmp_path: Path) -> Non
 
 def test_n2_shares_prompt_blocks_and_differs(checkpoints: dict) -> None:
     path, _ = checkpoints["llama"]
-    llm = LLM(
-        str(path), skip_tokenizer_init=True, dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=64
-    )
+    llm = _llm(path, num_kv_blocks=64)
     engine = llm.engine
     prompt = PROMPTS[2]  # 30 tokens: 7 full blocks and a partial one
     engine.add_request(
@@ -201,14 +187,7 @@ def test_n2_shares_prompt_blocks_and_differs(checkpoints: dict) -> None:
 
 def test_seeded_sampling_is_independent_of_batch(checkpoints: dict) -> None:
     path, _ = checkpoints["llama"]
-    llm = LLM(
-        str(path),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        block_size=4,
-        max_model_len=64,
-        num_kv_blocks=128,
-    )
+    llm = _llm(path, num_kv_blocks=128)
     seeded = SamplingParams(
         temperature=0.8, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True, detokenize=False
     )
@@ -220,16 +199,7 @@ def test_seeded_sampling_is_independent_of_batch(checkpoints: dict) -> None:
 
 def test_fallback_architecture_runs_through_transformers(checkpoints: dict) -> None:
     path, expected = checkpoints["gpt_neox"]
-    llm = LLM(
-        str(path),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        block_size=4,
-        max_model_len=64,
-        num_kv_blocks=128,
-        max_num_batched_tokens=8,
-        max_num_seqs=4,
-    )
+    llm = _llm(path, num_kv_blocks=128, max_num_batched_tokens=8, max_num_seqs=4)
     assert llm.engine.setup.loaded.spec.implementation == "transformers"
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -171,21 +171,8 @@ class ReferenceAttentionBackend(AttentionBackend):
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.
         Does not mutate `kv_cache`; writes only `out` (and the instance's scratch buffer)."""
-        if query.dim() != 3 or kv_cache.dim() != 5:
-            raise ValueError(
-                f"query must be [num_tokens, num_q_heads, head_size] (got shape {tuple(query.shape)}) and "
-                f"kv_cache [2, num_blocks, block_size, num_kv_heads, head_size] (got {tuple(kv_cache.shape)})"
-            )
-        self.check_supported(
-            head_size=query.shape[2],
-            dtype=query.dtype,
-            block_size=kv_cache.shape[2],
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-        )
+        options = check_call(self, query, kv_cache, scale, sliding_window, logit_softcap)
         _check_layout(query, kv_cache, metadata, out)
-        options = _Options(scale, sliding_window, logit_softcap)
-        _check_options(options)
 
         result = out if out is not None else torch.zeros_like(query)
         groups = plan_groups(
@@ -276,6 +263,33 @@ class ReferenceAttentionBackend(AttentionBackend):
             o = o.view(num_kv_heads, num_reqs, group_size, num_rows, head_size).permute(1, 3, 0, 2, 4)
             o = o.reshape(num_reqs, num_rows, num_q_heads, head_size)
             result[rows[row_valid]] = o[row_valid].to(result.dtype)
+
+
+def check_call(
+    backend: AttentionBackend,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> _Options:
+    """The checks every CPU backend's `forward` starts with: tensor ranks, the backend's declared
+    capabilities (`UnsupportedCase`), and the options' values. Returns the options. Does not mutate."""
+    if query.dim() != 3 or kv_cache.dim() != 5:
+        raise ValueError(
+            f"query must be [num_tokens, num_q_heads, head_size] (got shape {tuple(query.shape)}) and "
+            f"kv_cache [2, num_blocks, block_size, num_kv_heads, head_size] (got {tuple(kv_cache.shape)})"
+        )
+    backend.check_supported(
+        head_size=query.shape[2],
+        dtype=query.dtype,
+        block_size=kv_cache.shape[2],
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
+    options = _Options(scale, sliding_window, logit_softcap)
+    _check_options(options)
+    return options
 
 
 def _check_layout(

@@ -31,8 +31,8 @@ from pagedserve_cpu_reference.attention import (
     ReferenceAttentionBackend,
     RequestGroup,
     _check_layout,
-    _check_options,
     _Options,
+    check_call,
     plan_groups,
 )
 
@@ -124,22 +124,9 @@ class FastCpuAttentionBackend(AttentionBackend):
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.
         Does not mutate `kv_cache`; writes only `out` (and the instance's plan and scratch)."""
-        if query.dim() != 3 or kv_cache.dim() != 5:
-            raise ValueError(
-                f"query must be [num_tokens, num_q_heads, head_size] (got shape {tuple(query.shape)}) and "
-                f"kv_cache [2, num_blocks, block_size, num_kv_heads, head_size] (got {tuple(kv_cache.shape)})"
-            )
-        self.check_supported(
-            head_size=query.shape[2],
-            dtype=query.dtype,
-            block_size=kv_cache.shape[2],
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-        )
+        options = check_call(self, query, kv_cache, scale, sliding_window, logit_softcap)
         if query.device.type != "cpu":
             raise ValueError(f"the {self.name} backend runs on the CPU; query is on {query.device}")
-        options = _Options(scale, sliding_window, logit_softcap)
-        _check_options(options)
         plan = self._plan
         layout = (query.shape[1], *kv_cache.shape)
         if plan is None or plan.metadata is not metadata or plan.layout != layout:

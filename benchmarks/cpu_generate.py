@@ -7,8 +7,11 @@ Measures
   * HF transformers single-stream `generate` on the same prompt (the baseline of the targets).
 
     python benchmarks/cpu_generate.py [--threads N] [--dtype float32|bfloat16] [--repeats 3] [--skip-hf]
+                                      [--quantization gguf] [--hf-dtype float32|bfloat16]
 
-Both engines run in the same process, on the same prompts, in the same dtype; with `--repeats R`
+Both engines run in the same process, on the same prompts, in the same dtype unless `--hf-dtype`
+says otherwise (`--quantization gguf` runs pagedserve with the GGUF's 4-bit blocks kept packed,
+in bfloat16: HF has no such mode and dequantizes); with `--repeats R`
 the measurements are interleaved (ours, HF, ours, HF, ...) and medians reported, because the
 machine this runs on is shared and its load changes from minute to minute. The 1-minute load
 average is recorded before and after.
@@ -98,17 +101,23 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of both; medians reported")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--quantization", default=None, choices=["gguf"], help="pagedserve only")
+    parser.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16"], help="default: --dtype")
     args = parser.parse_args()
+    if args.quantization is not None and args.dtype != "bfloat16":
+        parser.error("--quantization gguf runs in bfloat16: add --dtype bfloat16")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     llm = LLM(
-        max_model_len=512, max_num_seqs=args.batch, num_kv_blocks=args.batch * 16 + 64, dtype=args.dtype
+        max_model_len=512, max_num_seqs=args.batch, num_kv_blocks=args.batch * 16 + 64,
+        dtype=args.dtype,
+        quantization=args.quantization,
     )
     vocab = llm.engine.vocab_size
     prompt = _prompts(vocab, 1, args.prompt_len, seed=0)[0]
     batch = _prompts(vocab, args.batch, args.prompt_len, seed=1)
-    hf_model = None if args.skip_hf else load_hf(getattr(torch, args.dtype))
+    hf_model = None if args.skip_hf else load_hf(getattr(torch, args.hf_dtype or args.dtype))
     ours_runs: list[dict[str, float]] = []
     hf_runs: list[dict[str, float]] = []
     for _ in range(args.repeats):
@@ -119,6 +128,8 @@ def main() -> None:
     result: dict[str, object] = {
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
+        "quantization": args.quantization,
+        "hf_dtype": args.hf_dtype or args.dtype,
         "backend": llm.engine.setup.backend.name,
         "repeats": args.repeats,
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],

@@ -151,11 +151,13 @@ def hf_prefill_logits(hf_model: PreTrainedModel, prompts: list[list[int]]) -> to
     return torch.cat([hf_model(torch.tensor([p])).logits[0].float() for p in prompts])
 
 
-def write_tiny_gguf(hf_model: PreTrainedModel, path: Path, arch: str) -> Path:
-    """Write `hf_model`'s weights as an F32 GGUF file, laid out the way llama.cpp's converter does
+def write_tiny_gguf(hf_model: PreTrainedModel, path: Path, arch: str, quantized: bool = False) -> Path:
+    """Write `hf_model`'s weights as a GGUF file, laid out the way llama.cpp's converter does
     (GGUF tensor names; for "llama", q/k rows permuted to llama.cpp's rotary layout), with the
-    config metadata transformers reads back. Returns `path`."""
+    config metadata transformers reads back. F32, or with `quantized` the SmolLM2 file's mix:
+    Q8_0 embedding/head, Q4_1 projections, F32 norms. Returns `path`."""
     import gguf
+    from gguf.quants import quantize
 
     config: Any = hf_model.config
     arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
@@ -184,7 +186,12 @@ def write_tiny_gguf(hf_model: PreTrainedModel, path: Path, arch: str) -> Path:
             # llama.cpp interleaves each head's two rotary halves; transformers' reader undoes it.
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:])
             data = data.swapaxes(1, 2).reshape(tensor.shape)
-        writer.add_tensor(f"{gguf_name}.{suffix}", data)
+        if quantized and data.ndim == 2:
+            kind = gguf.GGMLQuantizationType
+            qtype = kind.Q8_0 if base.endswith(("embed_tokens", "lm_head")) else kind.Q4_1
+            writer.add_tensor(f"{gguf_name}.{suffix}", quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(f"{gguf_name}.{suffix}", data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -8,6 +8,7 @@ sequence lengths that are mostly not multiples of the block size.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -298,3 +299,104 @@ def test_layout_violations_name_the_problem() -> None:
         backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=1.0, out=batch.query[:1])
     with pytest.raises(ValueError, match="num_splits=3"):
         TritonUnifiedAttentionBackend(num_splits=3)
+
+
+def _counting_plans(backend: TritonUnifiedAttentionBackend) -> list[int]:
+    """Count the backend's `plan` calls (one per full check and build). Mutates `backend`."""
+    calls: list[int] = []
+    real_plan = backend.plan
+
+    def plan(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real_plan(*args, **kwargs)  # type: ignore[arg-type]
+
+    backend.plan = plan  # type: ignore[method-assign, assignment]
+    return calls
+
+
+def _expected(
+    batch: Batch, case: Case, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return reference_attention(
+        query, kv_cache, case.query_lens, case.seq_lens, batch.block_table, scale, None, None
+    )
+
+
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["2d", "split3d"])
+def test_step_cache_reused_across_layers_and_rebuilt_for_new_metadata(num_splits: int) -> None:
+    """Layers of one step (same metadata object, different query and cache tensors) plan once and
+    each gets its own correct result; a new metadata object with the same content plans again."""
+    case = Case([1, 3, 1], [40, 37, 9], num_splits=num_splits)
+    layer_a = make_batch(case)
+    # Another layer: its own queries and cache contents, the step's block table (NaN stays NaN).
+    gen = torch.Generator().manual_seed(7)
+    kv_b = torch.randn(layer_a.kv_cache.shape, generator=gen)
+    layer_b = (
+        torch.randn(layer_a.query.shape, generator=gen),
+        kv_b.where(~layer_a.kv_cache.isnan(), torch.nan),
+    )
+    metadata = layer_a.metadata
+    backend = TritonUnifiedAttentionBackend(num_splits=num_splits)
+    plans = _counting_plans(backend)
+    for query, kv_cache in ((layer_a.query, layer_a.kv_cache), layer_b, (layer_a.query, layer_a.kv_cache)):
+        out = torch.zeros_like(query)
+        backend.forward(query, kv_cache, metadata, scale=0.125, out=out)
+        expected = _expected(layer_a, case, query, kv_cache, 0.125)
+        assert (out.double() - expected).abs().max().item() <= TOLERANCE[torch.float32]
+    assert len(plans) == 1
+    # Same tensors, new object: the step cache is keyed on identity, so this is a new step.
+    next_step = dataclasses.replace(metadata)
+    backend.forward(*layer_b, next_step, scale=0.125)
+    assert len(plans) == 2
+
+
+def test_step_cache_keys_on_options_and_out_layout() -> None:
+    """Within one step, a changed scale or window and a missing `out` are new layouts: each result
+    follows its own call's options."""
+    case = Case([6, 1, 3], [6, 25, 40])
+    batch = make_batch(case)
+    backend = TritonUnifiedAttentionBackend()
+    plans = _counting_plans(backend)
+    for scale, window in ((0.1, None), (0.3, None), (0.1, 8), (0.1, None)):
+        out = backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=scale, sliding_window=window)
+        expected = reference_attention(
+            batch.query,
+            batch.kv_cache,
+            case.query_lens,
+            case.seq_lens,
+            batch.block_table,
+            scale,
+            window,
+            None,
+        )
+        assert (out.double() - expected).abs().max().item() <= TOLERANCE[torch.float32]
+    assert len(plans) == 3  # the last call repeats the first layout
+    given = torch.zeros_like(batch.query)
+    backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=0.1, out=given)
+    assert len(plans) == 4
+    expected = _expected(batch, case, batch.query, batch.kv_cache, 0.1)
+    assert (given.double() - expected).abs().max().item() <= TOLERANCE[torch.float32]
+
+
+def test_changed_layout_within_a_step_is_checked_in_full() -> None:
+    """After a good call, later calls with the same metadata but a bad query, cache or out raise
+    the full checks' errors instead of launching with the cached arguments."""
+    case = Case([2, 1], [5, 9])
+    batch = make_batch(case)
+    backend = TritonUnifiedAttentionBackend()
+    backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=1.0)
+    with pytest.raises(ValueError, match="kv_cache dtype"):
+        backend.forward(batch.query.half(), batch.kv_cache, batch.metadata, scale=1.0)
+    hnd = batch.kv_cache.permute(0, 1, 3, 2, 4)
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        backend.forward(batch.query, hnd, batch.metadata, scale=1.0)
+    with pytest.raises(ValueError, match="has 3 tokens but query only 2 rows"):
+        backend.forward(batch.query[:2], batch.kv_cache, batch.metadata, scale=1.0)
+    with pytest.raises(ValueError, match="out must match query"):
+        backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=1.0, out=batch.query[:, :2])
+    with pytest.raises(ValueError, match=r"logit_softcap=-1\.0"):
+        backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=1.0, logit_softcap=-1.0)
+    # The good layout still works after the failures.
+    out = backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=1.0)
+    expected = _expected(batch, case, batch.query, batch.kv_cache, 1.0)
+    assert (out.double() - expected).abs().max().item() <= TOLERANCE[torch.float32]

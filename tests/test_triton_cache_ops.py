@@ -97,3 +97,25 @@ def test_bad_inputs_name_the_problem() -> None:
         ops.swap_blocks(cache, cache.half(), torch.tensor([[0, 1]]))
     with pytest.raises(ValueError, match="block_mapping must be on the CPU"):
         ops.swap_blocks(cache, cache.clone(), torch.tensor([[0, 1]], device="meta"))
+
+
+def test_reshape_and_cache_step_cache_across_layers() -> None:
+    """Layers of one step share the slot mapping object: each layer's own keys land in its own
+    cache; a bad layout with the same slot mapping still gets the full check."""
+    ops = TritonCacheOps()
+    slots = torch.tensor([5, 17, 2, 40])
+    caches = [_cache(4, torch.float32, seed=s) for s in (1, 2)]
+    gen = torch.Generator().manual_seed(3)
+    for cache in caches + caches:  # two steps' worth of layers, alternating caches
+        before = cache.clone()
+        key, value = torch.randn(2, 4, 2, 80, generator=gen)
+        ops.reshape_and_cache(key, value, cache, slots)
+        expected = before.view(2, 64, 2, 80)
+        expected[0, slots], expected[1, slots] = key, value
+        assert torch.equal(cache.view(2, 64, 2, 80), expected)
+    with pytest.raises(ValueError, match=r"key must be \[num_tokens, 2, 80\]"):
+        ops.reshape_and_cache(torch.randn(4, 2, 64), torch.randn(4, 2, 80), caches[0], slots)
+    with pytest.raises(ValueError, match="key/value have 4/3 rows"):
+        ops.reshape_and_cache(torch.randn(4, 2, 80), torch.randn(3, 2, 80), caches[0], slots)
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        ops.reshape_and_cache(key, value, caches[0], torch.arange(8)[::2])

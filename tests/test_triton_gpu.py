@@ -182,3 +182,69 @@ def test_cache_ops_on_gpu() -> None:
     assert torch.equal(caches[2][:, [40, 41]].cpu(), host[:, [0, 15]])
     ops.swap_blocks(caches[0], caches[1], torch.tensor([[2, 3]], dtype=torch.int64))
     assert torch.equal(caches[1][:, 3], caches[0][:, 2])
+
+
+@pytest.mark.parametrize("batch", ["decode_3d", "mixed_2d"])
+def test_step_cache_across_layers(batch: str) -> None:
+    """Layers of one step (one metadata object; each layer its own query, cache and output) reuse
+    the first layer's launches, launched directly after the first; a query 2 bytes past a 16-byte
+    boundary (another Triton specialization) is still right, as are the layers after it."""
+    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve_triton.attention import TritonUnifiedAttentionBackend
+
+    query_lens, seq_lens = ([1, 1, 1], [3000, 100, 517]) if batch == "decode_3d" else MIXED
+    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    need = [-(-s // bs) for s in seq_lens]
+    table = torch.randperm(sum(need), device="cuda", generator=gen).int()
+    bt = torch.zeros(len(need), max(need), dtype=torch.int32, device="cuda")
+    for i, start in enumerate([0, *torch.tensor(need).cumsum(0).tolist()[:-1]]):
+        bt[i, : need[i]] = table[start : start + need[i]]
+    md = AttentionMetadata.build(query_lens, seq_lens, bt, bs, device="cuda")
+    backend = TritonUnifiedAttentionBackend()
+    num_tokens = sum(query_lens)
+    for layer in range(5):
+        kv = torch.randn(2, sum(need), bs, hkv, d, device="cuda", dtype=dtype, generator=gen)
+        flat = torch.randn(num_tokens * hq * d + 1, device="cuda", dtype=dtype, generator=gen)
+        offset = 1 if layer == 2 else 0
+        q = flat[offset : offset + num_tokens * hq * d].view(num_tokens, hq, d)
+        out = torch.full_like(q, float("nan"))
+        backend.forward(q, kv, md, scale=d**-0.5, out=out)
+        ref = _reference(q, kv, query_lens, seq_lens, bt, d**-0.5, None, None)
+        err = (out.float() - ref).abs().max().item()
+        assert err <= TOLERANCE[dtype], f"layer {layer}: max abs error {err:.3g}"
+
+
+def test_cached_launch_goes_direct_on_gpu() -> None:
+    """After its first launch a `CachedLaunch` of a real kernel launches the compiled kernel
+    directly, with each call's own tensors."""
+    from pagedserve_triton.cache_kernels import reshape_and_cache_kernel
+    from pagedserve_triton.launch_params import CachedLaunch
+
+    slots = torch.randperm(64 * 16, device="cuda")[:40]
+    caches = [torch.zeros(2, 64, 16, 8, 128, device="cuda", dtype=torch.float16) for _ in range(3)]
+    args: dict[str, object] = {
+        "key_ptr": None,
+        "value_ptr": None,
+        "kv_ptr": None,
+        "slot_mapping_ptr": slots,
+        "stride_k_tok": 8 * 128,
+        "stride_k_head": 128,
+        "stride_v_tok": 8 * 128,
+        "stride_v_head": 128,
+        "stride_kv_kind": caches[0].stride(0),
+        "stride_kv_block": caches[0].stride(1),
+        "stride_kv_slot": caches[0].stride(2),
+        "stride_kv_head": caches[0].stride(3),
+        "BLOCK_SIZE": 16,
+        "HEAD_SIZE": 128,
+        "HEAD_SIZE_PADDED": 128,
+    }
+    launch = CachedLaunch(reshape_and_cache_kernel, (40, 8), args, ("key_ptr", "value_ptr", "kv_ptr"), {})
+    for i, cache in enumerate(caches):
+        key = torch.randn(40, 8, 128, device="cuda", dtype=torch.float16)
+        value = torch.randn(40, 8, 128, device="cuda", dtype=torch.float16)
+        launch(key, value, cache)
+        assert launch.fast, f"call {i} did not leave a compiled kernel to launch directly"
+        flat = cache.view(2, 64 * 16, 8, 128)
+        assert torch.equal(flat[0, slots], key) and torch.equal(flat[1, slots], value)

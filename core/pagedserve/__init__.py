@@ -14,16 +14,17 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.outputs import CompletionOutput, RequestOutput
-    from pagedserve.sampling.sampling_params import SamplingParams
+    from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
 
 _LAZY = {
     "LLM": "pagedserve.entrypoints.llm",
     "SamplingParams": "pagedserve.sampling.sampling_params",
+    "RequestOutputKind": "pagedserve.sampling.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
 }
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ prefill) are checked in `model_validator`s with a message that says what to chan
 from __future__ import annotations
 
 import enum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -88,6 +89,12 @@ class EngineArgs(_Config):
     swap_space_gib: float = Field(0.0, ge=0.0, description="CPU swap pool for preemption_mode='swap'")
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     load_format: str = Field("auto", pattern=r"^(auto|safetensors|gguf|dummy)$")
+    quantization: Literal["gguf"] | None = Field(
+        None, description="'gguf': keep a GGUF file's Q4_1/Q8_0 blocks packed (CPU, bfloat16)"
+    )
     seed: int = Field(0, ge=0)
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation")
+    cuda_graph_max_tokens: int = Field(
+        512, ge=1, description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly"
+    )
     num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram (prompt lookup) drafts per step")

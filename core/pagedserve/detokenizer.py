@@ -20,8 +20,13 @@ Stops, checked token by token (a multi-token step stops at the first token that 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import math
+from collections.abc import Callable, Sequence
 from typing import Protocol
+
+import tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from pagedserve.outputs import FinishReason
 from pagedserve.sampling.sampling_params import SamplingParams
@@ -48,6 +53,29 @@ def decode_text(tokenizer: TokenDecoder, token_ids: list[int], *, skip_special_t
     return text
 
 
+def token_decoder(tokenizer: TokenDecoder, *, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """A function ids -> text equal to `decode_text(tokenizer, ids, skip_special_tokens=...)`,
+    as fast as it can be had. Does not mutate.
+
+    A Hugging Face fast tokenizer's `decode` is its Rust backend's `decode` wrapped in Python
+    argument conversion and an optional clean-up pass; the wrapping costs twice the decoding
+    itself, and the detokenizer decodes twice per generated token. When the tokenizer's class
+    keeps the stock `decode` and `_decode` (HF's two steps; several model tokenizers override
+    them) and clean-up is off, the backend is called directly: the same text, by construction.
+    Any other tokenizer is decoded through its own `decode`."""
+    cls = type(tokenizer)
+    stock = (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and getattr(cls, "_decode", None) is getattr(PreTrainedTokenizerFast, "_decode", None)
+        and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+    )
+    backend = getattr(tokenizer, "backend_tokenizer", None) if stock else None
+    if isinstance(backend, tokenizers.Tokenizer):
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(decode_text, tokenizer, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Text, token ids and finish state of one sample, updated as tokens arrive."""
 
@@ -62,11 +90,21 @@ class IncrementalDetokenizer:
     ) -> None:
         if tokenizer is None and params.detokenize:
             raise ValueError("a tokenizer is needed to detokenize; pass one or set detokenize=False")
-        self._tokenizer = tokenizer
         self._params = params
-        self._eos_token_id = eos_token_id
-        self._max_model_len = max_model_len
-        self._num_prompt_tokens = len(prompt_token_ids)
+        # The checks of every token, read off `params` once (this runs per token per request).
+        self._decode: Callable[[list[int]], str] | None = None
+        if params.detokenize:
+            assert tokenizer is not None  # checked above
+            self._decode = token_decoder(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self._eos_token_id = None if params.ignore_eos else eos_token_id
+        self._stop_ids = frozenset(params.stop_ids)
+        self._min_tokens = params.min_tokens
+        self._keep_stop_text = params.include_stop_str_in_output
+        # Outputs at which the sample ends with "length": max_tokens, or the model's context.
+        limits = [math.inf if params.max_tokens is None else params.max_tokens]
+        if max_model_len is not None:
+            limits.append(max_model_len - len(prompt_token_ids))
+        self._length_limit = min(limits)
         self._stop_strings = params.stop_strings
         self._max_stop_len = max((len(s) for s in self._stop_strings), default=0)
         self.token_ids: list[int] = []  # generated ids; read-only for callers
@@ -129,47 +167,39 @@ class IncrementalDetokenizer:
     # ---- one token ------------------------------------------------------------------------------
 
     def _append_one(self, token: int) -> None:
-        params = self._params
-        self.token_ids.append(token)
-        past_min_tokens = len(self.token_ids) > params.min_tokens
-        if past_min_tokens and not params.ignore_eos and token == self._eos_token_id:
-            self._finish("stop", None, decode_last=params.include_stop_str_in_output)
+        token_ids = self.token_ids
+        token_ids.append(token)
+        past_min_tokens = len(token_ids) > self._min_tokens
+        if past_min_tokens and token == self._eos_token_id:
+            self._finish("stop", None, decode_last=self._keep_stop_text)
             return
-        if past_min_tokens and token in params.stop_ids:
-            self._finish("stop", token, decode_last=params.include_stop_str_in_output)
+        if past_min_tokens and token in self._stop_ids:
+            self._finish("stop", token, decode_last=self._keep_stop_text)
             return
-        if params.detokenize:
+        if self._decode is not None:
             checked_up_to = len(self._text)
             self._decode_step([token], final=False)
             if not past_min_tokens:
                 self._stop_check_floor = len(self._text)
             elif self._stop_strings and self._find_stop_string(checked_up_to):
                 return
-        max_tokens = params.max_tokens
-        at_max_tokens = max_tokens is not None and len(self.token_ids) >= max_tokens
-        at_model_len = (
-            self._max_model_len is not None
-            and self._num_prompt_tokens + len(self.token_ids) >= self._max_model_len
-        )
-        if at_max_tokens or at_model_len:
+        if len(token_ids) >= self._length_limit:
             self._finish("length", None, decode_last=False)
 
     def _finish(self, reason: FinishReason, stop_reason: int | str | None, *, decode_last: bool) -> None:
-        if self._params.detokenize:
+        if self._decode is not None:
             # Flush bytes still waiting for the rest of a character: the sample ends here, so they
             # show as U+FFFD, exactly as tokenizer.decode(token_ids) would show them.
             self._decode_step([self.token_ids[-1]] if decode_last else [], final=True)
         self.finish_reason = reason
         self.stop_reason = stop_reason
 
-    def _decode(self, token_ids: list[int]) -> str:
-        assert self._tokenizer is not None  # checked in __init__ whenever detokenize is set
-        return decode_text(self._tokenizer, token_ids, skip_special_tokens=self._params.skip_special_tokens)
-
     def _decode_step(self, new_ids: list[int], *, final: bool) -> None:
+        decode = self._decode
+        assert decode is not None  # only called when detokenizing
         self._window_ids.extend(new_ids)
-        prefix_text = self._decode(self._window_ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._window_ids[self._prefix_offset :])
+        prefix_text = decode(self._window_ids[self._prefix_offset : self._read_offset])
+        full_text = decode(self._window_ids[self._prefix_offset :])
         complete = len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT_CHAR)
         if complete or (final and len(full_text) > len(prefix_text)):
             self._text += full_text[len(prefix_text) :]

@@ -6,6 +6,10 @@ instead opens `forward_context(ctx)` around one forward; each `PagedAttention` l
 `get_forward_context()`. The context is held in a `ContextVar` and set only by the context manager,
 so it cannot leak past the forward it belongs to, and opening a second one inside the first (a
 nested forward, almost always a bug in the runner) is refused.
+
+A context may carry an `AttentionHook`: then every attention call of the forward goes to the hook
+instead of the KV cache and the backend. Piecewise CUDA-graph capture
+(`pagedserve.worker.cuda_graphs`) uses it to cut the forward into graphs at each attention call.
 """
 
 from __future__ import annotations
@@ -14,11 +18,32 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, CacheOps
+
+
+class AttentionHook(Protocol):
+    """Stands in for the paged attention of every layer during one forward.
+
+    Called with exactly what `paged_attention` got; returns the tensor the layer continues with
+    ([num_tokens, num_q_heads, head_size], the query's dtype and device). Whether it mutates
+    anything is the hook's own contract; the KV cache is not touched by `paged_attention` then."""
+
+    def __call__(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        *,
+        scale: float,
+        sliding_window: int | None,
+        logit_softcap: float | None,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +54,8 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # layer_idx -> [2, num_blocks, block_size, num_kv_heads, head_size]
     backend: AttentionBackend
     cache_ops: CacheOps
+    # None: attention runs on the backend. Set only while the model runner captures CUDA graphs.
+    attention_hook: AttentionHook | None = None
 
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("pagedserve_forward_context", default=None)

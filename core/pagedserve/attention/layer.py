@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.attention.forward_context import get_forward_context
+from pagedserve.attention.forward_context import ForwardContext, get_forward_context
 
 
 def paged_attention(
@@ -25,13 +25,53 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size]
     """Cache this step's keys/values for layer `layer_idx` and return the attention output.
 
-    Mutates the layer's KV cache in the open forward context (and nothing else)."""
+    Mutates the layer's KV cache in the open forward context (and nothing else). When the context
+    carries an `attention_hook` (CUDA-graph capture), the hook answers instead and the KV cache is
+    left alone."""
     ctx = get_forward_context()
     if layer_idx >= len(ctx.kv_caches):
         raise RuntimeError(
             f"attention layer {layer_idx} has no KV cache: the forward context holds "
             f"{len(ctx.kv_caches)} layer caches; allocate one per attention layer (ModelSpec.num_layers)"
         )
+    if ctx.attention_hook is not None:
+        return ctx.attention_hook(
+            layer_idx,
+            query,
+            key,
+            value,
+            scale=scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+        )
+    return attend(
+        ctx,
+        layer_idx,
+        query,
+        key,
+        value,
+        scale=scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
+
+
+def attend(
+    ctx: ForwardContext,
+    layer_idx: int,
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    *,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size]
+    """Write the new keys/values of layer `layer_idx` into its cache, then attend, into `out` when
+    given. The same work as `paged_attention`, for callers holding the context themselves (CUDA-graph
+    replay runs attention between graphs, outside any model code). Mutates the layer's KV cache and
+    `out`."""
     kv_cache = ctx.kv_caches[layer_idx]
     ctx.cache_ops.reshape_and_cache(key, value, kv_cache, ctx.metadata.slot_mapping)
     return ctx.backend.forward(
@@ -41,6 +81,7 @@ def paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
+        out=out,
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,13 @@ def run_throughput(engine: LLMEngine, requests: list[BenchRequest]) -> Throughpu
     produced: dict[str, int] = {}
     start = time.perf_counter()
     for i, req in enumerate(requests):
-        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+        params = SamplingParams(
+            max_tokens=req.output_len,
+            ignore_eos=True,
+            temperature=0.0,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # only finished requests are counted
+        )
         engine.add_request(f"bench-{i}", req.prompt_ids, params)
     while engine.has_unfinished_requests():
         for out in engine.step():

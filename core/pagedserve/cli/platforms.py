@@ -1,11 +1,19 @@
 """`pagedserve platforms`: every discovered platform, its backends and capabilities, and the
-plugins that failed to load. `--json` prints the same as one JSON object."""
+plugins that failed to load. `--json` prints the same as one JSON object.
+
+`pagedserve platforms --explain --batch 64x1x2048 --heads 32/8 --head-size 128 --dtype bfloat16`
+says which kernel each backend that can explain itself (`ExplainsBatches`) runs for that batch and
+why. The device is this machine's GPU when the platform is available, else `--device`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -19,11 +27,165 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "platforms", help="list platform plugins, their attention backends and load errors"
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    explain = parser.add_argument_group("kernel choice (--explain)")
+    explain.add_argument(
+        "--explain", action="store_true", help="say which attention kernel a batch gets, and why"
+    )
+    explain.add_argument("--platform", help="explain only this platform (default: every one that can)")
+    explain.add_argument(
+        "--batch",
+        default="64x1x2048",
+        metavar="SEQSxQUERYxCTX",
+        help="sequences x longest query (1 = decode) x longest context, e.g. 64x1x2048 (default)",
+    )
+    explain.add_argument("--heads", default="32/8", metavar="Q/KV", help="query/KV heads (default 32/8)")
+    explain.add_argument("--head-size", type=int, default=128, help="default 128")
+    explain.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="default bfloat16")
+    explain.add_argument("--block-size", type=int, default=16, help="KV-cache block size (default 16)")
+    explain.add_argument("--sliding-window", type=int, help="attention window in tokens (default: none)")
+    explain.add_argument("--softcap", type=float, help="logit softcap (default: none)")
+    explain.add_argument(
+        "--device",
+        metavar="NAME:SMS:MAJOR.MINOR",
+        help=f"GPU to assume where the platform has none here (default: '{_ASSUMED_DEVICE}')",
+    )
     parser.set_defaults(handler=run)
 
 
+_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_ASSUMED_DEVICE = "NVIDIA H100 80GB HBM3:132:9.0"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchQuery:
+    """One attention call's geometry and the GPU it runs on, as `--explain` describes it."""
+
+    num_seqs: int
+    max_query_len: int  # 1: every sequence decodes one token
+    max_seq_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+    sliding_window: int | None
+    logit_softcap: float | None
+    device_name: str
+    num_sms: int
+    capability: tuple[int, int]
+
+
+@runtime_checkable
+class ExplainsBatches(Protocol):
+    """An attention backend that can say which kernel it runs for a batch (optional; a backend
+    without `explain_batch` is listed as not explaining itself)."""
+
+    def explain_batch(self, batch: BatchQuery) -> str:
+        """One line: the kernel and the reason. Host-only, no device access."""
+        ...
+
+
+def _parse_device(text: str) -> tuple[str, int, tuple[int, int]]:
+    match = re.fullmatch(r"(.+):(\d+):(\d+)\.(\d+)", text)
+    if match is None:
+        raise ValueError(f"--device {text!r} must be NAME:SMS:MAJOR.MINOR, e.g. {_ASSUMED_DEVICE!r}")
+    return match[1], int(match[2]), (int(match[3]), int(match[4]))
+
+
+def batch_query(args: argparse.Namespace, device: tuple[str, int, tuple[int, int]]) -> BatchQuery:
+    """The `--explain` flags as a `BatchQuery` on `device`; `ValueError` names a malformed flag."""
+    batch = re.fullmatch(r"(\d+)x(\d+)x(\d+)", args.batch)
+    if batch is None:
+        raise ValueError(f"--batch {args.batch!r} must be SEQSxQUERYxCTX, e.g. 64x1x2048")
+    heads = re.fullmatch(r"(\d+)/(\d+)", args.heads)
+    if heads is None:
+        raise ValueError(f"--heads {args.heads!r} must be Q/KV, e.g. 32/8")
+    num_seqs, query_len, ctx = (int(g) for g in batch.groups())
+    if num_seqs < 1 or not 1 <= query_len <= ctx:
+        raise ValueError(f"--batch {args.batch!r} needs >= 1 sequence and 1 <= query <= context")
+    return BatchQuery(
+        num_seqs=num_seqs,
+        max_query_len=query_len,
+        max_seq_len=ctx,
+        num_q_heads=int(heads[1]),
+        num_kv_heads=int(heads[2]),
+        head_size=args.head_size,
+        dtype=_DTYPES[args.dtype],
+        block_size=args.block_size,
+        sliding_window=args.sliding_window,
+        logit_softcap=args.softcap,
+        device_name=device[0],
+        num_sms=device[1],
+        capability=device[2],
+    )
+
+
+def explain_text(registry: PlatformRegistry, args: argparse.Namespace) -> str:
+    """The `--explain` report: one line per explaining backend. Raises `ValueError` for bad flags
+    and `PlatformError` for an unknown `--platform`."""
+    assumed = _parse_device(args.device or _ASSUMED_DEVICE)
+    batch_query(args, assumed)  # malformed flags fail before any platform is asked
+    platforms = [registry.get(args.platform)] if args.platform else registry.platforms()
+    lines = [f"batch: {query_desc(args)}"]
+    silent: list[str] = []
+    for platform in platforms:
+        device, where = assumed, "assumed (--device)" if args.device else "assumed: no GPU of it here"
+        if platform.availability.available and platform.info.device_type == "cuda":
+            props = torch.cuda.get_device_properties(0)
+            device, where = (props.name, props.multi_processor_count, (props.major, props.minor)), "this GPU"
+        try:
+            backends = platform.attention_backends()
+        except PlatformError as e:
+            lines.append(f"{platform.name}: {e}")
+            continue
+        for backend_cls in backends:
+            backend = backend_cls()
+            if not isinstance(backend, ExplainsBatches):
+                silent.append(f"{platform.name}/{backend_cls.name}")
+                continue
+            name, sms, (major, minor) = device
+            lines.append(
+                f"{platform.name}/{backend_cls.name} on {name} ({sms} SMs, sm_{major}{minor}; {where}):"
+            )
+            lines.append(f"  {backend.explain_batch(batch_query(args, device))}")
+    if len(lines) == 1:
+        scope = f"platform {args.platform!r}" if args.platform else "any platform"
+        lines.append(f"no backend of {scope} explains its kernel choice")
+    if silent:
+        lines.append(f"(backends that do not explain their choice: {', '.join(silent)})")
+    return "\n".join(lines)
+
+
+def query_desc(args: argparse.Namespace) -> str:
+    """The batch flags for people. Pure."""
+    seqs, query_len, ctx = args.batch.split("x")
+    kind = "decode" if query_len == "1" else f"up to {query_len} query tokens per sequence"
+    extras = "".join(
+        f", {name} {value}"
+        for name, value in (("window", args.sliding_window), ("softcap", args.softcap))
+        if value
+    )
+    return (
+        f"{seqs} sequences ({kind}), longest context {ctx}, heads {args.heads}, head size {args.head_size}, "
+        f"{args.dtype}, block size {args.block_size}{extras}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the report; exit status 0 (a broken plugin is part of the report, not a failure)."""
+    """Print the report; exit status 0 (a broken plugin is part of the report, not a failure).
+    With --explain, the kernel choice instead; exit status 2 for malformed flags."""
+    if args.explain:
+        try:
+            print(explain_text(load_platforms(), args))
+        except (ValueError, PlatformError) as e:
+            print(f"pagedserve platforms --explain: {e}", file=sys.stderr)
+            return 2
+        return 0
     report = describe(load_platforms())
     if args.json:
         print(json.dumps(report, indent=2))

@@ -86,20 +86,28 @@ class EngineCore:
         so = self.scheduler.schedule()
         result = self.runner.execute(so)
         updates = self.scheduler.update_from_output(so, result.sampled)
+        # One output per running sequence per step: locals, lookups only when logprobs exist, and
+        # positional construction, EngineCoreOutput(req_id, new_token_ids, finish_reason,
+        # stop_token_id, logprobs, prompt_logprobs, num_cached_tokens).
+        finish_reasons = _FINISH_REASONS
+        logprobs_of = result.logprobs
+        prompt_logprobs_of = result.prompt_logprobs
+        append = outputs.append
         for update in updates:
-            finish = _FINISH_REASONS.get(update.status)
-            logprobs = result.logprobs.get(update.req_id)
-            if logprobs is not None:
-                logprobs = logprobs[: len(update.new_token_ids)]
-            outputs.append(
+            logprobs = None
+            if logprobs_of:
+                logprobs = logprobs_of.get(update.req_id)
+                if logprobs is not None:
+                    logprobs = logprobs[: len(update.new_token_ids)]
+            append(
                 EngineCoreOutput(
-                    req_id=update.req_id,
-                    new_token_ids=update.new_token_ids,
-                    finish_reason=finish,
-                    stop_token_id=update.stop_token_id,
-                    logprobs=logprobs,
-                    prompt_logprobs=result.prompt_logprobs.get(update.req_id),
-                    num_cached_tokens=update.num_cached_tokens,
+                    update.req_id,
+                    update.new_token_ids,
+                    finish_reasons.get(update.status),
+                    update.stop_token_id,
+                    logprobs,
+                    prompt_logprobs_of.get(update.req_id) if prompt_logprobs_of else None,
+                    update.num_cached_tokens,
                 )
             )
         return outputs

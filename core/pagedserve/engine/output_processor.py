@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pagedserve.detokenizer import IncrementalDetokenizer, TokenDecoder
 from pagedserve.engine.protocol import EngineCoreOutput, TokenLogprobs
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.types import RequestId
 
 
@@ -36,6 +36,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     samples: list[_Sample]
+    final_only: bool  # params.output_kind is FINAL_ONLY: no output until every sample finishes
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None
 
@@ -73,7 +74,8 @@ class OutputProcessor:
             )
             for i in range(params.n)
         ]
-        state = _RequestState(request_id, prompt, prompt_token_ids, params, samples)
+        final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, samples, final_only)
         self._requests[request_id] = state
         ids = [sequence_id(request_id, i, params.n) for i in range(params.n)]
         for seq_id, sample in zip(ids, samples, strict=True):
@@ -91,13 +93,18 @@ class OutputProcessor:
         return [sequence_id(request_id, s.index, state.params.n) for s in state.samples]
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[RequestId]]:
-        """Apply one step's core outputs. Returns the updated requests (one `RequestOutput` each,
-        cumulative) and the sequence ids the front end finished itself (stop strings), which the
-        caller must tell the core to stop."""
+        """Apply one step's core outputs. Returns the updated requests (one cumulative
+        `RequestOutput` each; a request with output_kind FINAL_ONLY only once it has finished) and
+        the sequence ids the front end finished itself (stop strings), which the caller must tell
+        the core to stop."""
+        # This runs for every running sequence every step: locals, and no work for features
+        # (logprobs, prompt logprobs, finishing) that an output does not carry.
         touched: dict[str, _RequestState] = {}
         to_stop: list[RequestId] = []
+        owners = self._owner
+        any_finished = False
         for out in outputs:
-            owner = self._owner.get(out.req_id)
+            owner = owners.get(out.req_id)
             if owner is None:
                 continue  # a sequence aborted by the front end before the core noticed
             state, sample = owner
@@ -106,27 +113,35 @@ class OutputProcessor:
                 state.prompt_logprobs = [None, *self._decoded(out.prompt_logprobs, state.params)]
             if state.num_cached_tokens is None:
                 state.num_cached_tokens = out.num_cached_tokens
-            if sample.detok.finished:
+            detok = sample.detok
+            if detok.finish_reason is not None:
                 continue
-            accepted = sample.detok.append(out.new_token_ids) if out.new_token_ids else 0
+            new_token_ids = out.new_token_ids
+            accepted = detok.append(new_token_ids) if new_token_ids else 0
             if sample.logprobs is not None and out.logprobs is not None:
                 kept = self._decoded(out.logprobs[:accepted], state.params)
                 sample.logprobs.extend(kept)
-                token_ids = out.new_token_ids[:accepted]
+                token_ids = new_token_ids[:accepted]
                 assert sample.cumulative_logprob is not None
                 sample.cumulative_logprob += sum(lp[t].logprob for lp, t in zip(kept, token_ids, strict=True))
-            if out.finish_reason is not None and not sample.detok.finished:
-                if out.finish_reason == "abort":
-                    sample.detok.abort()
-                else:
-                    # The core's token-level stop and the detokenizer's agree; "length" from the
-                    # core covers limits the detokenizer does not see.
-                    sample.detok.finish(out.finish_reason, out.stop_token_id)
-            elif out.finish_reason is None and sample.detok.finished:
+            if out.finish_reason is not None:
+                any_finished = True
+                if detok.finish_reason is None:
+                    if out.finish_reason == "abort":
+                        detok.abort()
+                    else:
+                        # The core's token-level stop and the detokenizer's agree; "length" from
+                        # the core covers limits the detokenizer does not see.
+                        detok.finish(out.finish_reason, out.stop_token_id)
+            elif detok.finish_reason is not None:
+                any_finished = True
                 to_stop.append(out.req_id)
-        results = [self._snapshot(state) for state in touched.values()]
+        results: list[RequestOutput] = []
         for state in touched.values():
-            if all(s.detok.finished for s in state.samples):
+            done = any_finished and all(s.detok.finish_reason is not None for s in state.samples)
+            if done or not state.final_only:
+                results.append(self._snapshot(state))
+            if done:
                 self._forget(state)
         return results, to_stop
 
@@ -154,26 +169,30 @@ class OutputProcessor:
         return [{t: replace(lp, decoded_token=str(tok.decode([t]))) for t, lp in e.items()} for e in entries]
 
     def _snapshot(self, state: _RequestState) -> RequestOutput:
+        # Positional construction: this runs once per running request per step, and keyword
+        # arguments cost a third more. Order: CompletionOutput(index, text, token_ids,
+        # cumulative_logprob, logprobs, finish_reason, stop_reason) and RequestOutput(request_id,
+        # prompt, prompt_token_ids, prompt_logprobs, outputs, finished, num_cached_tokens).
         outputs = [
             CompletionOutput(
-                index=s.index,
-                text=s.detok.text,
-                token_ids=list(s.detok.token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.detok.finish_reason,
-                stop_reason=s.detok.stop_reason,
+                s.index,
+                s.detok.text,
+                s.detok.token_ids.copy(),
+                s.cumulative_logprob,
+                None if s.logprobs is None else s.logprobs.copy(),
+                s.detok.finish_reason,
+                s.detok.stop_reason,
             )
             for s in state.samples
         ]
         return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            prompt_logprobs=state.prompt_logprobs,
-            outputs=outputs,
-            finished=all(o.finish_reason is not None for o in outputs),
-            num_cached_tokens=state.num_cached_tokens or 0,
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            state.prompt_logprobs,
+            outputs,
+            all(o.finish_reason is not None for o in outputs),
+            state.num_cached_tokens or 0,
         )
 
 

@@ -21,6 +21,7 @@ from pagedserve.platforms.api import AttentionBackend, UnsupportedCase
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.worker.cuda_graphs import default_graph_sizes, eager_reason
 from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.profile import profile_activation_bytes
@@ -52,12 +53,14 @@ class EngineSetup:
     core: EngineCore
 
 
-def resolve_dtype(name: str, platform: LoadedPlatform) -> torch.dtype:
+def resolve_dtype(name: str, platform: LoadedPlatform, quantization: str | None = None) -> torch.dtype:
     """`"auto"` is float32 on CPU platforms (CPUs are slow at half precision) and bfloat16 on
-    accelerators; an explicit dtype must be one the platform supports."""
+    accelerators, and with packed 4-bit weights (whose kernels take bfloat16); an explicit dtype
+    must be one the platform supports."""
     supported = platform.info.supported_dtypes
     if name == "auto":
-        dtype = torch.float32 if platform.info.device_type == "cpu" else torch.bfloat16
+        cpu = platform.info.device_type == "cpu"
+        dtype = torch.float32 if cpu and quantization is None else torch.bfloat16
     else:
         dtype = _DTYPES[name]
     if dtype not in supported:
@@ -96,7 +99,7 @@ def build_engine(args: EngineArgs) -> EngineSetup:
     """Select the platform, load the model and build the engine core. Slow (loads weights)."""
     platform = load_platforms().select(args.platform)
     device = platform.device
-    dtype = resolve_dtype(args.dtype, platform)
+    dtype = resolve_dtype(args.dtype, platform, args.quantization)
     logger.info("platform %s (%s), dtype %s", platform.name, platform.availability.reason, dtype)
     loaded = load_model(
         args.model,
@@ -105,6 +108,7 @@ def build_engine(args: EngineArgs) -> EngineSetup:
         device=device,
         load_format=args.load_format,  # type: ignore[arg-type]  # validated by EngineArgs' pattern
         seed=args.seed,
+        quantization=args.quantization,
     )
     spec = loaded.spec
     max_model_len = _max_model_len(args, spec)
@@ -173,6 +177,11 @@ def build_engine(args: EngineArgs) -> EngineSetup:
     )
     if swap_blocks:
         runner.allocate_swap_space(swap_blocks)
+    eager_why = eager_reason(device, spec, args.enforce_eager)
+    if eager_why is None:
+        runner.capture_cuda_graphs(list(default_graph_sizes(max_batched, args.cuda_graph_max_tokens)))
+    else:
+        logger.info("CUDA graphs off (every step runs eagerly): %s", eager_why)
     scheduler = Scheduler(sched_config, cache_config, num_blocks)
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
     core = EngineCore(scheduler, runner, max_model_len=max_model_len, proposer=proposer)

@@ -7,6 +7,7 @@ outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
 
 PromptInput = str | Sequence[int]
 Message = dict[str, Any]  # {"role": ..., "content": ...}
@@ -99,8 +100,10 @@ class LLM:
         try:
             for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 request_id = f"gen-{next(self._ids)}"
+                # generate() returns finished requests only: skip building per-step partial outputs.
+                final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                 try:
-                    engine.add_request(request_id, prompt, p)
+                    engine.add_request(request_id, prompt, final_only)
                 except ValueError as exc:
                     raise ValueError(f"prompt {index}: {exc}") from None
                 order[request_id] = index

@@ -29,6 +29,7 @@ from pagedserve.models.layers import (
     apply_rotary,
     rope_frequencies,
 )
+from pagedserve.models.packed_int4 import PackedInt4Linear, RecoveredCodes, pack_linear_layers
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 
 
@@ -176,6 +177,8 @@ class DecoderForCausalLM(PagedCausalLM):
         self.lm_head = (
             None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        # Set by `pack_quantized_weights`: the head as packed 4-bit codes (CPU decode).
+        self.packed_head: PackedInt4Linear | None = None
         self.spec = ModelSpec(
             architecture=self.architecture,
             implementation="native",
@@ -202,8 +205,24 @@ class DecoderForCausalLM(PagedCausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_selected, hidden_size] -> [num_selected, vocab_size] float32. Does not mutate."""
+        if self.packed_head is not None:
+            return self.packed_head(hidden_states).float()
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden_states, head).float()
+
+    @torch.no_grad()
+    def pack_quantized_weights(self, recovered: dict[str, RecoveredCodes]) -> int:
+        """Swap in packed 4-bit layers for the projections (and the head) whose checkpoint
+        tensors `recovered` holds exact codes of (see `packed_int4`). Call after
+        `load_weights`; returns the number of layers packed. Mutates the model."""
+        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        packed = pack_linear_layers(self.model, recovered, prefix="model.")
+        head_codes = recovered.get(head_name)
+        if head_codes is not None:
+            head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.packed_head = PackedInt4Linear(head_codes, head.data, None)
+            packed += 1
+        return packed
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -25,7 +26,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Does not mutate `x`."""
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if x.dtype == torch.float32:
+            # transformers' exact operations, so float32 greedy decoding matches it bit for bit.
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            # The same float32 math in one fused call: decode pays per call, and the rounding to
+            # the half-precision dtype below dwarfs any difference in summation order.
+            x32 = F.rms_norm(x32, (x32.shape[-1],), eps=self.eps)
         return self.weight * x32.to(x.dtype)
 
 

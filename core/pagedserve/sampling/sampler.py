@@ -6,8 +6,8 @@ Pipeline, for all rows at once (all on the logits' device):
   3. greedy rows: argmax of the processed logits (exactly torch.argmax, ties to the lowest id);
   4. random rows: divide by temperature, then top-k, top-p and min-p (HF's order; min-p commutes
      with the other two), softmax, and draw by the exponential race: argmax(p_i / E_i) with
-     E_i ~ Exp(1) selects token i with probability p_i. The noise E of a seeded row comes from its
-     own generator seeded by `step_seed(seed, sample, step)`, so its tokens do not depend on which
+     E_i ~ Exp(1) selects token i with probability p_i. The noise E of a seeded row is a function
+     of `step_seed(seed, sample, step)` alone (noise.py), so its tokens do not depend on which
      other requests share the batch or on its row; unseeded rows share one generator.
 """
 
@@ -19,6 +19,7 @@ import torch
 
 from pagedserve.sampling.logprobs import LogprobsTensors, gather_logprobs
 from pagedserve.sampling.metadata import SamplingMetadata
+from pagedserve.sampling.noise import seeded_exponential
 from pagedserve.sampling.penalties import apply_penalties
 
 # Exponential noise is almost never exactly 0, but one 0 would make p / E infinite for a zero-prob token.
@@ -75,14 +76,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 
 def exponential_noise(shape: tuple[int, int], meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [num_reqs, vocab]; each seeded row from its own generator. Does not mutate `meta`
-    (the shared generator's state advances)."""
+    """Exp(1) noise [num_reqs, vocab]: seeded rows from their step seeds (`noise.py`), the others
+    from the shared generator. Does not mutate `meta` (the shared generator's state advances)."""
     noise = torch.empty(shape, dtype=torch.float32, device=device)
     noise.exponential_(generator=meta.generator)
-    for row, seed in meta.seeds.items():
-        row_generator = torch.Generator(device=device)
-        row_generator.manual_seed(seed)
-        noise[row].exponential_(generator=row_generator)
+    if meta.seeded is not None:
+        noise.index_copy_(0, meta.seeded.rows, seeded_exponential(meta.seeded.seeds, shape[1]))
     return noise.clamp_min_(_MIN_NOISE)
 
 
@@ -107,6 +106,7 @@ class Sampler:
         elif meta.all_random:
             sampled = self._sample_random(processed, meta)
         else:
+            assert meta.greedy is not None  # set whenever greedy and random rows are mixed
             sampled = torch.where(meta.greedy, processed.argmax(dim=-1), self._sample_random(processed, meta))
         logprobs = None
         if raw_logprobs is not None and meta.max_num_logprobs is not None:
@@ -130,8 +130,18 @@ class Sampler:
 
     @staticmethod
     def _sample_random(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        assert meta.temperature is not None  # None only for an all-greedy batch
         scaled = processed / meta.temperature.unsqueeze(1)  # a fresh tensor: safe to edit in place
-        apply_top_k_top_p(scaled, meta.top_k, meta.top_p, meta.max_top_k)
+        if meta.top_p_rows is None or meta.top_p is None:
+            apply_top_k_top_p(scaled, meta.top_k, meta.top_p, meta.max_top_k)
+        else:
+            # Top-k for every row (through topk), then top-p's sort for the few rows that use it:
+            # the same result, since top-k masks with the same tie rule in both paths.
+            apply_top_k_top_p(scaled, meta.top_k, None, meta.max_top_k)
+            rows = meta.top_p_rows
+            subset = scaled.index_select(0, rows)
+            apply_top_k_top_p(subset, None, meta.top_p.index_select(0, rows))
+            scaled.index_copy_(0, rows, subset)
         if meta.min_p is not None:
             apply_min_p(scaled, meta.min_p)
         probs = scaled.softmax(dim=-1)

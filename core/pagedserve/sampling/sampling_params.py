@@ -27,6 +27,15 @@ class SamplingType(enum.Enum):
     RANDOM_SEED = "random_seed"  # noise from a per-request generator seeded from (seed, sample, step)
 
 
+class RequestOutputKind(enum.Enum):
+    """Which `RequestOutput`s a running request produces (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # one after every step that advanced it, holding everything so far
+    # One, when it finishes. Offline generation needs nothing else, and skipping the per-step
+    # snapshots saves the engine host time on every step of a large batch.
+    FINAL_ONLY = "final_only"
+
+
 def _is_real(value: object) -> bool:
     # bool is an int subclass; `temperature=True` is a bug, not a temperature.
     return isinstance(value, Real) and not isinstance(value, bool)
@@ -60,6 +69,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit; stored as a dict copy
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the enum or its value (a str)
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -78,6 +88,7 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", bias)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        self._normalize_output_kind()
         for name in (
             "ignore_eos",
             "detokenize",
@@ -86,6 +97,17 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _normalize_output_kind(self) -> None:
+        kind: object = self.output_kind
+        if isinstance(kind, str):  # the value, as it travels between processes
+            kind = next((k for k in RequestOutputKind if k.value == kind), kind)
+        if not isinstance(kind, RequestOutputKind):
+            names = ", ".join(repr(k.value) for k in RequestOutputKind)
+            raise ValueError(
+                f"output_kind must be a RequestOutputKind or one of {names}, got {self.output_kind!r}"
+            )
+        object.__setattr__(self, "output_kind", kind)
 
     def _check_counts(self) -> None:
         def integer(name: str, low: int, allow_none: bool) -> None:

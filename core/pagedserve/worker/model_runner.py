@@ -11,6 +11,8 @@ One step, in order (the order `SchedulerOutput` documents):
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,11 +24,12 @@ from pagedserve.models.spec import PagedCausalLM
 from pagedserve.outputs import Logprob
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 from pagedserve.sampling.logprobs import compute_prompt_logprobs, logprobs_to_dicts
-from pagedserve.sampling.metadata import SamplingMetadata, SamplingRequest
+from pagedserve.sampling.rows import TokenHistories
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.scheduler.output import SchedulerOutput
+from pagedserve.scheduler.output import CachedRequestData, SchedulerOutput
 from pagedserve.types import RequestId
+from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs
 from pagedserve.worker.input_batch import InputBatch, RowState
 
 TokenLogprobs = dict[int, Logprob]  # token id -> logprob, for one position
@@ -54,6 +57,7 @@ class _StepPlan:
     query_start: np.ndarray  # [num_sched_reqs + 1]
     positions: np.ndarray  # [num_tokens] absolute position of every scheduled token
     drafts: dict[RequestId, list[int]]  # req_id -> draft tokens scored this step
+    num_drafts: np.ndarray  # [num_sched_reqs] len(drafts[req_id]); 0 for requests without drafts
 
 
 class ModelRunner:
@@ -93,11 +97,21 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.swap_caches: list[torch.Tensor] | None = None
+        # Set by `capture_cuda_graphs`; None: every forward runs eagerly.
+        self.cuda_graphs: PiecewiseCudaGraphs | None = None
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool (one tensor per layer) used by swap-mode preemption."""
         shape = self.spec.kv_cache_shape(num_blocks, self.block_size)
         self.swap_caches = [torch.zeros(shape, dtype=c.dtype, device="cpu") for c in self.kv_caches]
+
+    def capture_cuda_graphs(self, sizes: list[int]) -> None:
+        """Capture piecewise CUDA graphs for these padded token counts (see `cuda_graphs`); steps
+        that fit one replay it from then on. Call once, after the KV cache exists. Mutates the
+        runner; slow (two forwards per size)."""
+        graphs = PiecewiseCudaGraphs(self.model, self.device, sizes)
+        graphs.capture(self.kv_caches, self.backend, self.cache_ops)
+        self.cuda_graphs = graphs
 
     # ----------------------------------------------------------------------------- one step
     @torch.inference_mode()
@@ -109,12 +123,17 @@ class ModelRunner:
         plan = self._plan(so)
         metadata, input_ids, positions = self._build_inputs(plan)
         ctx = ForwardContext(metadata, self.kv_caches, self.backend, self.cache_ops)
-        with forward_context(ctx):
-            hidden = self.model(input_ids, positions)
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.fits(metadata.num_actual_tokens):
+            hidden = graphs.run(ctx, input_ids, positions)
+        else:
+            with forward_context(ctx):
+                hidden = self.model(input_ids, positions)
         return self._sample(plan, hidden)
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         batch = self.batch
+        batch.wait_for_uploads()  # the previous step's copies read host buffers written below
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             batch.remove(req_id)
         if so.blocks_to_swap_out or so.blocks_to_swap_in:
@@ -126,27 +145,43 @@ class ModelRunner:
             params = new.sampling_params
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"request {new.req_id!r}: sampling_params must be SamplingParams")
-            prompt_len = len(new.prompt_token_ids)
             state = RowState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
-                output_token_ids=list(new.all_token_ids[prompt_len:]),
                 sampling_params=params,
                 sample_index=_sample_index(new.req_id),
             )
             batch.add(state, new.all_token_ids, new.num_computed_tokens, new.block_ids)
-        for cached in so.scheduled_cached_reqs:
-            row = batch.row_of.get(cached.req_id)
-            if row is None:
-                raise RuntimeError(
-                    f"scheduler sent cached request {cached.req_id!r} that the worker has no row for"
-                )
-            batch.append_tokens(row, cached.new_token_ids)
-            if cached.replaced_block_ids is not None:
-                batch.set_blocks(row, cached.replaced_block_ids)
-            else:
-                batch.append_blocks(row, cached.new_block_ids)
-            batch.num_computed_tokens[row] = cached.num_computed_tokens
+        if so.scheduled_cached_reqs:
+            self._apply_cached(so.scheduled_cached_reqs)
+
+    def _apply_cached(self, cached: list[CachedRequestData]) -> None:
+        """Apply the running requests' diffs. This runs for every running request every step, so
+        the diffs are taken apart column by column by C-level iteration (zip, map, compress),
+        tokens and counters are stored with numpy, and Python loops only over the few rows whose
+        block table changed."""
+        batch = self.batch
+        req_ids, new_tokens, new_blocks, replaced, num_computed = zip(*cached, strict=True)
+        n = len(req_ids)
+        try:
+            rows = np.fromiter(map(batch.row_of.__getitem__, req_ids), dtype=np.int64, count=n)
+        except KeyError as exc:
+            raise RuntimeError(
+                f"scheduler sent cached request {exc.args[0]!r} that the worker has no row for"
+            ) from None
+        counts = np.fromiter(map(len, new_tokens), dtype=np.int64, count=n)
+        if counts.any():
+            flat = np.fromiter(
+                itertools.chain.from_iterable(new_tokens), dtype=np.int64, count=int(counts.sum())
+            )
+            grown = counts > 0
+            batch.append_tokens_batched(rows[grown], counts[grown], flat)
+        for i in itertools.compress(range(n), map(operator.is_not, replaced, itertools.repeat(None))):
+            batch.set_blocks(int(rows[i]), replaced[i])
+        for i in itertools.compress(range(n), new_blocks):  # replaced rows send no new blocks
+            if replaced[i] is None:
+                batch.append_blocks(int(rows[i]), new_blocks[i])
+        batch.num_computed_tokens[rows] = np.fromiter(num_computed, dtype=np.int64, count=n)
 
     def _swap(self, so: SchedulerOutput) -> None:
         if self.swap_caches is None:
@@ -163,13 +198,18 @@ class ModelRunner:
     def _plan(self, so: SchedulerOutput) -> _StepPlan:
         batch = self.batch
         row_of = batch.row_of
-        pairs = sorted((row_of[rid], rid) for rid in so.num_scheduled_tokens)
-        rows = np.fromiter((p[0] for p in pairs), dtype=np.int64, count=len(pairs))
-        req_ids = [p[1] for p in pairs]
-        num_sched = np.fromiter(
-            (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(pairs)
-        )
+        scheduled = so.num_scheduled_tokens
+        n = len(scheduled)
+        ids = list(scheduled)
+        rows = np.fromiter(map(row_of.__getitem__, ids), dtype=np.int64, count=n)
+        num_sched = np.fromiter(scheduled.values(), dtype=np.int64, count=n)
+        req_ids = ids
+        if n > 1 and not bool((rows[1:] > rows[:-1]).all()):
+            order = np.argsort(rows, kind="stable")
+            rows, num_sched = rows[order], num_sched[order]
+            req_ids = list(operator.itemgetter(*order.tolist())(ids))
         drafts = so.scheduled_spec_decode_tokens
+        num_drafts = np.zeros(n, dtype=np.int64)
         for req_id, draft in drafts.items():
             # Drafts follow the known tokens; they are inputs of this step only (not confirmed tokens).
             row = row_of[req_id]
@@ -177,13 +217,14 @@ class ModelRunner:
             if start + len(draft) > batch.max_model_len:
                 raise RuntimeError(f"request {req_id!r}: drafts would run past max_model_len")
             batch.token_ids[row, start : start + len(draft)] = draft
-        query_start = np.zeros(len(pairs) + 1, dtype=np.int64)
+            num_drafts[np.searchsorted(rows, row)] = len(draft)
+        query_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(num_sched, out=query_start[1:])
         total = int(query_start[-1])
-        req_of_token = np.repeat(np.arange(len(pairs)), num_sched)
+        req_of_token = np.repeat(np.arange(n), num_sched)
         offsets = np.arange(total) - query_start[:-1][req_of_token]
         positions = batch.num_computed_tokens[rows][req_of_token] + offsets
-        return _StepPlan(rows, req_ids, num_sched, query_start, positions, dict(drafts))
+        return _StepPlan(rows, req_ids, num_sched, query_start, positions, dict(drafts), num_drafts)
 
     def _build_inputs(self, plan: _StepPlan) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         batch = self.batch
@@ -198,87 +239,111 @@ class ModelRunner:
             block_table = batch.block_table.to_device(num_reqs)
         else:
             block_table = torch.from_numpy(batch.block_table.np[plan.rows]).to(self.device)
-        qsl_cpu = torch.from_numpy(plan.query_start.astype(np.int32))
-        seq_cpu = torch.from_numpy(seq_lens)
-        dev = self.device
+        # Two transfers for the five per-step arrays (one per dtype), then mark them for the
+        # next step's writes (`wait_for_uploads`).
+        (ids_dev, _), (pos_dev, _), (slots_dev, _) = batch.upload_i64.upload(input_ids, plan.positions, slots)
+        (qsl_dev, qsl_cpu), (seq_dev, seq_cpu) = batch.upload_i32.upload(
+            plan.query_start.astype(np.int32), seq_lens
+        )
+        batch.upload_fence.record()
         metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_actual_tokens=len(input_ids),
             max_query_len=int(plan.num_sched.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl_cpu.to(dev),
-            seq_lens=seq_cpu.to(dev),
+            query_start_loc=qsl_dev,
+            seq_lens=seq_dev,
             block_table=block_table,
-            slot_mapping=torch.from_numpy(slots).to(dev),
+            slot_mapping=slots_dev,
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_cpu,
         )
-        return metadata, torch.from_numpy(input_ids).to(dev), torch.from_numpy(plan.positions).to(dev)
+        return metadata, ids_dev, pos_dev
 
     # ----------------------------------------------------------------------------- sampling
     def _sample(self, plan: _StepPlan, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Sample every request whose chunk reached its last known token: one position, plus one
+        per draft scored. Per-row sampling inputs come from the persistent `SamplingRows`; the
+        only Python loops run over requests with drafts, logprobs or prompt logprobs."""
         batch = self.batch
-        sample_rows: list[SamplingRequest] = []  # one per scored position
-        sample_index: list[int] = []  # flattened-token index of each scored position
-        owners: list[tuple[RequestId, int]] = []  # (req_id, number of positions) per sampling request
+        sampling = batch.sampling
         prompt_lp: dict[RequestId, list[TokenLogprobs]] = {}
-        for i, req_id in enumerate(plan.req_ids):
+        for i in np.nonzero(sampling.wants_prompt_logprobs[plan.rows])[0].tolist():
             row = int(plan.rows[i])
-            state = batch.rows[row]
-            params = state.sampling_params
-            assert isinstance(params, SamplingParams)
             start, n = int(plan.query_start[i]), int(plan.num_sched[i])
-            computed = int(batch.num_computed_tokens[row])
-            if params.prompt_logprobs is not None:
-                self._prompt_logprobs(state, hidden, start, computed, n, prompt_lp)
-            draft = plan.drafts.get(req_id, [])
-            if computed + n - len(draft) < int(batch.num_tokens[row]):
-                continue  # a chunked prefill that has not reached the end of the prompt yet
-            k = len(draft)
-            for j in range(k + 1):
-                sample_rows.append(
-                    SamplingRequest(
-                        params, state.prompt_token_ids, state.output_token_ids + draft[:j], state.sample_index
-                    )
-                )
-                sample_index.append(start + n - k - 1 + j)
-            owners.append((req_id, k + 1))
-        if not sample_rows:
+            self._prompt_logprobs(
+                batch.rows[row], hidden, start, int(batch.num_computed_tokens[row]), n, prompt_lp
+            )
+        # A chunked prefill that has not reached the end of its prompt samples nothing.
+        known = batch.num_tokens[plan.rows]
+        samples = batch.num_computed_tokens[plan.rows] + plan.num_sched - plan.num_drafts >= known
+        per_req = np.where(samples, plan.num_drafts + 1, 0)  # sampled positions per request
+        total = int(per_req.sum())
+        if total == 0:
             return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_lp)
-        idx = torch.tensor(sample_index, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
-        meta = SamplingMetadata.build(
-            sample_rows,
+        first = np.cumsum(per_req) - per_req  # index of each request's first sampled position
+        owner = np.repeat(np.arange(len(per_req)), per_req)  # scheduled request of each position
+        draft_index = np.arange(total) - first[owner]  # j: the position after j drafts
+        # A request's k drafts are its last k tokens; position j is scored by token (end - 1 - k + j).
+        token_index = plan.query_start[owner + 1] - 1 - plan.num_drafts[owner] + draft_index
+        num_tokens = int(plan.query_start[-1])
+        if total == num_tokens:  # every token is sampled (pure decode): no gather needed
+            selected = hidden[:num_tokens]
+        else:
+            selected = hidden.index_select(0, torch.from_numpy(token_index).to(hidden.device))
+        logits = self.model.compute_logits(selected)
+        rows = plan.rows[owner]
+        histories = TokenHistories(
+            batch.token_ids, rows, batch.num_prompt_tokens[rows], batch.num_tokens[rows] + draft_index
+        )
+        meta = sampling.metadata(
+            histories,
             vocab_size=logits.shape[1],
             eos_token_id=self.eos_token_id,
             device=logits.device,
             generator=self.generator,
         )
         out = self.sampler(logits, meta)
-        tokens = out.sampled_token_ids.tolist()
-        lp_dicts = None
-        if out.logprobs is not None:
-            wanted = [r.params.logprobs or 0 for r in sample_rows]
-            lp_dicts = logprobs_to_dicts(out.logprobs.to_cpu(), wanted)
-        sampled: dict[RequestId, list[int]] = {}
+        tokens = out.sampled_token_ids.tolist()  # the step's one device -> host sync
+        sampling_reqs = np.nonzero(samples)[0]
+        if len(sampling_reqs) == len(plan.req_ids):
+            req_ids = plan.req_ids
+        else:  # some requests are mid-prefill (rarely many): pick the sampling ones
+            req_ids = [plan.req_ids[i] for i in sampling_reqs.tolist()]
+        sampled = self._accept(req_ids, tokens, plan.drafts)
         logprobs: dict[RequestId, list[TokenLogprobs]] = {}
+        if out.logprobs is not None:
+            lp_dicts = logprobs_to_dicts(out.logprobs.to_cpu(), sampling.num_logprobs[rows].tolist())
+            starts = first[sampling_reqs]
+            for k in np.nonzero(sampling.wants_logprobs[plan.rows[sampling_reqs]])[0].tolist():
+                req_id, start = req_ids[k], int(starts[k])
+                logprobs[req_id] = lp_dicts[start : start + len(sampled[req_id])]
+        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_lp)
+
+    @staticmethod
+    def _accept(
+        req_ids: list[RequestId], tokens: list[int], drafts: dict[RequestId, list[int]]
+    ) -> dict[RequestId, list[int]]:
+        """req_id -> its accepted tokens, from the sampled tokens (each request's positions in
+        order: one per draft, then one more). Does not mutate its arguments."""
+        if not drafts:
+            return {req_id: [token] for req_id, token in zip(req_ids, tokens, strict=True)}
+        sampled: dict[RequestId, list[int]] = {}
         pos = 0
-        for req_id, count in owners:
-            draft = plan.drafts.get(req_id, [])
+        for req_id in req_ids:
+            draft = drafts.get(req_id, [])
             accepted: list[int] = []
-            for j in range(count):
+            for j in range(len(draft) + 1):
                 accepted.append(tokens[pos + j])
                 # Sampling from the target and keeping the draft only when the sample equals it is
                 # exact rejection sampling for deterministic (one-hot) drafts.
                 if j < len(draft) and tokens[pos + j] != draft[j]:
                     break
             sampled[req_id] = accepted
-            params = batch.rows[batch.row_of[req_id]].sampling_params
-            assert isinstance(params, SamplingParams)
-            if lp_dicts is not None and params.logprobs is not None:
-                logprobs[req_id] = lp_dicts[pos : pos + len(accepted)]
-            pos += count
-        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_lp)
+            pos += len(draft) + 1
+        if pos != len(tokens):
+            raise RuntimeError(f"sampled {len(tokens)} tokens for {pos} positions")
+        return sampled
 
     def _prompt_logprobs(
         self,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch.nn import functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities
@@ -62,6 +63,9 @@ class _GroupPlan:
     row_valid: torch.Tensor  # [R, Qmax] bool: j < query_len
     q_pos: torch.Tensor  # [R, Qmax] int64 absolute position of each query row
     key_pos: torch.Tensor  # [S] int64
+    # Decode groups only (max_query_len == 1), else None:
+    decode_mask: torch.Tensor | None  # [R, 1, 1, S] bool: key position < seq_len
+    key_pad_rows: torch.Tensor | None  # [num_pad] int64 rows of the gathered [R * S, Hkv * D] keys/values
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +141,56 @@ class FastCpuAttentionBackend(AttentionBackend):
             _check_layout_cheap(query, kv_cache, out)
         result = out if out is not None else torch.zeros_like(query)
         for group in plan.groups:
-            self._attend_group(group, query, kv_cache, options, result)
+            if (
+                group.decode_mask is not None
+                and options.logit_softcap is None
+                and _fused_decode_pays(group, kv_cache)
+            ):
+                self._attend_decode(group, query, kv_cache, options, result)
+            else:
+                self._attend_group(group, query, kv_cache, options, result)
         return result
+
+    def _attend_decode(
+        self,
+        group: _GroupPlan,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        options: _Options,
+        result: torch.Tensor,  # [num_tokens, num_q_heads, head_size]; this group's rows are written
+    ) -> None:
+        """One query row per request: a single fused `scaled_dot_product_attention` over the
+        gathered blocks (GQA handled by the kernel), instead of the dozen calls of the general
+        path; decode of a few streams is dominated by per-call cost. Mutates `result` and the
+        scratch buffers."""
+        assert group.decode_mask is not None and group.key_pad_rows is not None
+        _, num_cache_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        r, s = group.num_reqs, group.padded_len
+        block_elems = block_size * num_kv_heads * head_size
+        gathered = torch.index_select(
+            kv_cache.reshape(2, num_cache_blocks, block_elems),
+            1,
+            group.blocks,
+            out=self._scratch.take("gather", (2, group.blocks.shape[0], block_elems), kv_cache.dtype),
+        )
+        if group.key_pad_rows.numel():
+            # Unwritten slots hold anything, and a masked score of NaN (q . NaN) stays NaN, as does
+            # a zero probability times a NaN value: zero keys and values past seq_len.
+            gathered.view(2, r * s, num_kv_heads * head_size).index_fill_(1, group.key_pad_rows, 0.0)
+        rows = group.rows.view(-1)
+        q = query.index_select(0, rows).unsqueeze(2)  # [R, Hq, 1, D]
+        if gathered.dtype in _REDUCED:
+            # Only small groups come here (`_fused_decode_pays`); they run in float32.
+            gathered, q = gathered.float(), q.float()
+        kv = gathered.view(2, r, s, num_kv_heads, head_size).transpose(2, 3)  # [2, R, Hkv, S, D]
+        mask = group.decode_mask
+        if options.sliding_window is not None:
+            q_pos = group.q_pos.view(r, 1, 1, 1)
+            mask = mask & (group.key_pos.view(1, 1, 1, s) > q_pos - options.sliding_window)
+        o = F.scaled_dot_product_attention(
+            q, kv[0], kv[1], attn_mask=mask, scale=options.scale, enable_gqa=True
+        )
+        result.index_copy_(0, rows, o.view(r, -1, head_size).to(result.dtype))
 
     def _build_plan(
         self, metadata: AttentionMetadata, layout: tuple[int, ...], kv_cache: torch.Tensor
@@ -230,6 +282,19 @@ class FastCpuAttentionBackend(AttentionBackend):
                 result[rows[row_valid]] = o[row_valid].to(result.dtype)
 
 
+def _fused_decode_pays(group: _GroupPlan, kv_cache: torch.Tensor) -> bool:
+    """Whether a decode group runs faster through `scaled_dot_product_attention` than through the
+    general path. Measured on the development CPU (one thread): float32 groups always (1.5x);
+    bfloat16/float16 only when small enough to convert to float32 (1.4x), because the fused
+    kernel's reduced-precision path is several times slower than two oneDNN matmuls (32 decodes
+    of 200 tokens: 6.1 ms against 0.8 ms). Pure."""
+    if kv_cache.dtype not in _REDUCED:
+        return True
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    gathered = 2 * group.blocks.shape[0] * block_size * num_kv_heads * head_size
+    return gathered <= 2 * _SMALL_GROUP_ELEMENTS
+
+
 def _plan_group(
     group: RequestGroup,
     query_start: torch.Tensor,  # [num_reqs + 1] int64
@@ -265,6 +330,12 @@ def _plan_group(
         row_valid=row_valid,
         q_pos=q_pos,
         key_pos=key_pos,
+        decode_mask=(key_pos[None] < s_len[:, None]).view(len(group.requests), 1, 1, padded_len)
+        if group.max_query_len == 1
+        else None,
+        key_pad_rows=torch.nonzero((key_pos[None] >= s_len[:, None]).flatten()).flatten()
+        if group.max_query_len == 1
+        else None,
     )
 
 

@@ -4,6 +4,8 @@ It checks the layout contract of `pagedserve.platforms.api` (shapes, dtypes, dev
 the last dimension), picks the 2D or 3D kernel with `choose_split`, reads launch parameters from
 the tuned configs (once per shape class) and launches. It never syncs with the device: every
 decision uses host-side metadata (`num_reqs`, `max_query_len`, `max_seq_len`, `num_actual_tokens`).
+All of that is done once per step (per metadata object and layout) and reused by the step's other
+layers, which only check their tensors' layout and launch (`launch_params.CachedLaunch`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pagedserve.platforms.api import (
     GridOrder,
 )
 from pagedserve.platforms.tuned_configs import TunedConfigs
-from pagedserve_triton.launch_params import LaunchParams, device_name_of
+from pagedserve_triton.launch_params import CachedLaunch, LaunchParams, device_name_of
 from pagedserve_triton.unified_attention import (
     INTERPRETED,
     LOG2E,
@@ -89,6 +91,30 @@ def choose_split(
     return SplitPlan("3d", num_splits)
 
 
+@dataclass(frozen=True, slots=True)
+class _LayerLaunch:
+    """The launches of one layout within one step (`attention` is None when the step has no
+    tokens; `reduce` is the 3D plan's reduction, None for the 2D kernel)."""
+
+    plan: SplitPlan
+    attention: CachedLaunch | None
+    reduce: CachedLaunch | None
+
+
+@dataclass(frozen=True, slots=True)
+class _StepCache:
+    """What `forward` built for the layers of the step described by `metadata`. Holding the
+    metadata keeps its identity from being reused by a later step's object."""
+
+    metadata: AttentionMetadata
+    layers: dict[tuple[object, ...], _LayerLaunch]  # layout key -> launches
+
+
+# Layers of one step with different layouts (e.g. alternating sliding windows) each get an entry;
+# a step with more distinct layouts than this starts over rather than grow.
+MAX_LAYOUTS_PER_STEP = 8
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"TritonUnifiedAttentionBackend: {message}")
@@ -96,7 +122,10 @@ def _require(ok: bool, message: str) -> None:
 
 class TritonUnifiedAttentionBackend(AttentionBackend):
     """Unified paged attention for V1 batches on any GPU Triton targets (one launch per layer for
-    the 2D kernel, two for the 3D kernel plus its reduction)."""
+    the 2D kernel, two for the 3D kernel plus its reduction).
+
+    An instance keeps the current step's launches and split buffers, so one instance must not run
+    two calls at once (from two threads), nor the layers of one step on different streams."""
 
     name: ClassVar[str] = "triton_unified"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
@@ -129,6 +158,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         self._grid_order = grid_order
         self._num_splits = num_splits
         self._num_sms: dict[torch.device, int] = {}
+        self._step: _StepCache | None = None
 
     def _sm_count(self, device: torch.device) -> int:
         count = self._num_sms.get(device)
@@ -209,7 +239,68 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
     ) -> torch.Tensor:
         """Attention output [num_tokens, num_q_heads, head_size]; rows past num_actual_tokens are
-        left as they were in `out` (uninitialised when `out` is None). Writes only `out`."""
+        left as they were in `out` (uninitialised when `out` is None). Writes only `out` (and the
+        instance's step cache).
+
+        Every layer of a step passes the same metadata object, so the first call for a metadata
+        object and layout checks everything and builds the launches (plan, tuned configs, grid,
+        fixed arguments, split buffers); the step's other layers with that layout reuse them and
+        pass only their own query, cache and output. A layout is every shape, stride, dtype and
+        device of `query`, `kv_cache` and `out`, plus the three options: anything else is new and
+        checked in full."""
+        key = (
+            query.shape,
+            query.stride(),
+            query.dtype,
+            query.device,
+            kv_cache.shape,
+            kv_cache.stride(),
+            kv_cache.dtype,
+            kv_cache.device,
+            None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+            scale,
+            sliding_window,
+            logit_softcap,
+        )
+        step = self._step
+        if step is None or step.metadata is not metadata:
+            # Dropping the previous step frees its split buffers: only the current step is held.
+            step = self._step = _StepCache(metadata, {})
+        layer = step.layers.get(key)
+        if layer is None:
+            layer = self._build_layer(query, kv_cache, metadata, out, scale, sliding_window, logit_softcap)
+            if len(step.layers) >= MAX_LAYOUTS_PER_STEP:
+                step.layers.clear()
+            step.layers[key] = layer
+        if out is None:
+            # Contiguous, as `_build_layer` assumed for the output strides.
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if layer.attention is None:
+            return out
+        if layer.reduce is None:
+            layer.attention(out, query, kv_cache)
+        else:
+            layer.attention(query, kv_cache)
+            layer.reduce(out)
+        return out
+
+    def reset_step_cache(self) -> None:
+        """Forget the cached step, so the next call checks and plans from scratch (benchmarks of
+        the uncached path). Mutates the instance."""
+        self._step = None
+
+    def _build_layer(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        out: torch.Tensor | None,  # [num_tokens, num_q_heads, head_size]
+        scale: float,
+        sliding_window: int | None,
+        logit_softcap: float | None,
+    ) -> _LayerLaunch:
+        """Check the whole call and build its launches. Allocates the 3D plan's split buffers;
+        mutates only the launch-parameter cache."""
         self._check_layout(query, kv_cache, metadata, out)
         _, num_q_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -224,11 +315,9 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             sliding_window is None or sliding_window >= 1, f"sliding_window={sliding_window} must be >= 1"
         )
         _require(logit_softcap is None or logit_softcap > 0, f"logit_softcap={logit_softcap} must be > 0")
-        if out is None:
-            out = torch.empty_like(query)
         num_tokens = metadata.num_actual_tokens
         if num_tokens == 0 or metadata.num_reqs == 0:
-            return out
+            return _LayerLaunch(PLAN_2D, None, None)
 
         queries_per_kv = num_q_heads // num_kv_heads
         device_name = device_name_of(query.device)
@@ -256,7 +345,14 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         num_q_blocks = num_tokens // block_q + metadata.num_reqs
         num_programs = num_q_blocks * num_kv_heads * plan.num_splits
         head_padded = max(triton.next_power_of_2(head_size), 16)
+        # `forward` allocates a missing `out` contiguous.
+        out_strides = out.stride() if out is not None else (num_q_heads * head_size, head_size, 1)
         common: dict[str, object] = dict(
+            q_ptr=None,  # per call
+            kv_ptr=None,  # per call
+            block_table_ptr=metadata.block_table,
+            seq_lens_ptr=metadata.seq_lens,
+            query_start_loc_ptr=metadata.query_start_loc,
             scale_log2=scale * LOG2E,
             softcap=float(logit_softcap) if logit_softcap is not None else 1.0,
             window=int(sliding_window) if sliding_window is not None else 0,
@@ -282,44 +378,58 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             # Triton's interpreter (3.9) multiplies bfloat16 dot operands as raw uint16 bits.
             DOT_IN_FP32=query.dtype == torch.bfloat16 and INTERPRETED,
             NUM_GRID_GROUPS=self._grid_order.num_groups,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
         )
-        tensors = (query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc)
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         if plan.kind == "2d":
-            unified_attention_2d_kernel[(num_programs,)](
-                out, *tensors, stride_o_tok=out.stride(0), stride_o_head=out.stride(1), **common
+            attention = CachedLaunch(
+                unified_attention_2d_kernel,
+                (num_programs,),
+                {**common, "out_ptr": None, "stride_o_tok": out_strides[0], "stride_o_head": out_strides[1]},
+                ("out_ptr", "q_ptr", "kv_ptr"),
+                options,
             )
-            return out
-        # Float32 partials, one per (token, query head, split); every split writes its slot.
+            return _LayerLaunch(plan, attention, None)
+        # Float32 partials, one per (token, query head, split); every split writes its slot. One
+        # set serves every layer of the step: the stream runs each layer's reduction before the
+        # next layer's 3D kernel overwrites them.
         partial_shape = (num_tokens, num_q_heads, plan.num_splits)
         segm_acc = torch.empty((*partial_shape, head_padded), dtype=torch.float32, device=query.device)
         segm_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
         segm_sum = torch.empty_like(segm_max)
-        unified_attention_3d_kernel[(num_programs,)](
-            segm_acc,
-            segm_max,
-            segm_sum,
-            *tensors,
-            num_q_heads=num_q_heads,
-            NUM_SPLITS=plan.num_splits,
-            **common,
+        attention = CachedLaunch(
+            unified_attention_3d_kernel,
+            (num_programs,),
+            {
+                **common,
+                "segm_acc_ptr": segm_acc,
+                "segm_max_ptr": segm_max,
+                "segm_sum_ptr": segm_sum,
+                "num_q_heads": num_q_heads,
+                "NUM_SPLITS": plan.num_splits,
+            },
+            ("q_ptr", "kv_ptr"),
+            options,
         )
         reduce_cfg = self._launch_params.simple("reduce_segments", device_name, head_size=head_size)
-        reduce_segments_kernel[(num_tokens, num_q_heads)](
-            out,
-            segm_acc,
-            segm_max,
-            segm_sum,
-            num_q_heads,
-            out.stride(0),
-            out.stride(1),
-            HEAD_SIZE=head_size,
-            HEAD_SIZE_PADDED=head_padded,
-            NUM_SPLITS=plan.num_splits,
-            num_warps=reduce_cfg.num_warps,
+        reduce = CachedLaunch(
+            reduce_segments_kernel,
+            (num_tokens, num_q_heads),
+            {
+                "out_ptr": None,  # per call
+                "segm_acc_ptr": segm_acc,
+                "segm_max_ptr": segm_max,
+                "segm_sum_ptr": segm_sum,
+                "num_q_heads": num_q_heads,
+                "stride_o_tok": out_strides[0],
+                "stride_o_head": out_strides[1],
+                "HEAD_SIZE": head_size,
+                "HEAD_SIZE_PADDED": head_padded,
+                "NUM_SPLITS": plan.num_splits,
+            },
+            ("out_ptr",),
+            {"num_warps": reduce_cfg.num_warps},
         )
-        return out
+        return _LayerLaunch(plan, attention, reduce)
 
     def plan(
         self,

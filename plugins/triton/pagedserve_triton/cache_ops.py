@@ -1,7 +1,11 @@
 """`TritonCacheOps`: the thin host wrapper around `cache_kernels`, checking the NHD layout contract
-before every launch (shapes, dtypes, devices, and that each block is one contiguous run)."""
+(shapes, dtypes, devices, and that each block is one contiguous run). `reshape_and_cache` runs once
+per layer with the step's one slot mapping, so it checks and builds its launch once per step and
+layout (`launch_params.CachedLaunch`); the block copies check every call."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -9,7 +13,7 @@ import triton
 from pagedserve.platforms.api import CacheOps
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.cache_kernels import INTERPRETED, copy_blocks_kernel, reshape_and_cache_kernel
-from pagedserve_triton.launch_params import LaunchParams, device_name_of
+from pagedserve_triton.launch_params import CachedLaunch, LaunchParams, device_name_of
 
 
 def _require(ok: bool, message: str) -> None:
@@ -58,12 +62,29 @@ def _check_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> N
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _SlotStep:
+    """`reshape_and_cache`'s launches for the step whose slot mapping is `slot_mapping` (held, so
+    its identity cannot pass to a later step's tensor)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    layouts: dict[tuple[object, ...], CachedLaunch | None]  # layout key -> launch (None: no tokens)
+
+
+# Distinct key/value/cache layouts within one step before the cache starts over rather than grow.
+MAX_LAYOUTS_PER_STEP = 8
+
+
 class TritonCacheOps(CacheOps):
-    """reshape_and_cache, copy_blocks and swap_blocks for GPUs that Triton targets."""
+    """reshape_and_cache, copy_blocks and swap_blocks for GPUs that Triton targets.
+
+    An instance keeps the current step's `reshape_and_cache` launch, so one instance must not run
+    two calls at once (from two threads)."""
 
     def __init__(self, *, tuned_configs: TunedConfigs | None = None) -> None:
         """`tuned_configs` is the platform's; None reads this plugin's own files."""
         self._launch_params = LaunchParams(tuned_configs)
+        self._step: _SlotStep | None = None
 
     def reshape_and_cache(
         self,
@@ -72,7 +93,54 @@ class TritonCacheOps(CacheOps):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
     ) -> None:
-        """Write each token's key and value into its slot. Mutates `kv_cache`."""
+        """Write each token's key and value into its slot. Mutates `kv_cache` (and the instance's
+        step cache).
+
+        Every layer of a step passes the same `slot_mapping` object, so the first call for it and a
+        layout checks everything and builds the launch; the other layers with that layout only
+        launch. A layout is every shape, stride, dtype and device of `key`, `value` and
+        `kv_cache`: anything new is checked in full."""
+        layout = (
+            key.shape,
+            key.stride(),
+            key.dtype,
+            key.device,
+            value.shape,
+            value.stride(),
+            value.dtype,
+            value.device,
+            kv_cache.shape,
+            kv_cache.stride(),
+            kv_cache.dtype,
+            kv_cache.device,
+        )
+        step = self._step
+        if step is None or step.slot_mapping is not slot_mapping:
+            step = self._step = _SlotStep(slot_mapping, {})
+        if layout in step.layouts:
+            launch = step.layouts[layout]
+        else:
+            launch = self._build_reshape_and_cache(key, value, kv_cache, slot_mapping)
+            if len(step.layouts) >= MAX_LAYOUTS_PER_STEP:
+                step.layouts.clear()
+            step.layouts[layout] = launch
+        if launch is not None:
+            launch(key, value, kv_cache)
+
+    def reset_step_cache(self) -> None:
+        """Forget the cached step, so the next call checks from scratch (benchmarks of the
+        uncached path). Mutates the instance."""
+        self._step = None
+
+    def _build_reshape_and_cache(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> CachedLaunch | None:
+        """Check the whole call; its launch, or None when there are no tokens. Mutates only the
+        launch-parameter cache."""
         _check_cache(kv_cache, "kv_cache")
         _, _, block_size, num_kv_heads, head_size = kv_cache.shape
         for name, t in (("key", key), ("value", value)):
@@ -93,32 +161,42 @@ class TritonCacheOps(CacheOps):
             f"{slot_mapping.dtype} on {slot_mapping.device}",
         )
         num_tokens = slot_mapping.shape[0]
+        # The kernel reads slot i at offset i.
+        _require(
+            num_tokens <= 1 or slot_mapping.stride(0) == 1,
+            f"slot_mapping must be contiguous, got stride {slot_mapping.stride(0)}",
+        )
         _require(
             key.shape[0] >= num_tokens and value.shape[0] >= num_tokens,
             f"slot_mapping has {num_tokens} tokens but key/value have {key.shape[0]}/{value.shape[0]} rows",
         )
         if num_tokens == 0:
-            return
+            return None
         cfg = self._launch_params.simple(
             "reshape_and_cache", device_name_of(kv_cache.device), head_size=head_size
         )
-        reshape_and_cache_kernel[(num_tokens, num_kv_heads)](
-            key,
-            value,
-            kv_cache,
-            slot_mapping,
-            key.stride(0),
-            key.stride(1),
-            value.stride(0),
-            value.stride(1),
-            kv_cache.stride(0),
-            kv_cache.stride(1),
-            kv_cache.stride(2),
-            kv_cache.stride(3),
-            BLOCK_SIZE=block_size,
-            HEAD_SIZE=head_size,
-            HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
-            num_warps=cfg.num_warps,
+        return CachedLaunch(
+            reshape_and_cache_kernel,
+            (num_tokens, num_kv_heads),
+            {
+                "key_ptr": None,  # per call
+                "value_ptr": None,  # per call
+                "kv_ptr": None,  # per call
+                "slot_mapping_ptr": slot_mapping,
+                "stride_k_tok": key.stride(0),
+                "stride_k_head": key.stride(1),
+                "stride_v_tok": value.stride(0),
+                "stride_v_head": value.stride(1),
+                "stride_kv_kind": kv_cache.stride(0),
+                "stride_kv_block": kv_cache.stride(1),
+                "stride_kv_slot": kv_cache.stride(2),
+                "stride_kv_head": kv_cache.stride(3),
+                "BLOCK_SIZE": block_size,
+                "HEAD_SIZE": head_size,
+                "HEAD_SIZE_PADDED": triton.next_power_of_2(head_size),
+            },
+            ("key_ptr", "value_ptr", "kv_ptr"),
+            {"num_warps": cfg.num_warps},
         )
 
     def copy_blocks(

@@ -1,4 +1,5 @@
-"""Launch parameters of the Triton kernels, read from the plugin's tuned-config files.
+"""Launch parameters of the Triton kernels (read from the plugin's tuned-config files), and
+`CachedLaunch`, a launch whose arguments are fixed once per step.
 
 The files in `configs/` follow the framework schema (`pagedserve.platforms.tuned_configs`): one file
 per kernel and device key ("default", a family token like "h100", or an exact device name). This
@@ -17,10 +18,13 @@ Shape keys passed to the lookup (every file's `match` may use any of them, exact
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import triton
 
 from pagedserve.platforms.tuned_configs import Params, TunedConfigError, TunedConfigs
 
@@ -139,3 +143,138 @@ def device_name_of(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
+
+
+@functools.cache
+def _fast_launch_support() -> tuple[Callable[[int], int], Callable[[], int], Any] | None:
+    """(get_current_stream, get_current_device, knobs.runtime) of the active Triton driver, or None
+    where the compiled-kernel launch path is not available (a Triton without `knobs`, before 3.4, or
+    a driver without these calls). Asked only after a launch returned a compiled kernel, so never
+    under the interpreter. Cached: the answer is fixed for the process."""
+    try:
+        from triton import knobs
+
+        active = triton.runtime.driver.active
+        return active.get_current_stream, active.get_current_device, knobs.runtime
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
+@functools.cache
+def _parameter_index(kernel: Any) -> dict[str, int]:
+    """Parameter name -> position of a jit function. Cached per kernel (kernels live as long as
+    their modules)."""
+    return {name: i for i, name in enumerate(kernel.arg_names)}
+
+
+def _is_compiled_kernel(obj: object) -> bool:
+    """Whether `kernel[grid](...)` handed back a loaded compiled kernel (Triton 3.x `CompiledKernel`
+    after a launch), and not None (the interpreter) or a pending async compile."""
+    return (
+        obj is not None
+        and not hasattr(obj, "result")
+        and all(hasattr(obj, name) for name in ("run", "function", "packed_metadata", "launch_metadata"))
+        and getattr(obj, "function", None) is not None
+    )
+
+
+class CachedLaunch:
+    """One kernel launch whose grid, scalars, constexprs and options are fixed when it is built
+    (once per step) and whose per-call tensors fill `per_call` argument positions.
+
+    Why. `kernel[grid](**kwargs)` binds every argument, computes the specialization key (type and
+    16-byte alignment of each pointer, value class of each integer) and looks the compiled kernel up:
+    tens of microseconds of Python per launch, paid by every layer. Here the first call launches the
+    ordinary way and keeps the compiled kernel it returns; later calls whose per-call tensors have the
+    same alignment as that first call's launch the compiled kernel directly (Triton's own last step,
+    `CompiledKernel.run`), on the current stream. Everything else the specialization depends on is in
+    the fixed arguments, and the owner rebuilds the launch when any of it changes (a new step or a
+    new layout). Launch hooks (`triton.knobs.runtime.launch_enter_hook`, profilers) are read on every
+    call and passed on as Triton does. Where the direct path is unavailable (the interpreter, a
+    Triton before 3.4, a pending async compile) every call takes the ordinary path.
+
+    Arguments are passed positionally in the kernel's parameter order, built from names once, so a
+    renamed or missing kernel parameter fails at build time with the name. Calls mutate only the
+    cached compiled kernel; the kernel writes whatever its output tensors are."""
+
+    __slots__ = (
+        "_aligned",
+        "_args",
+        "_compiled",
+        "_device",
+        "_grid",
+        "_kernel",
+        "_options",
+        "_per_call",
+        "_support",
+    )
+
+    def __init__(
+        self,
+        kernel: Any,  # a triton.jit function (JITFunction or InterpretedFunction)
+        grid: tuple[int, ...],
+        args: dict[str, object],  # every kernel parameter by name; per-call ones hold a placeholder
+        per_call: Sequence[str],  # the parameters given by each call, in call order
+        options: dict[str, int],  # launch options: num_warps, num_stages
+    ) -> None:
+        index = _parameter_index(kernel)
+        if len(args) != len(index) or any(name not in index for name in args):
+            missing = [name for name in index if name not in args]
+            unknown = [name for name in args if name not in index]
+            raise ValueError(
+                f"launch of {kernel.__name__}: missing arguments {missing}, unknown arguments {unknown}"
+            )
+        self._kernel = kernel
+        self._grid = (*grid, *(1,) * (3 - len(grid)))
+        self._args: list[object] = [None] * len(index)
+        for name, value in args.items():
+            self._args[index[name]] = value
+        self._per_call = tuple(index[name] for name in per_call)
+        self._options = options
+        self._compiled: Any = None
+        self._aligned: tuple[bool, ...] = ()
+        self._device = -1
+        self._support: tuple[Callable[[int], int], Callable[[], int], Any] | None = None
+
+    @property
+    def fast(self) -> bool:
+        """Whether the next call with equally aligned tensors skips Triton's binder. Pure."""
+        return self._compiled is not None
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        """Launch with `tensors` in the `per_call` positions. Mutates the kernel's outputs."""
+        args = self._args.copy()  # a copy: holding the tensors would keep them alive past the call
+        for index, tensor in zip(self._per_call, tensors, strict=True):
+            args[index] = tensor
+        # Triton specializes pointer arguments on 16-byte alignment: a differently aligned tensor
+        # needs a different compiled kernel, which only the ordinary path can pick.
+        aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+        compiled, support = self._compiled, self._support
+        if compiled is not None and support is not None and aligned == self._aligned:
+            get_stream, get_device, runtime = support
+            device = get_device()
+            enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
+            if device == self._device:
+                grid = self._grid
+                stream = get_stream(device)
+                metadata = compiled.launch_metadata(grid, stream, *args) if enter_hook is not None else None
+                compiled.run(
+                    grid[0],
+                    grid[1],
+                    grid[2],
+                    stream,
+                    compiled.function,
+                    compiled.packed_metadata,
+                    metadata,
+                    enter_hook,
+                    exit_hook,
+                    *args,
+                )
+                return
+        result = self._kernel[self._grid](*args, **self._options)
+        support = _fast_launch_support() if _is_compiled_kernel(result) else None
+        if support is not None:
+            self._compiled, self._support, self._aligned = result, support, aligned
+            self._device = support[1]()
+        else:
+            self._compiled = None

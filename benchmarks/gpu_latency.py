@@ -1,0 +1,247 @@
+"""On a GPU: what piecewise CUDA graphs buy, with Llama-3.1-8B shapes and dummy bfloat16 weights.
+
+For each mode (graphs, then `enforce_eager=True`), one engine is built and measured:
+  * single stream: one prompt of `--prompt-len` tokens, `--output-len` tokens out; TTFT is the
+    first step (prefill + first sample), TPOT the median of the other steps (synchronised);
+  * GPU idle: a torch-profiler trace of `--profile-steps` single-stream decode steps, and of as
+    many decode steps with `--batch` requests running; the idle fraction is 1 - (union of the
+    device's kernel and copy intervals) / (first device start .. last device end);
+  * throughput (`--what throughput --workload FILE`): `pagedserve bench throughput`'s loop on
+    the workload file.
+
+    python benchmarks/gpu_latency.py --platform triton --json out.json
+    python benchmarks/gpu_latency.py --what throughput --workload sharegpt_like_256.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import logging
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from transformers import LlamaConfig
+
+from pagedserve.bench.datasets import fit_vocab, load_workload
+from pagedserve.bench.throughput import run_throughput
+from pagedserve.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.sampling.sampling_params import SamplingParams
+
+
+def llama_8b_config() -> LlamaConfig:
+    """Llama-3.1-8B's shapes and rope (the weights are random)."""
+    return LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 128000, (length,), generator=gen).tolist()
+
+
+def _timed_steps(engine: LLMEngine) -> list[float]:
+    """Step until nothing is left; seconds per step, each synchronised with the device."""
+    steps = []
+    while engine.has_unfinished_requests():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        steps.append(time.perf_counter() - start)
+    return steps
+
+
+def single_stream(engine: LLMEngine, prompt_len: int, output_len: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0, detokenize=False)
+    engine.add_request("warm", _prompt(prompt_len, 1), params)
+    _timed_steps(engine)
+    engine.add_request("timed", _prompt(prompt_len, 2), params)
+    steps = _timed_steps(engine)
+    decode = steps[1:]
+    return {
+        "ttft_ms": steps[0] * 1e3,
+        "tpot_median_ms": statistics.median(decode) * 1e3,
+        "tpot_mean_ms": statistics.fmean(decode) * 1e3,
+        "tpot_p90_ms": sorted(decode)[int(0.9 * len(decode))] * 1e3,
+        "decode_steps": len(decode),
+    }
+
+
+def _gpu_busy(prof: torch.profiler.profile) -> dict[str, float]:
+    """Union of device-side intervals vs the device's active span, from a profiler trace."""
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA
+    )
+    if not intervals:
+        return {"device_events": 0}
+    busy = 0.0
+    cur_start, cur_end = intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = max(end for _, end in intervals) - intervals[0][0]
+    return {
+        "device_events": len(intervals),
+        "span_ms": span / 1e3,
+        "busy_ms": busy / 1e3,
+        "idle_fraction": 1.0 - busy / span,
+    }
+
+
+def decode_profile(engine: LLMEngine, batch: int, steps: int, context: int) -> dict[str, Any]:
+    """`batch` requests with `context`-token prompts; after their prefill, time `steps` decode
+    steps unprofiled, then profile as many more."""
+    params = SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True, temperature=0, detokenize=False)
+    for i in range(batch):
+        engine.add_request(f"prof-{batch}-{i}", _prompt(context, 100 + i), params)
+    decoding: set[str] = set()  # requests past their prefill (they have sampled a token)
+    while len(decoding) < batch:
+        decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    plain = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        plain.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"batch": batch, "step_median_ms": statistics.median(plain) * 1e3, **_gpu_busy(prof)}
+
+
+def host_profile(engine: LLMEngine, prompt_len: int, steps: int) -> str:
+    """cProfile of `steps` single-stream decode steps: where the host time of a step goes."""
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0, detokenize=False)
+    engine.add_request("host-profile", _prompt(prompt_len, 7), params)
+    engine.step()  # the prefill
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    while engine.has_unfinished_requests():
+        engine.step()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumtime").print_stats(40)
+    print(text.getvalue(), flush=True)
+    return text.getvalue()
+
+
+def measure(args: argparse.Namespace, model_dir: str, enforce_eager: bool) -> dict[str, Any]:
+    start = time.perf_counter()
+    engine = LLMEngine(
+        EngineArgs(
+            model=model_dir,
+            load_format="dummy",
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            max_model_len=4096,
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=256,
+            platform=args.platform,
+            enforce_eager=enforce_eager,
+        )
+    )
+    out: dict[str, Any] = {"build_s": time.perf_counter() - start}
+    graphs = engine.core.runner.cuda_graphs
+    if graphs is not None:
+        out["graph_sizes"] = list(graphs.sizes)
+        out["num_graphs"] = graphs.num_graphs
+    what = set(args.what.split(","))
+    if "latency" in what:
+        out["single_stream"] = single_stream(engine, args.prompt_len, args.output_len)
+        print(out, flush=True)
+    if "profile" in what:
+        out["decode_b1"] = decode_profile(engine, 1, args.profile_steps, args.prompt_len)
+        print(out["decode_b1"], flush=True)
+        out["decode_batch"] = decode_profile(engine, args.batch, args.profile_steps, 128)
+        print(out["decode_batch"], flush=True)
+    if "hostprofile" in what:
+        out["host_profile"] = host_profile(engine, args.prompt_len, args.profile_steps)
+    if "throughput" in what:
+        if not args.workload:
+            raise SystemExit("--what throughput needs --workload FILE")
+        requests = fit_vocab(load_workload(args.workload), engine.vocab_size, wrap=True)
+        out["throughput"] = run_throughput(engine, requests).to_dict()
+        print(out["throughput"], flush=True)
+    if graphs is not None:
+        out["graph_replays"] = graphs.num_replays
+    del engine, graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--platform", default="triton")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--profile-steps", type=int, default=16)
+    parser.add_argument(
+        "--batch", type=int, default=256, help="running requests of the batched decode profile"
+    )
+    parser.add_argument("--num-kv-blocks", type=int, default=8192)
+    parser.add_argument("--workload", help="workload JSON of the throughput run")
+    parser.add_argument(
+        "--what", default="latency,profile", help="of latency, profile, hostprofile, throughput"
+    )
+    parser.add_argument("--modes", default="graphs,eager")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "args": vars(args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        llama_8b_config().save_pretrained(tmp)
+        for mode in args.modes.split(","):
+            results[mode] = measure(args, tmp, enforce_eager=mode == "eager")
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

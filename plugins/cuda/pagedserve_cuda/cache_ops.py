@@ -1,0 +1,293 @@
+"""`CudaCacheOps`: the thin host wrapper of `kernels/cache_ops.cu` (reshape_and_cache, copy_blocks)
+plus swap_blocks through the copy engines. Every method checks the NHD layout contract on tensor
+metadata before any CUDA call.
+
+Why swap_blocks uses torch copies and no kernel: a swap moves whole blocks over PCIe between the
+GPU cache and a CPU cache that may be pageable (a kernel cannot read pageable memory at all). The
+DMA copy engines reach the link's bandwidth without occupying SMs, so the only thing to optimise
+is the number of transfers: contiguous runs of blocks are moved as one `copy_` each, and a
+scattered mapping is gathered on the source device, moved in one transfer (through pinned memory
+when the source is the CPU) and scattered on the destination.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.platforms.api import CacheOps
+from pagedserve_cuda.compiler import KernelSource
+from pagedserve_cuda.launcher import LOADER, KernelLoader
+
+CACHE_THREADS = 128  # reshape_and_cache: one CTA per token
+COPY_THREADS = 256  # copy_blocks: one CTA per (pair, layer, key/value)
+MAX_DIRECT_RUNS = 4  # swaps with more contiguous runs than this gather into one transfer
+MAX_GRID_X = 2**31 - 1
+
+RESHAPE_SIGNATURE = "pppp" + "qqqq" + "qqqq" + "iii"
+COPY_SIGNATURE = "ppp" + "qqq"
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"CudaCacheOps: {message}")
+
+
+def copy_unit(*byte_quantities: int) -> int:
+    """The widest copy unit (16, 8, 4 or 2 bytes) dividing every address and byte stride. Pure."""
+    for unit in (16, 8, 4, 2):
+        if all(q % unit == 0 for q in byte_quantities):
+            return unit
+    raise ValueError(f"CudaCacheOps: addresses/strides {byte_quantities} are not even 2-byte aligned")
+
+
+def _source(unit: int) -> KernelSource:
+    return KernelSource("cache_ops.cu", (("UNIT_BYTES", unit),), with_common=False)
+
+
+MAX_VALIDATED_LAYOUTS = 256  # distinct reshape_and_cache layouts remembered; an engine sees few
+
+
+def _layout_of(t: torch.Tensor) -> tuple[object, ...]:
+    """What the contract checks read of a tensor (shape, strides, dtype, device, 16-byte
+    alignment of its address: the copy unit depends on it). Pure."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def check_cache(cache: torch.Tensor, what: str) -> None:
+    """Raise `ValueError` unless `cache` is an NHD cache whose blocks are each one contiguous run of
+    memory, one after the other. Reads only metadata. Does not mutate."""
+    _require(
+        cache.dim() == 5 and cache.shape[0] == 2,
+        f"{what} must be [2, num_blocks, block_size, num_kv_heads, head_size] (NHD), "
+        f"got {tuple(cache.shape)}",
+    )
+    _, _, block_size, num_kv_heads, head_size = cache.shape
+    _require(
+        cache.stride(4) == 1
+        and cache.stride(3) == head_size
+        and cache.stride(2) == num_kv_heads * head_size
+        and cache.stride(1) == block_size * num_kv_heads * head_size,
+        f"{what} must be contiguous within and between blocks, got strides {cache.stride()}",
+    )
+    _require(cache.element_size() in (2, 4), f"{what} has dtype {cache.dtype}; need a 2- or 4-byte dtype")
+
+
+def check_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
+    """Raise `ValueError` unless `block_mapping` is [n, 2] int64 with ids in range (checked when it
+    is on the CPU; a device mapping is trusted, checking it would sync). Does not mutate."""
+    _require(
+        block_mapping.dim() == 2 and block_mapping.shape[1] == 2 and block_mapping.dtype == torch.int64,
+        f"block_mapping must be [num_pairs, 2] int64, got {tuple(block_mapping.shape)} {block_mapping.dtype}",
+    )
+    if block_mapping.device.type == "cpu" and block_mapping.numel():
+        src, dst = block_mapping[:, 0], block_mapping[:, 1]
+        _require(
+            int(src.min()) >= 0 and int(src.max()) < num_src,
+            f"source block ids must lie in [0, {num_src}), got [{int(src.min())}, {int(src.max())}]",
+        )
+        _require(
+            int(dst.min()) >= 0 and int(dst.max()) < num_dst,
+            f"destination block ids must lie in [0, {num_dst}), got [{int(dst.min())}, {int(dst.max())}]",
+        )
+
+
+def contiguous_runs(block_mapping: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) runs where consecutive pairs continue both ranges by one. Pure."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in block_mapping.tolist():
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+class CudaCacheOps(CacheOps):
+    """reshape_and_cache and copy_blocks as CUDA kernels; swap_blocks through the copy engines."""
+
+    def __init__(self, *, loader: KernelLoader = LOADER) -> None:
+        self._loader = loader
+        # (device, layer cache addresses) -> the device array of those addresses, so repeated
+        # copy_blocks calls over the same caches do not upload it again.
+        self._bases: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+        self._validated: set[tuple[object, ...]] = set()  # reshape_and_cache layouts that passed
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        """Write each token's key and value into its slot. One launch. Mutates `kv_cache`."""
+        # Every layer of a step passes tensors of the same layout (only the addresses differ), so
+        # the contract is checked once per layout signature; the launch itself is ~15 us.
+        signature = (
+            *(_layout_of(t) for t in (key, value, kv_cache)),
+            slot_mapping.shape, slot_mapping.dtype, slot_mapping.device, slot_mapping.is_contiguous(),
+        )  # fmt: skip
+        if signature not in self._validated:
+            self._check_reshape(key, value, kv_cache, slot_mapping)
+            if len(self._validated) >= MAX_VALIDATED_LAYOUTS:
+                self._validated.clear()
+            self._validated.add(signature)
+        self._launch_reshape(key, value, kv_cache, slot_mapping)
+
+    def _check_reshape(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """The layout contract of `reshape_and_cache`. Raises ValueError; does not mutate."""
+        check_cache(kv_cache, "kv_cache")
+        _, _, _, num_kv_heads, head_size = kv_cache.shape
+        for name, t in (("key", key), ("value", value)):
+            _require(
+                t.dim() == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_size) and t.stride(-1) == 1,
+                f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] with a unit-stride last dim, "
+                f"got {tuple(t.shape)} strides {t.stride()}",
+            )
+            _require(
+                t.dtype == kv_cache.dtype and t.device == kv_cache.device,
+                f"{name} is {t.dtype} on {t.device}; kv_cache is {kv_cache.dtype} on {kv_cache.device}",
+            )
+        _require(
+            slot_mapping.dim() == 1
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.device == kv_cache.device,
+            f"slot_mapping must be 1-D int64 on {kv_cache.device}, got {tuple(slot_mapping.shape)} "
+            f"{slot_mapping.dtype} on {slot_mapping.device}",
+        )
+        _require(slot_mapping.is_contiguous(), "slot_mapping must be contiguous")
+        num_tokens = slot_mapping.shape[0]
+        _require(
+            key.shape[0] >= num_tokens and value.shape[0] >= num_tokens,
+            f"slot_mapping has {num_tokens} tokens but key/value have {key.shape[0]}/{value.shape[0]} rows",
+        )
+        _require(num_tokens <= MAX_GRID_X, f"{num_tokens} tokens exceed one launch")
+        _require(kv_cache.device.type == "cuda", f"kv_cache is on {kv_cache.device}; need a CUDA device")
+
+    def _launch_reshape(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Launch the checked `reshape_and_cache`. Mutates `kv_cache`."""
+        num_tokens = slot_mapping.shape[0]
+        if num_tokens == 0:
+            return
+        _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        size = kv_cache.element_size()
+        unit = copy_unit(
+            head_size * size,
+            key.data_ptr(), key.stride(0) * size, key.stride(1) * size,
+            value.data_ptr(), value.stride(0) * size, value.stride(1) * size,
+            kv_cache.data_ptr(), *(s * size for s in kv_cache.stride()[:4]),
+        )  # fmt: skip
+        kernel = self._loader.kernel(_source(unit), "reshape_and_cache", RESHAPE_SIGNATURE, kv_cache.device)
+        kernel.launch(
+            (num_tokens, 1, 1), CACHE_THREADS, 0, torch.cuda.current_stream(kv_cache.device).cuda_stream,
+            key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
+            key.stride(0) * size, key.stride(1) * size, value.stride(0) * size, value.stride(1) * size,
+            *(s * size for s in kv_cache.stride()[:4]),
+            block_size, num_kv_heads, head_size * size,
+        )  # fmt: skip
+
+    def copy_blocks(
+        self,
+        kv_caches: list[torch.Tensor],  # one per layer, same layout and device
+        block_mapping: torch.Tensor,  # [num_copies, 2] int64: (src_block, dst_block)
+    ) -> None:
+        """Copy whole blocks within each layer's cache: every pair of every layer in one launch.
+        Mutates `kv_caches`."""
+        _require(len(kv_caches) > 0, "kv_caches is empty")
+        first = kv_caches[0]
+        for i, cache in enumerate(kv_caches):
+            check_cache(cache, f"kv_caches[{i}]")
+            _require(
+                cache.shape == first.shape and cache.dtype == first.dtype and cache.device == first.device,
+                f"kv_caches[{i}] is {tuple(cache.shape)} {cache.dtype} on {cache.device}; "
+                f"kv_caches[0] is {tuple(first.shape)} {first.dtype} on {first.device}",
+            )
+        check_mapping(block_mapping, first.shape[1], first.shape[1])
+        _require(first.device.type == "cuda", f"kv_caches are on {first.device}; need a CUDA device")
+        if block_mapping.shape[0] == 0:
+            return
+        addresses = tuple(c.data_ptr() for c in kv_caches)
+        bases = self._device_bases(first.device, addresses)
+        self._launch_copy(bases, bases, first, first, block_mapping, addresses)
+
+    def swap_blocks(
+        self,
+        src: torch.Tensor,  # [2, num_src_blocks, block_size, num_kv_heads, head_size]
+        dst: torch.Tensor,  # [2, num_dst_blocks, block_size, num_kv_heads, head_size]
+        block_mapping: torch.Tensor,  # [num_swaps, 2] int64, on the CPU: (src_block, dst_block)
+    ) -> None:
+        """Copy blocks between two caches of one layer (GPU <-> CPU, or within one GPU). Mutates `dst`.
+
+        GPU -> CPU returns once the data is on the host; CPU -> GPU is ordered on the current stream
+        before later kernels. Same device: the copy kernel, one launch."""
+        check_cache(src, "src")
+        check_cache(dst, "dst")
+        _require(
+            src.shape[2:] == dst.shape[2:] and src.dtype == dst.dtype,
+            f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} need equal block "
+            "shapes and dtypes",
+        )
+        _require(
+            block_mapping.device.type == "cpu",
+            f"block_mapping must be on the CPU, got {block_mapping.device}",
+        )
+        check_mapping(block_mapping, src.shape[1], dst.shape[1])
+        _require(
+            "cuda" in (src.device.type, dst.device.type),
+            f"one of src ({src.device}) and dst ({dst.device}) must be on a CUDA device",
+        )
+        if block_mapping.shape[0] == 0:
+            return
+        if src.device == dst.device:
+            src_bases = self._device_bases(src.device, (src.data_ptr(),))
+            dst_bases = self._device_bases(dst.device, (dst.data_ptr(),))
+            self._launch_copy(src_bases, dst_bases, src, dst, block_mapping, (src.data_ptr(), dst.data_ptr()))
+            return
+        runs = contiguous_runs(block_mapping)
+        non_blocking = src.device.type == "cpu" and src.is_pinned()
+        if len(runs) <= MAX_DIRECT_RUNS:
+            for src_start, dst_start, n in runs:
+                for kind in (0, 1):  # each (kind, run) is one contiguous range on both sides
+                    dst[kind, dst_start : dst_start + n].copy_(
+                        src[kind, src_start : src_start + n], non_blocking=non_blocking
+                    )
+            return
+        gathered = src.index_select(1, block_mapping[:, 0].to(src.device))
+        if gathered.device.type == "cpu":
+            gathered = gathered.pin_memory()
+        moved = gathered.to(dst.device, non_blocking=gathered.is_pinned())
+        dst.index_copy_(1, block_mapping[:, 1].to(dst.device), moved)
+
+    def _device_bases(self, device: torch.device, addresses: tuple[int, ...]) -> torch.Tensor:
+        key = (device, addresses)
+        bases = self._bases.get(key)
+        if bases is None:
+            bases = torch.tensor(addresses, dtype=torch.int64, device=device)
+            if len(self._bases) > 64:  # caches are few and long-lived; drop stale entries wholesale
+                self._bases.clear()
+            self._bases[key] = bases
+        return bases
+
+    def _launch_copy(
+        self,
+        src_bases: torch.Tensor,  # [num_layers] int64 addresses, on the device
+        dst_bases: torch.Tensor,  # [num_layers] int64 addresses, on the device
+        src_like: torch.Tensor,
+        dst_like: torch.Tensor,
+        block_mapping: torch.Tensor,  # [num_pairs, 2] int64
+        addresses: tuple[int, ...],  # every cache address the bases hold (their alignment matters)
+    ) -> None:
+        size = src_like.element_size()
+        block_bytes = src_like.stride(1) * size
+        unit = copy_unit(block_bytes, src_like.stride(0) * size, dst_like.stride(0) * size, *addresses)
+        mapping = block_mapping.to(src_like.device, non_blocking=True).contiguous()
+        kernel = self._loader.kernel(_source(unit), "copy_blocks", COPY_SIGNATURE, src_like.device)
+        kernel.launch(
+            (block_mapping.shape[0], src_bases.shape[0], 2), COPY_THREADS, 0,
+            torch.cuda.current_stream(src_like.device).cuda_stream,
+            src_bases.data_ptr(), dst_bases.data_ptr(), mapping.data_ptr(),
+            src_like.stride(0) * size, dst_like.stride(0) * size, block_bytes,
+        )  # fmt: skip

@@ -1,0 +1,158 @@
+"""Loading compiled kernels into torch's CUDA context and launching them on torch's current stream,
+through the CUDA driver API of cuda-python (`cuModuleLoadData`, `cuModuleGetFunction`,
+`cuLaunchKernel`).
+
+Launches happen once per layer per step, so the hot path is short: a `CudaKernel` keeps its
+`CUfunction` and a preallocated parameter block (one 8-byte slot per argument plus the `void*`
+array pointing at the slots). A launch is one `struct.pack_into` of the arguments into that block
+and one `cuLaunchKernel` call with the block's address; the driver copies the parameters during
+the call, so the block is reusable at once. Nothing here synchronises with the device.
+
+Modules are loaded once per (kernel source, device) and kept for the life of the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import struct
+import threading
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from pagedserve_cuda.compiler import INSTALL_HINT, CudaToolError, KernelSource, cached_cubin
+
+# Argument kinds of a kernel signature: "p" pointer, "q" int64, "i" int32, "f" float32. Each takes
+# one 8-byte slot (4-byte kinds are padded), so slot i always starts at 8 * i.
+_SLOT_FORMAT = {"p": "Q", "q": "q", "i": "i4x", "f": "f4x"}
+
+
+class CudaLaunchError(RuntimeError):
+    """A driver call failed (module load, function lookup or launch); the message names it."""
+
+
+def load_driver() -> ModuleType:
+    """`cuda.bindings.driver`, initialised (`cuInit`). Raises `CudaToolError` naming the install."""
+    try:
+        driver = importlib.import_module("cuda.bindings.driver")
+    except Exception as e:
+        raise CudaToolError(
+            f"cuda-python cannot be imported ({type(e).__name__}: {e}); {INSTALL_HINT}"
+        ) from e
+    _check(driver, driver.cuInit(0)[0], "cuInit")
+    return driver
+
+
+def _check(driver: ModuleType, err: Any, what: str) -> None:
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise CudaLaunchError(f"{what} failed: {name.decode() if isinstance(name, bytes) else err}")
+
+
+def device_arch(device: torch.device) -> str:
+    """The NVRTC architecture of `device`: "sm_90" for an H100. Does not mutate."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def _make_primary_context_current(driver: ModuleType, index: int) -> None:
+    """Load modules into the device's primary context, the one torch's runtime calls use, so that
+    kernels and torch share streams and memory. `torch.cuda.device` (cudaSetDevice) normally made it
+    current already; otherwise retain and set it. Mutates the calling thread's current context."""
+    torch.cuda.init()
+    err, current = driver.cuCtxGetCurrent()
+    _check(driver, err, "cuCtxGetCurrent")
+    if int(current) != 0:
+        return
+    err, dev = driver.cuDeviceGet(index)
+    _check(driver, err, f"cuDeviceGet({index})")
+    err, primary = driver.cuDevicePrimaryCtxRetain(dev)
+    _check(driver, err, f"cuDevicePrimaryCtxRetain({index})")
+    (err,) = driver.cuCtxSetCurrent(primary)
+    _check(driver, err, "cuCtxSetCurrent")
+
+
+class CudaKernel:
+    """One `__global__` function of a loaded module, with its preallocated parameter block."""
+
+    __slots__ = ("_driver", "_func", "_launch", "_params", "_ptrs", "_slots", "_struct", "_success", "name")
+
+    def __init__(self, driver: ModuleType, func: Any, name: str, signature: str) -> None:
+        """`signature` has one kind letter per kernel parameter, in order (see `_SLOT_FORMAT`)."""
+        unknown = set(signature) - set(_SLOT_FORMAT)
+        if unknown:
+            raise ValueError(f"kernel {name}: unknown argument kinds {sorted(unknown)} in {signature!r}")
+        self.name = name
+        self._driver = driver
+        self._func = func
+        self._launch = driver.cuLaunchKernel
+        self._success = driver.CUresult.CUDA_SUCCESS
+        self._struct = struct.Struct("<" + "".join(_SLOT_FORMAT[k] for k in signature))
+        self._slots = ctypes.create_string_buffer(8 * len(signature))
+        base = ctypes.addressof(self._slots)
+        self._ptrs = (ctypes.c_void_p * len(signature))(*(base + 8 * i for i in range(len(signature))))
+        self._params = ctypes.addressof(self._ptrs)
+
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        threads: int,
+        shared_bytes: int,
+        stream: int,
+        *args: int | float,
+    ) -> None:
+        """Launch on `stream` (a raw `cudaStream_t`, e.g. `torch.cuda.current_stream().cuda_stream`).
+        Asynchronous; mutates only the parameter block (copied by the driver before returning)."""
+        self._struct.pack_into(self._slots, 0, *args)
+        (err,) = self._launch(
+            self._func, grid[0], grid[1], grid[2], threads, 1, 1, shared_bytes, stream, self._params, 0
+        )
+        if err != self._success:
+            _check(self._driver, err, f"cuLaunchKernel({self.name}, grid={grid}, threads={threads})")
+
+
+class KernelLoader:
+    """Compiles (through the disk cache), loads and hands out kernels, once per source and device.
+    Thread-safe; `kernel` mutates only the loader's caches."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._modules: dict[tuple[KernelSource, int], Any] = {}  # (source, device index) -> CUmodule
+        self._kernels: dict[tuple[KernelSource, int, str], CudaKernel] = {}
+
+    def kernel(self, source: KernelSource, function: str, signature: str, device: torch.device) -> CudaKernel:
+        """The `extern "C"` function `function` of `source` on `device`. The first call per source and
+        device compiles or reads the cubin and loads it into the device's primary context."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (source, index, function)
+        found = self._kernels.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._kernels.get(key)
+            if found is None:
+                driver = load_driver()
+                module = self._module(driver, source, index)
+                err, func = driver.cuModuleGetFunction(module, function.encode())
+                _check(driver, err, f"cuModuleGetFunction({function} in {source.file})")
+                found = CudaKernel(driver, func, function, signature)
+                self._kernels[key] = found
+        return found
+
+    def _module(self, driver: ModuleType, source: KernelSource, index: int) -> Any:
+        module = self._modules.get((source, index))
+        if module is None:
+            device = torch.device("cuda", index)
+            cubin = cached_cubin(source, device_arch(device))
+            with torch.cuda.device(index):
+                _make_primary_context_current(driver, index)
+                err, module = driver.cuModuleLoadData(cubin)
+                _check(driver, err, f"cuModuleLoadData({source.file}, {dict(source.defines)})")
+            self._modules[(source, index)] = module
+        return module
+
+
+LOADER = KernelLoader()
+"""The process's loader: modules are per process and per device, like torch's CUDA context."""

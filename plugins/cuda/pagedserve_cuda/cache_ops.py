@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.platforms.api import CacheOps
+from pagedserve.platforms.cache_checks import check_block_contiguous_cache, check_reshape_and_cache_args
 from pagedserve_cuda.compiler import KernelSource
 from pagedserve_cuda.launcher import LOADER, KernelLoader
 
@@ -55,20 +56,8 @@ def _layout_of(t: torch.Tensor) -> tuple[object, ...]:
 
 def check_cache(cache: torch.Tensor, what: str) -> None:
     """Raise `ValueError` unless `cache` is an NHD cache whose blocks are each one contiguous run of
-    memory, one after the other. Reads only metadata. Does not mutate."""
-    _require(
-        cache.dim() == 5 and cache.shape[0] == 2,
-        f"{what} must be [2, num_blocks, block_size, num_kv_heads, head_size] (NHD), "
-        f"got {tuple(cache.shape)}",
-    )
-    _, _, block_size, num_kv_heads, head_size = cache.shape
-    _require(
-        cache.stride(4) == 1
-        and cache.stride(3) == head_size
-        and cache.stride(2) == num_kv_heads * head_size
-        and cache.stride(1) == block_size * num_kv_heads * head_size,
-        f"{what} must be contiguous within and between blocks, got strides {cache.stride()}",
-    )
+    memory, one after the other, of a 2- or 4-byte dtype. Reads only metadata. Does not mutate."""
+    check_block_contiguous_cache(cache, what, "CudaCacheOps")
     _require(cache.element_size() in (2, 4), f"{what} has dtype {cache.dtype}; need a 2- or 4-byte dtype")
 
 
@@ -137,31 +126,8 @@ class CudaCacheOps(CacheOps):
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """The layout contract of `reshape_and_cache`. Raises ValueError; does not mutate."""
-        check_cache(kv_cache, "kv_cache")
-        _, _, _, num_kv_heads, head_size = kv_cache.shape
-        for name, t in (("key", key), ("value", value)):
-            _require(
-                t.dim() == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_size) and t.stride(-1) == 1,
-                f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] with a unit-stride last dim, "
-                f"got {tuple(t.shape)} strides {t.stride()}",
-            )
-            _require(
-                t.dtype == kv_cache.dtype and t.device == kv_cache.device,
-                f"{name} is {t.dtype} on {t.device}; kv_cache is {kv_cache.dtype} on {kv_cache.device}",
-            )
-        _require(
-            slot_mapping.dim() == 1
-            and slot_mapping.dtype == torch.int64
-            and slot_mapping.device == kv_cache.device,
-            f"slot_mapping must be 1-D int64 on {kv_cache.device}, got {tuple(slot_mapping.shape)} "
-            f"{slot_mapping.dtype} on {slot_mapping.device}",
-        )
-        _require(slot_mapping.is_contiguous(), "slot_mapping must be contiguous")
-        num_tokens = slot_mapping.shape[0]
-        _require(
-            key.shape[0] >= num_tokens and value.shape[0] >= num_tokens,
-            f"slot_mapping has {num_tokens} tokens but key/value have {key.shape[0]}/{value.shape[0]} rows",
-        )
+        check_cache(kv_cache, "kv_cache")  # adds the 2- or 4-byte dtype check
+        num_tokens = check_reshape_and_cache_args(key, value, kv_cache, slot_mapping, "CudaCacheOps")
         _require(num_tokens <= MAX_GRID_X, f"{num_tokens} tokens exceed one launch")
         _require(kv_cache.device.type == "cuda", f"kv_cache is on {kv_cache.device}; need a CUDA device")
 

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from pagedserve.platforms.api import CacheOps
+from pagedserve.platforms.cache_checks import check_block_contiguous_cache, check_reshape_and_cache_args
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.cache_kernels import INTERPRETED, copy_blocks_kernel, reshape_and_cache_kernel
 from pagedserve_triton.launch_params import CachedLaunch, LaunchParams, device_name_of
@@ -22,20 +23,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _check_cache(cache: torch.Tensor, what: str) -> None:
-    _require(
-        cache.dim() == 5 and cache.shape[0] == 2,
-        f"{what} must be [2, num_blocks, block_size, num_kv_heads, head_size] (NHD), "
-        f"got {tuple(cache.shape)}",
-    )
-    _, _, block_size, num_kv_heads, head_size = cache.shape
-    # Each block must be one contiguous run so the copy kernel can move it flat.
-    _require(
-        cache.stride(4) == 1
-        and cache.stride(3) == head_size
-        and cache.stride(2) == num_kv_heads * head_size
-        and cache.stride(1) == block_size * num_kv_heads * head_size,
-        f"{what} must be contiguous within and between blocks, got strides {cache.stride()}",
-    )
+    check_block_contiguous_cache(cache, what, "TritonCacheOps")
     _require(
         cache.device.type != "cpu" or INTERPRETED,
         f"{what} is on the CPU: Triton kernels need GPU tensors "
@@ -141,35 +129,9 @@ class TritonCacheOps(CacheOps):
     ) -> CachedLaunch | None:
         """Check the whole call; its launch, or None when there are no tokens. Mutates only the
         launch-parameter cache."""
-        _check_cache(kv_cache, "kv_cache")
+        num_tokens = check_reshape_and_cache_args(key, value, kv_cache, slot_mapping, "TritonCacheOps")
+        _check_cache(kv_cache, "kv_cache")  # adds Triton's device check
         _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-        for name, t in (("key", key), ("value", value)):
-            _require(
-                t.dim() == 3 and t.shape[1:] == (num_kv_heads, head_size) and t.stride(-1) == 1,
-                f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] with a unit-stride last dim, "
-                f"got {tuple(t.shape)} strides {t.stride()}",
-            )
-            _require(
-                t.dtype == kv_cache.dtype and t.device == kv_cache.device,
-                f"{name} is {t.dtype} on {t.device}; kv_cache is {kv_cache.dtype} on {kv_cache.device}",
-            )
-        _require(
-            slot_mapping.dim() == 1
-            and slot_mapping.dtype == torch.int64
-            and slot_mapping.device == kv_cache.device,
-            f"slot_mapping must be 1-D int64 on {kv_cache.device}, got {tuple(slot_mapping.shape)} "
-            f"{slot_mapping.dtype} on {slot_mapping.device}",
-        )
-        num_tokens = slot_mapping.shape[0]
-        # The kernel reads slot i at offset i.
-        _require(
-            num_tokens <= 1 or slot_mapping.stride(0) == 1,
-            f"slot_mapping must be contiguous, got stride {slot_mapping.stride(0)}",
-        )
-        _require(
-            key.shape[0] >= num_tokens and value.shape[0] >= num_tokens,
-            f"slot_mapping has {num_tokens} tokens but key/value have {key.shape[0]}/{value.shape[0]} rows",
-        )
         if num_tokens == 0:
             return None
         cfg = self._launch_params.simple(

@@ -1,0 +1,83 @@
+"""Layout checks shared by cache-ops implementations that launch kernels over the NHD cache.
+
+`CacheOps` (api.py) fixes the layout; a kernel additionally needs each block to be one contiguous
+run and the per-token tensors to match the cache. Every GPU plugin must refuse the same bad calls
+with the same messages before touching the device, so the checks live here once. They read only
+tensor metadata (no device sync) and raise `ValueError` prefixed with the caller's name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _require(ok: bool, owner: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{owner}: {message}")
+
+
+def check_block_contiguous_cache(cache: torch.Tensor, what: str, owner: str) -> None:
+    """Raise `ValueError` unless `cache` is `[2, num_blocks, block_size, num_kv_heads, head_size]`
+    with every block one contiguous run, blocks one after the other. Does not mutate."""
+    _require(
+        cache.dim() == 5 and cache.shape[0] == 2,
+        owner,
+        f"{what} must be [2, num_blocks, block_size, num_kv_heads, head_size] (NHD), "
+        f"got {tuple(cache.shape)}",
+    )
+    _, _, block_size, num_kv_heads, head_size = cache.shape
+    # Each block must be one contiguous run so the copy kernels can move it flat.
+    _require(
+        cache.stride(4) == 1
+        and cache.stride(3) == head_size
+        and cache.stride(2) == num_kv_heads * head_size
+        and cache.stride(1) == block_size * num_kv_heads * head_size,
+        owner,
+        f"{what} must be contiguous within and between blocks, got strides {cache.stride()}",
+    )
+
+
+def check_reshape_and_cache_args(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    owner: str,
+) -> int:
+    """Check a `reshape_and_cache` call; return its number of tokens. Raises `ValueError` naming
+    the offending tensor. Does not mutate."""
+    check_block_contiguous_cache(kv_cache, "kv_cache", owner)
+    _, _, _, num_kv_heads, head_size = kv_cache.shape
+    for name, t in (("key", key), ("value", value)):
+        _require(
+            t.dim() == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_size) and t.stride(-1) == 1,
+            owner,
+            f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] with a unit-stride last dim, "
+            f"got {tuple(t.shape)} strides {t.stride()}",
+        )
+        _require(
+            t.dtype == kv_cache.dtype and t.device == kv_cache.device,
+            owner,
+            f"{name} is {t.dtype} on {t.device}; kv_cache is {kv_cache.dtype} on {kv_cache.device}",
+        )
+    _require(
+        slot_mapping.dim() == 1
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.device == kv_cache.device,
+        owner,
+        f"slot_mapping must be 1-D int64 on {kv_cache.device}, got {tuple(slot_mapping.shape)} "
+        f"{slot_mapping.dtype} on {slot_mapping.device}",
+    )
+    num_tokens = slot_mapping.shape[0]
+    # The kernels read slot i at offset i.
+    _require(
+        num_tokens <= 1 or slot_mapping.stride(0) == 1,
+        owner,
+        f"slot_mapping must be contiguous, got stride {slot_mapping.stride(0)}",
+    )
+    _require(
+        key.shape[0] >= num_tokens and value.shape[0] >= num_tokens,
+        owner,
+        f"slot_mapping has {num_tokens} tokens but key/value have {key.shape[0]}/{value.shape[0]} rows",
+    )
+    return int(num_tokens)

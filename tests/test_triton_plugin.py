@@ -207,3 +207,24 @@ def test_kernel_remap_matches_grid_order(num_groups: int, num_programs: int) -> 
     order = GridOrder(name="probe", num_groups=num_groups)
     assert out.tolist() == [order.remap(pid, num_programs) for pid in range(num_programs)]
     assert sorted(out.tolist()) == list(range(num_programs))  # a permutation of the tiles
+
+
+def test_plugin_without_triton_is_unavailable_not_broken() -> None:
+    """A machine without triton discovers the platform and is told why it cannot run (the plugin
+    module and the launch-parameter module it imports must not import triton)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import importlib.util\n"
+        "importlib.util.find_spec = (lambda f: lambda name, *a: None if name == 'triton' else f(name, *a))"
+        "(importlib.util.find_spec)\n"
+        "from pagedserve_triton import plugin\n"
+        "assert plugin.pagedserve_attention_backends('triton') is None\n"
+        "assert plugin.pagedserve_cache_ops('triton') is None\n"
+        "print(plugin._availability().reason)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "triton cannot be imported" in done.stdout

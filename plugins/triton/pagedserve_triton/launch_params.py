@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import triton
 
 from pagedserve.platforms.tuned_configs import Params, TunedConfigError, TunedConfigs
 
@@ -152,6 +151,9 @@ def _fast_launch_support() -> tuple[Callable[[int], int], Callable[[], int], Any
     a driver without these calls). Asked only after a launch returned a compiled kernel, so never
     under the interpreter. Cached: the answer is fixed for the process."""
     try:
+        # Imported here, not at the top: the plugin module imports this file, and a machine
+        # without triton must still discover the platform (as unavailable, with the reason).
+        import triton
         from triton import knobs
 
         active = triton.runtime.driver.active

@@ -7,6 +7,7 @@ and cache ops are imported when the platform is used.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def _availability() -> Availability:
     return Availability(True, detail)
 
 
+def _triton_installed() -> bool:
+    """Without triton the kernels' modules cannot be imported: the platform then offers no backends
+    or cache ops, and `_availability` says why, instead of the plugin failing as broken."""
+    return importlib.util.find_spec("triton") is not None
+
+
 @hookimpl
 def pagedserve_platforms() -> list[PlatformInfo]:
     return [
@@ -72,7 +79,7 @@ def pagedserve_platforms() -> list[PlatformInfo]:
 
 @hookimpl
 def pagedserve_attention_backends(platform: str) -> list[type[AttentionBackend]] | None:
-    if platform != PLATFORM_NAME:
+    if platform != PLATFORM_NAME or not _triton_installed():
         return None
     from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 
@@ -81,7 +88,7 @@ def pagedserve_attention_backends(platform: str) -> list[type[AttentionBackend]]
 
 @hookimpl
 def pagedserve_cache_ops(platform: str) -> CacheOps | None:
-    if platform != PLATFORM_NAME:
+    if platform != PLATFORM_NAME or not _triton_installed():
         return None
     from pagedserve_triton.cache_ops import TritonCacheOps
 

@@ -798,7 +798,8 @@ def run_issue_case(
     return res
 
 
-# (header, width); negative width = left-aligned. Baseline cells fit "n/a (NotImplementedError)".
+# (header, width); negative width = left-aligned. Widths are minimums: a baseline's error cell,
+# "n/a (<exception name>)", may run past its column.
 COLUMNS = [
     ("case", -23), ("heads", 5), ("plan", 5), ("ours us", 9), ("2d us", 9), ("GB/s", 6), ("TFLOP/s", 7),
     ("flash us", 21), ("cudnn us", 21), ("flex us", 21), ("vllm us", 7), ("target", -1),

@@ -81,3 +81,26 @@ def check_reshape_and_cache_args(
         f"slot_mapping has {num_tokens} tokens but key/value have {key.shape[0]}/{value.shape[0]} rows",
     )
     return int(num_tokens)
+
+
+def check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int, owner: str) -> None:
+    """Raise `ValueError` unless `block_mapping` is [num_pairs, 2] int64 of (src_block, dst_block)
+    with ids in range. The range is checked only for a mapping on the CPU: reading a device
+    mapping's values would sync, so it is trusted. Does not mutate."""
+    _require(
+        block_mapping.dim() == 2 and block_mapping.shape[1] == 2 and block_mapping.dtype == torch.int64,
+        owner,
+        f"block_mapping must be [num_pairs, 2] int64, got {tuple(block_mapping.shape)} {block_mapping.dtype}",
+    )
+    if block_mapping.device.type == "cpu" and block_mapping.numel():
+        src, dst = block_mapping[:, 0], block_mapping[:, 1]
+        _require(
+            int(src.min()) >= 0 and int(src.max()) < num_src,
+            owner,
+            f"source block ids must lie in [0, {num_src}), got [{int(src.min())}, {int(src.max())}]",
+        )
+        _require(
+            int(dst.min()) >= 0 and int(dst.max()) < num_dst,
+            owner,
+            f"destination block ids must lie in [0, {num_dst}), got [{int(dst.min())}, {int(dst.max())}]",
+        )

@@ -257,9 +257,10 @@ class PiecewiseCudaGraphs:
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         start = time.perf_counter()
-        # The metadata is never read: the hook answers every attention call before that.
-        placeholder = AttentionMetadata.build([1], [1], torch.zeros((1, 1), dtype=torch.int32), 1)
-        ctx = ForwardContext(placeholder, kv_caches, backend, cache_ops)
+        # A forward context needs metadata, but capture never reads it: the hook answers every
+        # attention call before the backend could.
+        unread = AttentionMetadata.build([1], [1], torch.zeros((1, 1), dtype=torch.int32), 1)
+        ctx = ForwardContext(unread, kv_caches, backend, cache_ops)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

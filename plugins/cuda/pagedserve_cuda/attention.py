@@ -28,6 +28,7 @@ from pagedserve_cuda.selection import (
     explain,
 )
 from pagedserve_cuda.tuning import decode_tuning, tuned_config_files
+from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
 
 if TYPE_CHECKING:  # the CLI defines the query type; the backend only reads its fields
     from pagedserve.cli.platforms import BatchQuery
@@ -67,13 +68,8 @@ class CudaPagedAttentionBackend(AttentionBackend):
     """Paged attention on NVIDIA GPUs: CUDA v1/v2 decode kernels, Triton for everything else."""
 
     name: ClassVar[str] = "cuda_paged"
-    capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
-        head_sizes=frozenset({32, 64, 80, 96, 112, 128, 192, 256}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        block_sizes=frozenset({16, 32, 64}),
-        sliding_window=True,
-        logit_softcap=True,
-    )
+    # Triton runs every case the CUDA kernels do not, so the pair supports exactly what it does.
+    capabilities: ClassVar[AttentionCapabilities] = UNIFIED_ATTENTION_CAPABILITIES
 
     def __init__(
         self,

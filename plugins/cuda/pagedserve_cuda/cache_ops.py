@@ -15,7 +15,11 @@ from __future__ import annotations
 import torch
 
 from pagedserve.platforms.api import CacheOps
-from pagedserve.platforms.cache_checks import check_block_contiguous_cache, check_reshape_and_cache_args
+from pagedserve.platforms.cache_checks import (
+    check_block_contiguous_cache,
+    check_block_mapping,
+    check_reshape_and_cache_args,
+)
 from pagedserve_cuda.compiler import KernelSource
 from pagedserve_cuda.launcher import LOADER, KernelLoader
 
@@ -59,25 +63,6 @@ def check_cache(cache: torch.Tensor, what: str) -> None:
     memory, one after the other, of a 2- or 4-byte dtype. Reads only metadata. Does not mutate."""
     check_block_contiguous_cache(cache, what, "CudaCacheOps")
     _require(cache.element_size() in (2, 4), f"{what} has dtype {cache.dtype}; need a 2- or 4-byte dtype")
-
-
-def check_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
-    """Raise `ValueError` unless `block_mapping` is [n, 2] int64 with ids in range (checked when it
-    is on the CPU; a device mapping is trusted, checking it would sync). Does not mutate."""
-    _require(
-        block_mapping.dim() == 2 and block_mapping.shape[1] == 2 and block_mapping.dtype == torch.int64,
-        f"block_mapping must be [num_pairs, 2] int64, got {tuple(block_mapping.shape)} {block_mapping.dtype}",
-    )
-    if block_mapping.device.type == "cpu" and block_mapping.numel():
-        src, dst = block_mapping[:, 0], block_mapping[:, 1]
-        _require(
-            int(src.min()) >= 0 and int(src.max()) < num_src,
-            f"source block ids must lie in [0, {num_src}), got [{int(src.min())}, {int(src.max())}]",
-        )
-        _require(
-            int(dst.min()) >= 0 and int(dst.max()) < num_dst,
-            f"destination block ids must lie in [0, {num_dst}), got [{int(dst.min())}, {int(dst.max())}]",
-        )
 
 
 def contiguous_runs(block_mapping: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -171,7 +156,7 @@ class CudaCacheOps(CacheOps):
                 f"kv_caches[{i}] is {tuple(cache.shape)} {cache.dtype} on {cache.device}; "
                 f"kv_caches[0] is {tuple(first.shape)} {first.dtype} on {first.device}",
             )
-        check_mapping(block_mapping, first.shape[1], first.shape[1])
+        check_block_mapping(block_mapping, first.shape[1], first.shape[1], "CudaCacheOps")
         _require(first.device.type == "cuda", f"kv_caches are on {first.device}; need a CUDA device")
         if block_mapping.shape[0] == 0:
             return
@@ -200,7 +185,7 @@ class CudaCacheOps(CacheOps):
             block_mapping.device.type == "cpu",
             f"block_mapping must be on the CPU, got {block_mapping.device}",
         )
-        check_mapping(block_mapping, src.shape[1], dst.shape[1])
+        check_block_mapping(block_mapping, src.shape[1], dst.shape[1], "CudaCacheOps")
         _require(
             "cuda" in (src.device.type, dst.device.type),
             f"one of src ({src.device}) and dst ({dst.device}) must be on a CUDA device",

@@ -24,6 +24,7 @@ from pagedserve.platforms.api import (
     GridOrder,
 )
 from pagedserve.platforms.tuned_configs import TunedConfigs
+from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
 from pagedserve_triton.launch_params import CachedLaunch, LaunchParams, device_name_of
 from pagedserve_triton.unified_attention import (
     INTERPRETED,
@@ -128,14 +129,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
     two calls at once (from two threads), nor the layers of one step on different streams."""
 
     name: ClassVar[str] = "triton_unified"
-    capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
-        # Any head size <= 256 works (padded to a power of two); these are the ones tested.
-        head_sizes=frozenset({32, 64, 80, 96, 112, 128, 192, 256}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        block_sizes=frozenset({16, 32, 64}),
-        sliding_window=True,
-        logit_softcap=True,
-    )
+    capabilities: ClassVar[AttentionCapabilities] = UNIFIED_ATTENTION_CAPABILITIES
 
     def __init__(
         self,

@@ -11,7 +11,11 @@ import torch
 import triton
 
 from pagedserve.platforms.api import CacheOps
-from pagedserve.platforms.cache_checks import check_block_contiguous_cache, check_reshape_and_cache_args
+from pagedserve.platforms.cache_checks import (
+    check_block_contiguous_cache,
+    check_block_mapping,
+    check_reshape_and_cache_args,
+)
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.cache_kernels import INTERPRETED, copy_blocks_kernel, reshape_and_cache_kernel
 from pagedserve_triton.launch_params import CachedLaunch, LaunchParams, device_name_of
@@ -29,25 +33,6 @@ def _check_cache(cache: torch.Tensor, what: str) -> None:
         f"{what} is on the CPU: Triton kernels need GPU tensors "
         "(or TRITON_INTERPRET=1 set before importing triton)",
     )
-
-
-def _check_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
-    _require(
-        block_mapping.dim() == 2 and block_mapping.shape[1] == 2 and block_mapping.dtype == torch.int64,
-        "block_mapping must be [num_copies, 2] int64, "
-        f"got {tuple(block_mapping.shape)} {block_mapping.dtype}",
-    )
-    # Range checks need the values on the host; a device mapping is trusted (checking it would sync).
-    if block_mapping.device.type == "cpu" and block_mapping.numel():
-        src, dst = block_mapping[:, 0], block_mapping[:, 1]
-        _require(
-            int(src.min()) >= 0 and int(src.max()) < num_src,
-            f"source block ids must lie in [0, {num_src}), got [{int(src.min())}, {int(src.max())}]",
-        )
-        _require(
-            int(dst.min()) >= 0 and int(dst.max()) < num_dst,
-            f"destination block ids must lie in [0, {num_dst}), got [{int(dst.min())}, {int(dst.max())}]",
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +161,7 @@ class TritonCacheOps(CacheOps):
                 f"kv_caches[{i}] is {tuple(cache.shape)} {cache.dtype} on {cache.device}; "
                 f"kv_caches[0] is {tuple(first.shape)} {first.dtype} on {first.device}",
             )
-        _check_mapping(block_mapping, first.shape[1], first.shape[1])
+        check_block_mapping(block_mapping, first.shape[1], first.shape[1], "TritonCacheOps")
         if block_mapping.shape[0] == 0:
             return
         bases = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64, device=first.device)
@@ -204,7 +189,7 @@ class TritonCacheOps(CacheOps):
             block_mapping.device.type == "cpu",
             f"block_mapping must be on the CPU, got {block_mapping.device}",
         )
-        _check_mapping(block_mapping, src.shape[1], dst.shape[1])
+        check_block_mapping(block_mapping, src.shape[1], dst.shape[1], "TritonCacheOps")
         if block_mapping.shape[0] == 0:
             return
         if src.device == dst.device:

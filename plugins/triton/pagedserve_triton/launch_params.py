@@ -215,7 +215,7 @@ class CachedLaunch:
         self,
         kernel: Any,  # a triton.jit function (JITFunction or InterpretedFunction)
         grid: tuple[int, ...],
-        args: dict[str, object],  # every kernel parameter by name; per-call ones hold a placeholder
+        args: dict[str, object],  # every kernel parameter by name; per-call ones' values are overwritten
         per_call: Sequence[str],  # the parameters given by each call, in call order
         options: dict[str, int],  # launch options: num_warps, num_stages
     ) -> None:

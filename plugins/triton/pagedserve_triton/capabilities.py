@@ -1,0 +1,21 @@
+"""What the Triton unified attention kernel supports, importable without triton.
+
+The cuda platform delegates every batch its CUDA kernels do not cover to this kernel, so it
+declares exactly these capabilities too; both read them from here, where neither plugin's
+availability check needs triton to be installed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.platforms.api import AttentionCapabilities
+
+UNIFIED_ATTENTION_CAPABILITIES = AttentionCapabilities(
+    # Any head size <= 256 works (padded to a power of two); these are the ones tested.
+    head_sizes=frozenset({32, 64, 80, 96, 112, 128, 192, 256}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+    block_sizes=frozenset({16, 32, 64}),
+    sliding_window=True,
+    logit_softcap=True,
+)

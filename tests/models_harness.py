@@ -96,6 +96,25 @@ def hf_greedy(hf_model: Any, prompts: list[list[int]], max_new_tokens: int) -> l
     return out
 
 
+# Shared by the model tests: a 2-layer decoder small enough for exact comparisons in seconds.
+# Large initializer_range: random tiny models then have peaked logits, so greedy choices are not
+# decided by float rounding. No EOS, so every generation runs its full length.
+TINY_DECODER: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
 def tiny_hf_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     """A random transformers causal LM for `config`, in float32 eval mode, with the eager attention."""
     torch.manual_seed(seed)

@@ -7,33 +7,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from models_harness import hf_greedy, paged_greedy, random_prompts, tiny_hf_model, write_tiny_gguf
+from models_harness import (
+    TINY_DECODER,
+    hf_greedy,
+    paged_greedy,
+    random_prompts,
+    tiny_hf_model,
+    write_tiny_gguf,
+)
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 
 from pagedserve.models.loader import load_model
 
-_COMMON: dict[str, Any] = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    rms_norm_eps=1e-6,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-
 
 def _llama() -> PretrainedConfig:
-    return LlamaConfig(**_COMMON, tie_word_embeddings=False)
+    return LlamaConfig(**TINY_DECODER, tie_word_embeddings=False)
 
 
 def _qwen2() -> PretrainedConfig:
-    return Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    return Qwen2Config(**TINY_DECODER, tie_word_embeddings=True)
 
 
 @pytest.mark.parametrize(("arch", "make_config"), [("llama", _llama), ("qwen2", _qwen2)])
@@ -59,7 +51,7 @@ def test_gguf_directory_and_dummy_format(tmp_path: Path) -> None:
 
 def test_gguf_tensors_the_config_cannot_hold_are_refused(tmp_path: Path) -> None:
     """GGUF metadata cannot say `attention_bias`; transformers would drop the biases silently."""
-    hf = tiny_hf_model(LlamaConfig(**_COMMON, attention_bias=True), seed=7)
+    hf = tiny_hf_model(LlamaConfig(**TINY_DECODER, attention_bias=True), seed=7)
     path = write_tiny_gguf(hf, tmp_path / "biased.gguf", "llama")
     with pytest.raises(ValueError, match=r"has no place for: \['blk\.0\.attn_k\.bias'"):
         load_model(path)

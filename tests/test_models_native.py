@@ -9,11 +9,11 @@ greedy `generate` ids, and that prefill logits agree to float32 precision.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from models_harness import (
+    TINY_DECODER,
     hf_greedy,
     hf_prefill_logits,
     paged_greedy,
@@ -27,25 +27,9 @@ from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Conf
 from pagedserve.models.loader import load_model
 from pagedserve.models.spec import ModelSpec
 
-# Large initializer_range: random tiny models then have peaked logits, so greedy choices are not
-# decided by float rounding. No EOS, so every generation runs its full length.
-_COMMON: dict[str, Any] = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-
 
 def _llama() -> PretrainedConfig:
-    return LlamaConfig(**_COMMON, tie_word_embeddings=False, attention_bias=True)
+    return LlamaConfig(**TINY_DECODER, tie_word_embeddings=False, attention_bias=True)
 
 
 def _llama3_rope() -> PretrainedConfig:
@@ -58,23 +42,27 @@ def _llama3_rope() -> PretrainedConfig:
         high_freq_factor=4.0,
         original_max_position_embeddings=16,
     )
-    return LlamaConfig(**_COMMON, tie_word_embeddings=True, rope_parameters=rope)
+    return LlamaConfig(**TINY_DECODER, tie_word_embeddings=True, rope_parameters=rope)
 
 
 def _mistral() -> PretrainedConfig:
-    return MistralConfig(**_COMMON, tie_word_embeddings=False, sliding_window=4)
+    return MistralConfig(**TINY_DECODER, tie_word_embeddings=False, sliding_window=4)
 
 
 def _qwen2() -> PretrainedConfig:
     # Layer 1 slides (layers at or past max_window_layers do), layer 0 attends fully.
     return Qwen2Config(
-        **_COMMON, tie_word_embeddings=True, use_sliding_window=True, sliding_window=5, max_window_layers=1
+        **TINY_DECODER,
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=1,
     )
 
 
 def _qwen3() -> PretrainedConfig:
     # head_dim != hidden_size / num_heads, as in real Qwen3 checkpoints.
-    return Qwen3Config(**_COMMON, tie_word_embeddings=False, head_dim=32)
+    return Qwen3Config(**TINY_DECODER, tie_word_embeddings=False, head_dim=32)
 
 
 CASES = {

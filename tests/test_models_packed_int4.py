@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models_harness import paged_prefill_logits, random_prompts, tiny_hf_model, write_tiny_gguf
+from models_harness import TINY_DECODER, paged_prefill_logits, random_prompts, tiny_hf_model, write_tiny_gguf
 from torch.nn import functional as F
 from transformers import LlamaConfig
 
@@ -87,21 +87,7 @@ def test_packed_layer_refuses_float32() -> None:
 
 
 def _tiny_quantized_gguf(tmp_path: Path, tie: bool) -> Path:
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tie,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    config = LlamaConfig(**TINY_DECODER, tie_word_embeddings=tie)
     return write_tiny_gguf(tiny_hf_model(config, seed=9), tmp_path / "q.gguf", "llama", quantized=True)
 
 
@@ -134,17 +120,7 @@ def test_quantization_errors_name_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="load_format is 'dummy'"):
         load_model(path, dtype=torch.bfloat16, load_format="dummy", quantization="gguf")
     plain = tiny_hf_model(
-        LlamaConfig(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            bos_token_id=None,
-            eos_token_id=None,
-            pad_token_id=None,
-        ),
+        LlamaConfig(**TINY_DECODER),  # float32 GGUF: nothing to keep packed
         seed=1,
     )
     f32 = write_tiny_gguf(plain, tmp_path / "f32.gguf", "llama")

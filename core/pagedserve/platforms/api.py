@@ -16,6 +16,7 @@ where index 0 holds keys and index 1 holds values. Token `t` of a request lives 
 from __future__ import annotations
 
 import enum
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,6 +122,43 @@ class AttentionBackend(ABC):
             raise UnsupportedCase(f"{self.name}: sliding window attention is not supported")
         if logit_softcap is not None and not caps.logit_softcap:
             raise UnsupportedCase(f"{self.name}: logit softcap is not supported")
+
+    def check_call(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        *,
+        scale: float,
+        sliding_window: int | None,
+        logit_softcap: float | None,
+    ) -> None:
+        """The checks every `forward` starts with, whatever the hardware: tensor ranks (`ValueError`),
+        the declared capabilities (`UnsupportedCase`) and the options' values (`ValueError`).
+        Reads only tensor metadata (no device sync). Does not mutate."""
+        if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise ValueError(
+                f"{self.name}: query must be [num_tokens, num_q_heads, head_size] (got shape "
+                f"{tuple(query.shape)}) and kv_cache [2, num_blocks, block_size, num_kv_heads, head_size] "
+                f"(got {tuple(kv_cache.shape)})"
+            )
+        self.check_supported(
+            head_size=query.shape[2],
+            dtype=query.dtype,
+            block_size=kv_cache.shape[2],
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+        )
+        if not math.isfinite(scale):
+            raise ValueError(f"{self.name}: scale must be finite, got scale={scale}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(
+                f"{self.name}: sliding_window must be >= 1 (tokens seen, own included), "
+                f"got sliding_window={sliding_window}"
+            )
+        if logit_softcap is not None and not (logit_softcap > 0 and math.isfinite(logit_softcap)):
+            raise ValueError(
+                f"{self.name}: logit_softcap must be positive and finite, got logit_softcap={logit_softcap}"
+            )
 
     @abstractmethod
     def forward(

@@ -171,7 +171,10 @@ class ReferenceAttentionBackend(AttentionBackend):
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.
         Does not mutate `kv_cache`; writes only `out` (and the instance's scratch buffer)."""
-        options = check_call(self, query, kv_cache, scale, sliding_window, logit_softcap)
+        self.check_call(
+            query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+        )
+        options = _Options(scale, sliding_window, logit_softcap)
         _check_layout(query, kv_cache, metadata, out)
 
         result = out if out is not None else torch.zeros_like(query)
@@ -265,33 +268,6 @@ class ReferenceAttentionBackend(AttentionBackend):
             result[rows[row_valid]] = o[row_valid].to(result.dtype)
 
 
-def check_call(
-    backend: AttentionBackend,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    logit_softcap: float | None,
-) -> _Options:
-    """The checks every CPU backend's `forward` starts with: tensor ranks, the backend's declared
-    capabilities (`UnsupportedCase`), and the options' values. Returns the options. Does not mutate."""
-    if query.dim() != 3 or kv_cache.dim() != 5:
-        raise ValueError(
-            f"query must be [num_tokens, num_q_heads, head_size] (got shape {tuple(query.shape)}) and "
-            f"kv_cache [2, num_blocks, block_size, num_kv_heads, head_size] (got {tuple(kv_cache.shape)})"
-        )
-    backend.check_supported(
-        head_size=query.shape[2],
-        dtype=query.dtype,
-        block_size=kv_cache.shape[2],
-        sliding_window=sliding_window,
-        logit_softcap=logit_softcap,
-    )
-    options = _Options(scale, sliding_window, logit_softcap)
-    _check_options(options)
-    return options
-
-
 def _check_layout(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, out: torch.Tensor | None
 ) -> None:
@@ -357,14 +333,3 @@ def _check_layout(
     table_cpu = table.cpu()
     if bool((used & ((table_cpu < 0) | (table_cpu >= num_blocks))).any()):
         raise ValueError(f"metadata.block_table references a block outside the cache's [0, {num_blocks})")
-
-
-def _check_options(options: _Options) -> None:
-    """Raise ValueError for a meaningless scale, window or softcap. Does not mutate."""
-    scale, sliding_window, logit_softcap = options.scale, options.sliding_window, options.logit_softcap
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 (tokens seen, own included), got {sliding_window}")
-    if logit_softcap is not None and not (logit_softcap > 0 and math.isfinite(logit_softcap)):
-        raise ValueError(f"logit_softcap must be positive and finite, got {logit_softcap}")

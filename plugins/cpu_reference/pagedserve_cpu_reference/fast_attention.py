@@ -33,7 +33,6 @@ from pagedserve_cpu_reference.attention import (
     RequestGroup,
     _check_layout,
     _Options,
-    check_call,
     plan_groups,
 )
 
@@ -128,7 +127,10 @@ class FastCpuAttentionBackend(AttentionBackend):
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.
         Does not mutate `kv_cache`; writes only `out` (and the instance's plan and scratch)."""
-        options = check_call(self, query, kv_cache, scale, sliding_window, logit_softcap)
+        self.check_call(
+            query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+        )
+        options = _Options(scale, sliding_window, logit_softcap)
         if query.device.type != "cpu":
             raise ValueError(f"the {self.name} backend runs on the CPU; query is on {query.device}")
         plan = self._plan

@@ -189,27 +189,11 @@ class CudaPagedAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Attention output [num_tokens, num_q_heads, head_size]; rows past num_actual_tokens are left
         as they were in `out` (uninitialised when `out` is None). Writes only `out`."""
-        _require(
-            query.dim() == 3, f"query must be [num_tokens, num_q_heads, head_size], got {tuple(query.shape)}"
-        )
-        _require(
-            kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
-            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size] (NHD), "
-            f"got {tuple(kv_cache.shape)}",
+        self.check_call(
+            query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
         )
         _, num_q_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
-        self.check_supported(
-            head_size=head_size,
-            dtype=query.dtype,
-            block_size=block_size,
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-        )
-        _require(
-            sliding_window is None or sliding_window >= 1, f"sliding_window={sliding_window} must be >= 1"
-        )
-        _require(logit_softcap is None or logit_softcap > 0, f"logit_softcap={logit_softcap} must be > 0")
         if out is None:
             out = torch.empty_like(query)
         if metadata.num_actual_tokens == 0 or metadata.num_reqs == 0:

@@ -295,20 +295,13 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
     ) -> _LayerLaunch:
         """Check the whole call and build its launches. Allocates the 3D plan's split buffers;
         mutates only the launch-parameter cache."""
+        # The layout first: a wrong layout (an HND cache, say) reads as wrong capabilities otherwise.
         self._check_layout(query, kv_cache, metadata, out)
+        self.check_call(
+            query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+        )
         _, num_q_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
-        self.check_supported(
-            head_size=head_size,
-            dtype=query.dtype,
-            block_size=block_size,
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-        )
-        _require(
-            sliding_window is None or sliding_window >= 1, f"sliding_window={sliding_window} must be >= 1"
-        )
-        _require(logit_softcap is None or logit_softcap > 0, f"logit_softcap={logit_softcap} must be > 0")
         num_tokens = metadata.num_actual_tokens
         if num_tokens == 0 or metadata.num_reqs == 0:
             return _LayerLaunch(PLAN_2D, None, None)

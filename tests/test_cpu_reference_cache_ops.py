@@ -129,3 +129,27 @@ def test_swap_blocks_rejects_mismatched_pools_and_ids() -> None:
     with pytest.raises(ValueError, match="must agree in block_size"):
         OPS.swap_blocks(src, dst.double(), torch.tensor([[0, 0]]))
     assert bool((dst == 0).all())
+
+
+def test_slot_check_is_redone_when_the_mapping_changes_in_place() -> None:
+    """Layers of one step share one slot_mapping, so its ids are checked once; a write into that
+    tensor (or another cache size) must bring the check back."""
+    ops = ReferenceCacheOps()
+    cache = random_cache(2, 4, 1, 8, seed=1)
+    key = torch.randn(2, 1, 8)
+    slots = torch.tensor([0, 5], dtype=torch.int64)
+    ops.reshape_and_cache(key, key, cache, slots)
+    slots[1] = 8
+    with pytest.raises(ValueError, match="slot 8"):
+        ops.reshape_and_cache(key, key, cache, slots)
+    slots[1] = 0
+    with pytest.raises(ValueError, match="repeated slots"):
+        ops.reshape_and_cache(key, key, cache, slots)
+    slots[1] = 7
+    ops.reshape_and_cache(key, key, cache, slots)
+    with pytest.raises(ValueError, match=r"slot 7, outside the cache's \[0, 4\)"):
+        ops.reshape_and_cache(key, key, random_cache(1, 4, 1, 8, seed=2), slots)
+    with torch.inference_mode():  # inference tensors keep no version counter
+        fresh = torch.tensor([1, 2], dtype=torch.int64)
+        ops.reshape_and_cache(key, key, cache, fresh)
+        torch.testing.assert_close(cache[0, 0, 1:3], key, rtol=0, atol=0)

@@ -130,3 +130,57 @@ def test_float64_is_exact_and_bad_layout_refused() -> None:
         FastCpuAttentionBackend().forward(odd_query, odd_cache, odd_metadata, scale=1.0)
     with pytest.raises(ValueError, match="dtype"):
         FastCpuAttentionBackend().forward(query, kv_cache.to(torch.bfloat16), metadata, scale=1.0)
+
+
+def single_stream(
+    seq_len: int, *, consecutive: bool, dtype: torch.dtype, block_size: int = 4, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One decode token of one request whose blocks are consecutive ids (2, 3, 4, ...) or
+    scattered; NaN in every slot it did not write, NaN-holding neighbours on both sides."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = -(-seq_len // block_size)
+    ids = (
+        list(range(2, 2 + num_blocks))
+        if consecutive
+        else random.Random(seed).sample(range(2, 40), num_blocks)
+    )
+    kv_cache = torch.full((2, 42, block_size, 2, 16), math.nan, dtype=dtype)
+    for pos in range(seq_len):
+        kv_cache[:, ids[pos // block_size], pos % block_size] = torch.randn(2, 2, 16, generator=gen).to(dtype)
+    query = torch.randn(1, 6, 16, generator=gen).to(dtype)
+    table = torch.tensor([[*ids, 50_000]], dtype=torch.int32)
+    return query, kv_cache, AttentionMetadata.build([1], [seq_len], table, block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize(("seq_len", "sliding_window"), [(1, None), (13, None), (13, 5), (16, 16), (9, 30)])
+def test_single_stream_decode_matches_oracle(
+    dtype: torch.dtype, consecutive: bool, seq_len: int, sliding_window: int | None
+) -> None:
+    """One stream's decode reads its keys by slicing (in place when its blocks are consecutive)
+    instead of masking: the window and the last block's unwritten tail must still be excluded."""
+    query, kv_cache, metadata = single_stream(seq_len, consecutive=consecutive, dtype=dtype)
+    backend = FastCpuAttentionBackend()
+    options = {"scale": 0.3, "sliding_window": sliding_window}
+    got = backend.forward(query, kv_cache, metadata, **options)  # type: ignore[arg-type]
+    plan = backend._plan
+    assert plan is not None and plan.single is not None  # the single-stream path ran
+    assert (plan.single.first_block is not None) == (consecutive or seq_len <= 4)  # one block is a run
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    want = reference(query, kv_cache, metadata, **options)
+    assert (got.double() - want).abs().max().item() <= TOLERANCE.get(dtype, 1e-12)
+    out = torch.full_like(query, 7.0)
+    assert backend.forward(query, kv_cache, metadata, out=out, **options) is out  # type: ignore[arg-type]
+    assert torch.equal(out, got)
+
+
+def test_single_stream_path_not_taken_for_padded_or_softcapped_steps() -> None:
+    query, kv_cache, metadata = single_stream(9, consecutive=True, dtype=torch.float32)
+    padded = torch.cat([query, torch.zeros_like(query)])  # one real token, one padding row
+    got = FastCpuAttentionBackend().forward(padded, kv_cache, metadata, scale=0.5)
+    assert (got[:1].double() - reference(query, kv_cache, metadata, scale=0.5)).abs().max().item() <= 2e-5
+    assert (got[1:] == 0).all()
+    capped = FastCpuAttentionBackend().forward(query, kv_cache, metadata, scale=0.5, logit_softcap=2.0)
+    want = reference(query, kv_cache, metadata, scale=0.5, logit_softcap=2.0)
+    assert (capped.double() - want).abs().max().item() <= 2e-5

@@ -15,6 +15,15 @@ from pagedserve.platforms.api import CacheOps
 class ReferenceCacheOps(CacheOps):
     """`CacheOps` over the NHD layout `[2, num_blocks, block_size, num_kv_heads, head_size]`."""
 
+    def __init__(self) -> None:
+        # The layers of a step write tensors of one signature through one slot_mapping tensor, so
+        # a write is checked in full once per step: a signature already checked, with the same
+        # mapping unchanged since, is not checked again. Holding the mapping (not its id) keeps
+        # the key from being reused by a new tensor; `_version` changes whenever it is written in
+        # place (inference tensors keep no version: for them the identity alone is the key).
+        self._checked_mapping: torch.Tensor | None = None
+        self._checked_signature: tuple[object, ...] | None = None
+
     def reshape_and_cache(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
@@ -24,42 +33,32 @@ class ReferenceCacheOps(CacheOps):
     ) -> None:
         """Write key/value row `i` into slot `slot_mapping[i]` for the first `len(slot_mapping)`
         rows. Mutates `kv_cache`."""
-        _check_cache(kv_cache, "kv_cache")
-        _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-        expected = (num_kv_heads, head_size)
-        for label, tensor in (("key", key), ("value", value)):
-            if tensor.dim() != 3 or tuple(tensor.shape[1:]) != expected:
-                raise ValueError(
-                    f"{label} must be [num_tokens, {num_kv_heads}, {head_size}] to match kv_cache, "
-                    f"got {tuple(tensor.shape)}"
-                )
-            if tensor.dtype != kv_cache.dtype:
-                raise ValueError(f"{label} is {tensor.dtype} but kv_cache is {kv_cache.dtype}; cast first")
-            if tensor.device != kv_cache.device:
-                raise ValueError(f"{label} is on {tensor.device} but kv_cache on {kv_cache.device}")
-        if key.shape[0] != value.shape[0]:
-            raise ValueError(f"key has {key.shape[0]} rows but value {value.shape[0]}")
-        if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64:
-            raise ValueError(
-                f"slot_mapping must be 1-D int64, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-            )
-        if slot_mapping.device != kv_cache.device:
-            raise ValueError(f"slot_mapping is on {slot_mapping.device} but kv_cache on {kv_cache.device}")
+        signature = (
+            key.shape,
+            value.shape,
+            key.dtype,
+            value.dtype,
+            key.device,
+            value.device,
+            kv_cache.shape,
+            kv_cache.dtype,
+            kv_cache.device,
+            None if slot_mapping.is_inference() else slot_mapping._version,
+        )
+        if slot_mapping is not self._checked_mapping or signature != self._checked_signature:
+            _check_write(key, value, kv_cache, slot_mapping)
+            self._checked_mapping, self._checked_signature = slot_mapping, signature
         n = slot_mapping.shape[0]
-        if n > key.shape[0]:
-            raise ValueError(f"slot_mapping has {n} slots for only {key.shape[0]} key/value rows")
         if n == 0:
             return
-        num_slots = num_blocks * block_size
-        _check_ids(slot_mapping, num_slots, "slot_mapping", "slot")
-        # One slot cannot repeat (and single-token decode steps skip the sort behind `unique`).
-        if n > 1 and torch.unique(slot_mapping).numel() != n:
-            raise ValueError("slot_mapping has repeated slots; each new token needs its own slot")
+        _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
         if kv_cache.is_contiguous():
             # A slot is one row of the [2, num_slots, Hkv, D] view: one indexed copy per tensor.
-            flat = kv_cache.view(2, num_slots, num_kv_heads, head_size)
-            flat[0].index_copy_(0, slot_mapping, key[:n])
-            flat[1].index_copy_(0, slot_mapping, value[:n])
+            flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
+            if n < key.shape[0]:
+                key, value = key[:n], value[:n]
+            flat[0].index_copy_(0, slot_mapping, key)
+            flat[1].index_copy_(0, slot_mapping, value)
             return
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
         kv_cache[0][blocks, offsets] = key[:n]
@@ -122,6 +121,41 @@ class ReferenceCacheOps(CacheOps):
             raise ValueError("block_mapping has a repeated destination block")
         moved = src[:, src_ids.to(src.device)].to(dst.device)
         dst[:, dst_ids.to(dst.device)] = moved
+
+
+def _check_write(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Raise ValueError unless `reshape_and_cache` may write these tensors: shapes, dtypes and
+    devices agree, and every slot lies in the cache, none repeated. Does not mutate."""
+    _check_cache(kv_cache, "kv_cache")
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    expected = (num_kv_heads, head_size)
+    for label, tensor in (("key", key), ("value", value)):
+        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != expected:
+            raise ValueError(
+                f"{label} must be [num_tokens, {num_kv_heads}, {head_size}] to match kv_cache, "
+                f"got {tuple(tensor.shape)}"
+            )
+        if tensor.dtype != kv_cache.dtype:
+            raise ValueError(f"{label} is {tensor.dtype} but kv_cache is {kv_cache.dtype}; cast first")
+        if tensor.device != kv_cache.device:
+            raise ValueError(f"{label} is on {tensor.device} but kv_cache on {kv_cache.device}")
+    if key.shape[0] != value.shape[0]:
+        raise ValueError(f"key has {key.shape[0]} rows but value {value.shape[0]}")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64:
+        raise ValueError(
+            f"slot_mapping must be 1-D int64, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.device != kv_cache.device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device} but kv_cache on {kv_cache.device}")
+    n = slot_mapping.shape[0]
+    if n > key.shape[0]:
+        raise ValueError(f"slot_mapping has {n} slots for only {key.shape[0]} key/value rows")
+    _check_ids(slot_mapping, num_blocks * block_size, "slot_mapping", "slot")
+    # One slot cannot repeat (and single-token decode steps skip the sort behind `unique`).
+    if n > 1 and torch.unique(slot_mapping).numel() != n:
+        raise ValueError("slot_mapping has repeated slots; each new token needs its own slot")
 
 
 def _check_cache(cache: torch.Tensor, label: str) -> None:

@@ -2,7 +2,7 @@
 
 Same semantics as `ReferenceAttentionBackend` (see `attention.py`: causal, sliding window, logit
 softcap, grouped-query attention); the conformance suite checks this backend against it. Three
-things make it several times faster on decode batches:
+things make it several times faster on decode batches, and a fourth serves a single stream:
 
 * One plan per step, not per layer. Every layer of a forward receives the same `AttentionMetadata`
   object, so grouping, block indices, masks and the layout checks are computed on the first layer
@@ -15,12 +15,16 @@ things make it several times faster on decode batches:
   the input dtype (accumulating in float32 inside oneDNN); only the softmax runs in float32. The
   oracle converts everything to float32 first, which costs four times the memory traffic.
   float64 stays float64 throughout.
+* One decode stream, planned apart. A step that is a single request's one new token (what
+  single-stream latency is made of) skips grouping: its keys are sliced out of its blocks (read in
+  place when the block ids are consecutive), and the query heads of each kv head become the query
+  rows of one fused attention call, in the input dtype.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -68,12 +72,26 @@ class _GroupPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class _SingleStream:
+    """A step that is one decode token of one request."""
+
+    seq_len: int
+    blocks: torch.Tensor  # [num_blocks] int64: the request's blocks, in order
+    # The blocks are consecutive ids from first_block on: the keys are then one run of the cache,
+    # read in place. None: they are scattered and gathered first.
+    first_block: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class _StepPlan:
     """The groups of one step, for the metadata object it was built from."""
 
     metadata: AttentionMetadata
-    layout: tuple[int, ...]  # num_q_heads, then kv_cache.shape: the plan depends on both
+    layout: tuple[object, ...]  # num_q_heads, kv_cache.shape, dtype and contiguity: the plan depends on them
     groups: tuple[_GroupPlan, ...]
+    single: _SingleStream | None  # set when the whole step is one decode token
+    # Call signatures (tensor shapes, dtypes, devices, options) already checked in full this step.
+    checked_calls: set[tuple[object, ...]] = field(default_factory=set)
 
 
 class _Scratch:
@@ -127,20 +145,33 @@ class FastCpuAttentionBackend(AttentionBackend):
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.
         Does not mutate `kv_cache`; writes only `out` (and the instance's plan and scratch)."""
-        self.check_call(
-            query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
-        )
-        options = _Options(scale, sliding_window, logit_softcap)
-        if query.device.type != "cpu":
-            raise ValueError(f"the {self.name} backend runs on the CPU; query is on {query.device}")
         plan = self._plan
-        layout = (query.shape[1], *kv_cache.shape)
-        if plan is None or plan.metadata is not metadata or plan.layout != layout:
-            _check_layout(query, kv_cache, metadata, out)
-            plan = self._plan = self._build_plan(metadata, layout, kv_cache)
-        else:
-            # The plan's metadata was checked in full; only this layer's tensors are new.
-            _check_layout_cheap(query, kv_cache, out)
+        # The layers of a step pass tensors of one signature (only their contents differ), so a
+        # signature is checked in full once per step; a decode step of a small model is mostly
+        # such per-call overhead.
+        signature = (
+            query.shape,
+            query.dtype,
+            query.device,
+            kv_cache.shape,
+            kv_cache.dtype,
+            kv_cache.device,
+            kv_cache.is_contiguous(),
+            scale,
+            sliding_window,
+            logit_softcap,
+        )
+        if plan is None or plan.metadata is not metadata or signature not in plan.checked_calls:
+            self.check_call(
+                query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+            )
+            plan = self._check_and_plan(query, kv_cache, metadata, out)
+            plan.checked_calls.add(signature)
+        elif out is not None:
+            _check_out(query, out)
+        if plan.single is not None and logit_softcap is None and query.shape[0] == 1:
+            return self._attend_single(plan.single, query, kv_cache, scale, sliding_window, out)
+        options = _Options(scale, sliding_window, logit_softcap)
         result = out if out is not None else torch.zeros_like(query)
         for group in plan.groups:
             if (
@@ -152,6 +183,27 @@ class FastCpuAttentionBackend(AttentionBackend):
             else:
                 self._attend_group(group, query, kv_cache, options, result)
         return result
+
+    def _check_and_plan(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor | None,
+    ) -> _StepPlan:
+        """The layout checks of a call, and this step's plan (built on the step's first call).
+        Raises ValueError; mutates the instance's plan."""
+        if query.device.type != "cpu":
+            raise ValueError(f"the {self.name} backend runs on the CPU; query is on {query.device}")
+        plan = self._plan
+        layout = (query.shape[1], kv_cache.shape, kv_cache.dtype, kv_cache.is_contiguous())
+        if plan is None or plan.metadata is not metadata or plan.layout != layout:
+            _check_layout(query, kv_cache, metadata, out)
+            plan = self._plan = self._build_plan(metadata, layout, query.shape[1], kv_cache)
+        else:
+            # The plan's metadata was checked in full; only this layer's tensors are new.
+            _check_layout_cheap(query, kv_cache, out)
+        return plan
 
     def _attend_decode(
         self,
@@ -194,11 +246,58 @@ class FastCpuAttentionBackend(AttentionBackend):
         )
         result.index_copy_(0, rows, o.view(r, -1, head_size).to(result.dtype))
 
+    def _attend_single(
+        self,
+        single: _SingleStream,
+        query: torch.Tensor,  # [1, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        scale: float,
+        sliding_window: int | None,
+        out: torch.Tensor | None,  # [1, num_q_heads, head_size]
+    ) -> torch.Tensor:
+        """A step of one decode stream, which is what single-stream latency is made of. The keys
+        it may see are one run of its gathered blocks (the sliding window only moves the run's
+        start), so slicing replaces the padding fill and the mask of the batched path, and blocks
+        with consecutive ids are read in place, with no copy at all.
+        Writes `out` when given; mutates the scratch buffers."""
+        _, num_cache_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        seq_len = single.seq_len
+        start = 0 if sliding_window is None else max(0, seq_len - sliding_window)
+        if single.first_block is not None:
+            source, first_slot = kv_cache, single.first_block * block_size  # contiguous: the plan's layout
+        else:
+            block_elems = block_size * num_kv_heads * head_size
+            source = torch.index_select(
+                kv_cache.reshape(2, num_cache_blocks, block_elems),
+                1,
+                single.blocks,
+                out=self._scratch.take("gather", (2, single.blocks.shape[0], block_elems), kv_cache.dtype),
+            )
+            first_slot = 0
+        # Keys and values as [1, Hkv, L, D] views of `source` ([2, slots, Hkv, D] contiguous):
+        # slot s, head h, element d of half i is at i * half + s * row + h * D + d. Two strided
+        # views instead of a chain of view/slice/transpose calls, each of which a step pays per layer.
+        half, row = source.numel() // 2, num_kv_heads * head_size
+        size, stride = (1, num_kv_heads, seq_len - start, head_size), (half, head_size, row, 1)
+        key_offset = source.storage_offset() + (first_slot + start) * row
+        keys = source.as_strided(size, stride, key_offset)
+        values = source.as_strided(size, stride, key_offset + half)
+        # One query token sees every key, so the query heads sharing a kv head are simply the
+        # query *rows* of that head's attention ([1, Hkv, G, D]; head h = kv_head * G + g). Asking
+        # the kernel to broadcast kv heads instead (`enable_gqa`) is slower on the CPU, several
+        # times so in bfloat16, where this form needs no float32 copy of the keys.
+        q = query.reshape(1, num_kv_heads, -1, head_size)
+        o = F.scaled_dot_product_attention(q, keys, values, scale=scale).view(query.shape)
+        return o if out is None else out.copy_(o)
+
     def _build_plan(
-        self, metadata: AttentionMetadata, layout: tuple[int, ...], kv_cache: torch.Tensor
+        self,
+        metadata: AttentionMetadata,
+        layout: tuple[object, ...],
+        num_q_heads: int,
+        kv_cache: torch.Tensor,
     ) -> _StepPlan:
         """Group the requests and compute every index tensor of this step. Does not mutate."""
-        num_q_heads = layout[0]
         _, _, block_size, num_kv_heads, head_size = kv_cache.shape
         query_start = metadata.query_start_loc_cpu.long()
         query_lens = query_start.diff()
@@ -211,14 +310,10 @@ class FastCpuAttentionBackend(AttentionBackend):
             chunk_elements=self.chunk_elements,
         )
         table = metadata.block_table.cpu()
-        return _StepPlan(
-            metadata,
-            layout,
-            tuple(
-                _plan_group(g, query_start, query_lens, seq_lens, table, block_size, num_kv_heads)
-                for g in groups
-            ),
+        planned = tuple(
+            _plan_group(g, query_start, query_lens, seq_lens, table, block_size, num_kv_heads) for g in groups
         )
+        return _StepPlan(metadata, layout, planned, _plan_single(planned, metadata, kv_cache))
 
     def _attend_group(
         self,
@@ -297,6 +392,22 @@ def _fused_decode_pays(group: _GroupPlan, kv_cache: torch.Tensor) -> bool:
     return gathered <= 2 * _SMALL_GROUP_ELEMENTS
 
 
+def _plan_single(
+    groups: tuple[_GroupPlan, ...], metadata: AttentionMetadata, kv_cache: torch.Tensor
+) -> _SingleStream | None:
+    """The single-stream plan when the step is one decode token of one request, else None.
+    Does not mutate."""
+    if metadata.num_actual_tokens != 1 or len(groups) != 1:
+        return None
+    group = groups[0]
+    if group.num_reqs != 1 or group.decode_mask is None:
+        return None
+    seq_len = int(metadata.seq_lens_cpu[0])
+    blocks = group.blocks[: -(-seq_len // kv_cache.shape[2])]
+    consecutive = kv_cache.is_contiguous() and bool((blocks.diff() == 1).all())
+    return _SingleStream(seq_len, blocks, int(blocks[0]) if consecutive else None)
+
+
 def _plan_group(
     group: RequestGroup,
     query_start: torch.Tensor,  # [num_reqs + 1] int64
@@ -357,7 +468,13 @@ def _check_layout_cheap(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.
         )
     if kv_cache.dtype != query.dtype:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}; cast one of them")
-    if out is not None and (out.shape, out.dtype, out.device) != (query.shape, query.dtype, query.device):
+    if out is not None:
+        _check_out(query, out)
+
+
+def _check_out(query: torch.Tensor, out: torch.Tensor) -> None:
+    """Raise ValueError unless `out` matches `query` in shape, dtype and device. Does not mutate."""
+    if (out.shape, out.dtype, out.device) != (query.shape, query.dtype, query.device):
         raise ValueError(
             f"out must match query: got {tuple(out.shape)} {out.dtype} on {out.device}, "
             f"expected {tuple(query.shape)} {query.dtype} on {query.device}"

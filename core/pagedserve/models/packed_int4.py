@@ -10,7 +10,7 @@ torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) computes x @ W.T with
 W = (c - 8) * scale + zero per group of 32 inputs, c in [0, 15]. Both GGUF formats map onto it:
   * Q4_1: c = q, scale = d, zero = m + 8d;
   * Q8_0: split q + 128 = 16h + l into two 4-bit codes; then w = d*q is the sum of
-    (h - 8) * 16d + 0 and (l - 8) * d + 8d: two int4 matmuls over the same input.
+    (h - 8) * 16d + 0 and (l - 8) * d + 8d: one int4 matmul of [x | x] against [W_h | W_l].
 The codes are recovered from the dequantized float32 tensors the GGUF reader yields, and a tensor
 is packed only when its codes reproduce it exactly (`recover_q4_1`, `recover_q8_0`); anything else
 stays dense. What changes is the arithmetic, not the weights' codes: the kernel needs bfloat16
@@ -113,14 +113,15 @@ def dequantize(codes: Q4Codes) -> torch.Tensor:
 class PackedInt4Linear(nn.Module):
     """y = x @ W.T (+ bias), W the sum of one or two packed 4-bit matrices, for CPU bfloat16.
 
+    Two terms (Q8_0) are laid side by side along the input dimension, [W_high | W_low], and the
+    input repeated, [x | x]: one kernel call then sums both in its float32 accumulator, instead of
+    two calls whose bfloat16 results would be rounded once more when added.
     Steps of at most `MAX_PACKED_ROWS` tokens run the int4 kernel; larger ones the dense copy.
     Holds no trainable parameters (buffers only)."""
 
     # Buffers (registered in __init__; annotated here for the type checker).
-    packed_0: torch.Tensor  # [N, K // 2] uint8: the first (or only) term's codes, kernel layout
-    scale_zero_0: torch.Tensor  # [K // 32, N, 2] bfloat16
-    packed_1: torch.Tensor | None  # the second term (Q8_0's low half), or None
-    scale_zero_1: torch.Tensor | None
+    packed: torch.Tensor  # [N, terms * K // 2] uint8: the terms' codes side by side, kernel layout
+    scale_zero: torch.Tensor  # [terms * K // 32, N, 2] bfloat16
     dense: torch.Tensor  # [N, K] bfloat16: the same weights, for steps of many rows
     bias: torch.Tensor | None  # [N]
 
@@ -142,17 +143,11 @@ class PackedInt4Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.num_terms = len(terms)
-        for i in range(2):
-            codes = terms[i] if i < len(terms) else None
-            packed = None if codes is None else torch._convert_weight_to_int4pack_for_cpu(codes.codes, 1)
-            # [K // 32, N, 2]: the kernel's scale-and-zero layout, in the activations' dtype.
-            scale_zero = (
-                None
-                if codes is None
-                else torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).contiguous().bfloat16()
-            )
-            self.register_buffer(f"packed_{i}", packed)
-            self.register_buffer(f"scale_zero_{i}", scale_zero)
+        codes = torch.cat([t.codes for t in terms], dim=1)
+        # [terms * K // 32, N, 2]: the kernel's scale-and-zero layout, in the activations' dtype.
+        scale_zero = torch.cat([torch.stack([t.scale.t(), t.zero.t()], dim=-1) for t in terms])
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+        self.register_buffer("scale_zero", scale_zero.contiguous().bfloat16())
         self.register_buffer("dense", dense)
         self.register_buffer("bias", bias)
 
@@ -160,9 +155,9 @@ class PackedInt4Linear(nn.Module):
         """[T, in_features] bfloat16 -> [T, out_features]. Does not mutate."""
         if x.shape[0] > MAX_PACKED_ROWS:
             return F.linear(x, self.dense, self.bias)
-        out = torch._weight_int4pack_mm_for_cpu(x, self.packed_0, GROUP_SIZE, self.scale_zero_0)
-        if self.packed_1 is not None and self.scale_zero_1 is not None:
-            out = out + torch._weight_int4pack_mm_for_cpu(x, self.packed_1, GROUP_SIZE, self.scale_zero_1)
+        if self.num_terms > 1:
+            x = x.repeat(1, self.num_terms)
+        out = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scale_zero)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

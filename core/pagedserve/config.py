@@ -94,6 +94,11 @@ class EngineArgs(_Config):
     )
     seed: int = Field(0, ge=0)
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation")
+    cpu_compile: bool = Field(
+        False,
+        description="CPU platforms: run steps of up to 32 tokens through torch.compile (needs a C++ "
+        "compiler; the first start compiles for about a minute, later starts read inductor's disk cache)",
+    )
     cuda_graph_max_tokens: int = Field(
         512, ge=1, description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly"
     )

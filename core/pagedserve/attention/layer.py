@@ -3,6 +3,11 @@
 Native models own one `PagedAttention` per decoder layer. The transformers fallback calls
 `paged_attention` directly, because there the window and softcap arrive per call from the
 transformers attention module instead of being fixed at construction.
+
+Under `torch.compile` (`pagedserve.worker.cpu_compile`) the call is one opaque operator,
+`torch.ops.pagedserve.paged_attention`, whose kernel is the eager code below: the forward context,
+the per-step plan and the platform's backend (a plugin) are host-side state that no graph should
+freeze or look into, so the compiled graph stops at attention and calls it as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +33,26 @@ def paged_attention(
     Mutates the layer's KV cache in the open forward context (and nothing else). When the context
     carries an `attention_hook` (CUDA-graph capture), the hook answers instead and the KV cache is
     left alone."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pagedserve.paged_attention(
+            query, key, value, layer_idx, scale, sliding_window, logit_softcap
+        )
+    return _paged_attention_eager(
+        query, key, value, layer_idx, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+    )
+
+
+def _paged_attention_eager(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size]
+    """`paged_attention` outside compilation, and the kernel of its operator. Mutates the layer's
+    KV cache (see `paged_attention`)."""
     ctx = get_forward_context()
     if layer_idx >= len(ctx.kv_caches):
         raise RuntimeError(
@@ -54,6 +79,42 @@ def paged_attention(
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
     )
+
+
+def _paged_attention_shape(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    """What the operator returns, as the compiler sees it while tracing: the query's shape and dtype."""
+    return torch.empty_like(query)
+
+
+def _register_operator() -> None:
+    """Define `torch.ops.pagedserve.paged_attention` once per process (its kernel runs on any device).
+
+    The schema declares no mutated argument: the KV cache it writes is not an argument but lives in
+    the forward context, and the output does not alias an input. The compiler keeps every call,
+    in order, because each layer's call consumes the previous layer's output."""
+    if hasattr(torch.ops.pagedserve, "paged_attention"):
+        return
+    library = torch.library.Library("pagedserve", "FRAGMENT")
+    library.define(
+        "paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scale, "
+        "int? sliding_window, float? logit_softcap) -> Tensor"
+    )
+    library.impl("paged_attention", _paged_attention_eager, "CompositeExplicitAutograd")
+    torch.library.register_fake("pagedserve::paged_attention", _paged_attention_shape, lib=library)
+    _LIBRARIES.append(library)
+
+
+# A `Library` unregisters its operators when garbage-collected: keep it for the process lifetime.
+_LIBRARIES: list[torch.library.Library] = []
+_register_operator()
 
 
 def attend(

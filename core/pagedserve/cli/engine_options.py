@@ -30,7 +30,8 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
 _SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--no-prefix-caching": ("enable_prefix_caching", False, "turn prefix caching off"),
     "--no-chunked-prefill": ("enable_chunked_prefill", False, "turn chunked prefill off"),
-    "--enforce-eager": ("enforce_eager", True, "no CUDA graphs"),
+    "--enforce-eager": ("enforce_eager", True, "no CUDA graphs, no compilation"),
+    "--cpu-compile": ("cpu_compile", True, "CPU: torch.compile steps of up to 32 tokens (slow first start)"),
     "--skip-tokenizer-init": ("skip_tokenizer_init", True, "no tokenizer: token-id prompts only"),
 }
 

@@ -21,6 +21,7 @@ from pagedserve.platforms.api import AttentionBackend, UnsupportedCase
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.worker.cpu_compile import compile_reason
 from pagedserve.worker.cuda_graphs import default_graph_sizes, eager_reason
 from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
 from pagedserve.worker.model_runner import ModelRunner
@@ -182,6 +183,11 @@ def build_engine(args: EngineArgs) -> EngineSetup:
         runner.capture_cuda_graphs(list(default_graph_sizes(max_batched, args.cuda_graph_max_tokens)))
     else:
         logger.info("CUDA graphs off (every step runs eagerly): %s", eager_why)
+    not_compiled_why = compile_reason(device, spec, args.cpu_compile, args.enforce_eager)
+    if not_compiled_why is None:
+        runner.compile_forward()
+    elif args.cpu_compile:
+        logger.warning("cpu_compile=True has no effect: %s", not_compiled_why)
     scheduler = Scheduler(sched_config, cache_config, num_blocks)
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
     core = EngineCore(scheduler, runner, max_model_len=max_model_len, proposer=proposer)

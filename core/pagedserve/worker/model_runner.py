@@ -29,6 +29,7 @@ from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import CachedRequestData, SchedulerOutput
 from pagedserve.types import RequestId
+from pagedserve.worker.cpu_compile import CompiledForward
 from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs
 from pagedserve.worker.input_batch import InputBatch, RowState
 
@@ -97,8 +98,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.swap_caches: list[torch.Tensor] | None = None
-        # Set by `capture_cuda_graphs`; None: every forward runs eagerly.
+        # Set by `capture_cuda_graphs` / `compile_forward`; None: every forward runs eagerly.
         self.cuda_graphs: PiecewiseCudaGraphs | None = None
+        self.compiled: CompiledForward | None = None
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool (one tensor per layer) used by swap-mode preemption."""
@@ -113,6 +115,14 @@ class ModelRunner:
         graphs.capture(self.kv_caches, self.backend, self.cache_ops)
         self.cuda_graphs = graphs
 
+    def compile_forward(self) -> None:
+        """Compile the model forward for small steps (see `cpu_compile`) and warm it up; steps
+        that fit run it from then on. Call once, after the KV cache exists. Mutates the runner;
+        slow (compiles several graphs unless inductor's disk cache has them)."""
+        compiled = CompiledForward(self.model)
+        compiled.warm_up(self.kv_caches, self.backend, self.cache_ops)
+        self.compiled = compiled
+
     # ----------------------------------------------------------------------------- one step
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -123,12 +133,13 @@ class ModelRunner:
         plan = self._plan(so)
         metadata, input_ids, positions = self._build_inputs(plan)
         ctx = ForwardContext(metadata, self.kv_caches, self.backend, self.cache_ops)
-        graphs = self.cuda_graphs
+        graphs, compiled = self.cuda_graphs, self.compiled
         if graphs is not None and graphs.fits(metadata.num_actual_tokens):
             hidden = graphs.run(ctx, input_ids, positions)
         else:
+            forward = compiled if compiled is not None and compiled.fits(input_ids.shape[0]) else self.model
             with forward_context(ctx):
-                hidden = self.model(input_ids, positions)
+                hidden = forward(input_ids, positions)
         return self._sample(plan, hidden)
 
     def _apply_diff(self, so: SchedulerOutput) -> None:

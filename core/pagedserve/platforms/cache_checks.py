@@ -8,6 +8,8 @@ tensor metadata (no device sync) and raise `ValueError` prefixed with the caller
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 
@@ -35,6 +37,27 @@ def check_block_contiguous_cache(cache: torch.Tensor, what: str, owner: str) -> 
         owner,
         f"{what} must be contiguous within and between blocks, got strides {cache.stride()}",
     )
+
+
+def check_layer_caches(
+    kv_caches: Sequence[torch.Tensor],  # one per layer: [2, num_blocks, block_size, num_kv_heads, head_size]
+    check_cache: Callable[[torch.Tensor, str], None],
+    owner: str,
+) -> torch.Tensor:
+    """Check a `copy_blocks` call's caches: at least one, each passing `check_cache` (the plugin's
+    own per-cache check), all of the first one's shape, dtype and device. Returns the first.
+    Raises `ValueError`; does not mutate."""
+    _require(len(kv_caches) > 0, owner, "kv_caches is empty")
+    first = kv_caches[0]
+    for i, cache in enumerate(kv_caches):
+        check_cache(cache, f"kv_caches[{i}]")
+        _require(
+            cache.shape == first.shape and cache.dtype == first.dtype and cache.device == first.device,
+            owner,
+            f"kv_caches[{i}] is {tuple(cache.shape)} {cache.dtype} on {cache.device}; "
+            f"kv_caches[0] is {tuple(first.shape)} {first.dtype} on {first.device}",
+        )
+    return first
 
 
 def check_reshape_and_cache_args(

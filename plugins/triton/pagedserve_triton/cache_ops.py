@@ -14,6 +14,7 @@ from pagedserve.platforms.api import CacheOps
 from pagedserve.platforms.cache_checks import (
     check_block_contiguous_cache,
     check_block_mapping,
+    check_layer_caches,
     check_reshape_and_cache_args,
 )
 from pagedserve.platforms.tuned_configs import TunedConfigs
@@ -152,15 +153,7 @@ class TritonCacheOps(CacheOps):
         block_mapping: torch.Tensor,  # [num_copies, 2] int64: (src_block, dst_block)
     ) -> None:
         """Copy whole blocks within each layer's cache, all layers in one launch. Mutates `kv_caches`."""
-        _require(len(kv_caches) > 0, "kv_caches is empty")
-        first = kv_caches[0]
-        for i, cache in enumerate(kv_caches):
-            _check_cache(cache, f"kv_caches[{i}]")
-            _require(
-                cache.shape == first.shape and cache.dtype == first.dtype and cache.device == first.device,
-                f"kv_caches[{i}] is {tuple(cache.shape)} {cache.dtype} on {cache.device}; "
-                f"kv_caches[0] is {tuple(first.shape)} {first.dtype} on {first.device}",
-            )
+        first = check_layer_caches(kv_caches, _check_cache, "TritonCacheOps")
         check_block_mapping(block_mapping, first.shape[1], first.shape[1], "TritonCacheOps")
         if block_mapping.shape[0] == 0:
             return

@@ -184,6 +184,22 @@ class FastCpuAttentionBackend(AttentionBackend):
                 self._attend_group(group, query, kv_cache, options, result)
         return result
 
+    def _gather_blocks(
+        self,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        blocks: torch.Tensor,  # [n] int64 block ids
+    ) -> torch.Tensor:  # [2, n, block_size * num_kv_heads * head_size], in the scratch buffer
+        """Keys and values of `blocks`, in order: one contiguous memcpy per block. Mutates the
+        scratch buffer (the result stays valid until the next gather)."""
+        two, num_cache_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        block_elems = block_size * num_kv_heads * head_size
+        return torch.index_select(
+            kv_cache.reshape(two, num_cache_blocks, block_elems),
+            1,
+            blocks,
+            out=self._scratch.take("gather", (two, blocks.shape[0], block_elems), kv_cache.dtype),
+        )
+
     def _check_and_plan(
         self,
         query: torch.Tensor,
@@ -218,15 +234,9 @@ class FastCpuAttentionBackend(AttentionBackend):
         path; decode of a few streams is dominated by per-call cost. Mutates `result` and the
         scratch buffers."""
         assert group.decode_mask is not None and group.key_pad_rows is not None
-        _, num_cache_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        _, _, _, num_kv_heads, head_size = kv_cache.shape
         r, s = group.num_reqs, group.padded_len
-        block_elems = block_size * num_kv_heads * head_size
-        gathered = torch.index_select(
-            kv_cache.reshape(2, num_cache_blocks, block_elems),
-            1,
-            group.blocks,
-            out=self._scratch.take("gather", (2, group.blocks.shape[0], block_elems), kv_cache.dtype),
-        )
+        gathered = self._gather_blocks(kv_cache, group.blocks)
         if group.key_pad_rows.numel():
             # Unwritten slots hold anything, and a masked score of NaN (q . NaN) stays NaN, as does
             # a zero probability times a NaN value: zero keys and values past seq_len.
@@ -260,20 +270,13 @@ class FastCpuAttentionBackend(AttentionBackend):
         start), so slicing replaces the padding fill and the mask of the batched path, and blocks
         with consecutive ids are read in place, with no copy at all.
         Writes `out` when given; mutates the scratch buffers."""
-        _, num_cache_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        _, _, block_size, num_kv_heads, head_size = kv_cache.shape
         seq_len = single.seq_len
         start = 0 if sliding_window is None else max(0, seq_len - sliding_window)
         if single.first_block is not None:
             source, first_slot = kv_cache, single.first_block * block_size  # contiguous: the plan's layout
         else:
-            block_elems = block_size * num_kv_heads * head_size
-            source = torch.index_select(
-                kv_cache.reshape(2, num_cache_blocks, block_elems),
-                1,
-                single.blocks,
-                out=self._scratch.take("gather", (2, single.blocks.shape[0], block_elems), kv_cache.dtype),
-            )
-            first_slot = 0
+            source, first_slot = self._gather_blocks(kv_cache, single.blocks), 0
         # Keys and values as [1, Hkv, L, D] views of `source` ([2, slots, Hkv, D] contiguous):
         # slot s, head h, element d of half i is at i * half + s * row + h * D + d. Two strided
         # views instead of a chain of view/slice/transpose calls, each of which a step pays per layer.
@@ -324,7 +327,7 @@ class FastCpuAttentionBackend(AttentionBackend):
         result: torch.Tensor,  # [num_tokens, num_q_heads, head_size]; this group's rows are written
     ) -> None:
         """Compute one group's query rows into `result`. Mutates `result` and the scratch buffers."""
-        _, num_cache_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        _, _, _, num_kv_heads, head_size = kv_cache.shape
         num_q_heads = query.shape[1]
         group_size = num_q_heads // num_kv_heads
         r, s, dtype = group.num_reqs, group.padded_len, kv_cache.dtype
@@ -332,13 +335,7 @@ class FastCpuAttentionBackend(AttentionBackend):
             # Reduced-precision matmuls have a large fixed cost per call on the CPU; a small group
             # (a single decode stream) is computed in float32, converted during the copy below.
             dtype = torch.float32
-        block_elems = block_size * num_kv_heads * head_size
-        gathered = torch.index_select(
-            kv_cache.reshape(2, num_cache_blocks, block_elems),
-            1,
-            group.blocks,
-            out=self._scratch.take("gather", (2, group.blocks.shape[0], block_elems), kv_cache.dtype),
-        ).view(2, r, s, num_kv_heads, head_size)
+        gathered = self._gather_blocks(kv_cache, group.blocks).view(2, r, s, num_kv_heads, head_size)
         # kv-head-major so that (request, kv head) is one flat matmul batch: [2, R, Hkv, S, D].
         kv = self._scratch.take("heads", (2, r, num_kv_heads, s, head_size), dtype)
         kv.copy_(gathered.permute(0, 1, 3, 2, 4))

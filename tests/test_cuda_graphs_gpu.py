@@ -9,47 +9,44 @@ interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernel
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.worker.cuda_graphs import borrow, default_graph_sizes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "triton"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "plugins" / "triton"))
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-VOCAB = 512
-MAX_NEW = 24
 
-
-def _config(cls: type, **extra: object) -> Any:
-    return cls(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
-        **extra,
+def _load_engine_check() -> ModuleType:
+    """`benchmarks/gpu_engine_check.py`, whose tiny model configs this test shares (benchmarks/ is
+    not a package: load the script as a module under its own name)."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_engine_check", ROOT / "benchmarks" / "gpu_engine_check.py"
     )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-CONFIGS = {
-    "llama": lambda: _config(LlamaConfig),
-    "mistral": lambda: _config(MistralConfig, sliding_window=48),
-    "qwen3": lambda: _config(Qwen3Config),
-}
+_engine_check = _load_engine_check()
+VOCAB: int = _engine_check.VOCAB
+CONFIGS = {arch: _engine_check.CONFIGS[arch] for arch in ("llama", "mistral", "qwen3")}
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")

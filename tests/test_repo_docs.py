@@ -46,3 +46,62 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "pytest" in test_command
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci_lines, "the README's test command and .ci/run's differ"
+
+
+_PATH_IN_BACKTICKS = re.compile(r"`((?:core|plugins|benchmarks|docs|tests|examples)/[^`\s]*)`")
+# Placeholders a reader fills in (`configs/cuda_paged_attention-<device>.json`, `DIR`), not files.
+_PLACEHOLDER = re.compile(r"[<>]|\b[A-Z]{3,}\b")
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if not match:
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    return [p for alt in match.group(1).split(",") for p in _expand_braces(head + alt + tail)]
+
+
+def _doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("plugins/*/*/*.md"))]
+
+
+def test_docs_name_only_files_that_exist() -> None:
+    missing = []
+    for doc in _doc_files():
+        for ref in _PATH_IN_BACKTICKS.findall(doc.read_text()):
+            if _PLACEHOLDER.search(ref):
+                continue
+            for pattern in _expand_braces(ref.rstrip("/").split("::")[0]):
+                if not any(ROOT.glob(pattern)):
+                    missing.append(f"{doc.relative_to(ROOT)}: {pattern}")
+    assert not missing, f"docs name files that do not exist: {missing}"
+
+
+def test_every_platform_plugin_is_described_in_the_architecture() -> None:
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    for plugin in sorted(p.name for p in (ROOT / "plugins").iterdir() if p.is_dir()):
+        assert f"* `{plugin}` —" in architecture, f"docs/architecture.md does not describe plugins/{plugin}"
+
+
+# How the project was made is not what it is: users know nothing of work sessions, tracker
+# numbers or the tools behind them.
+_MAKING = re.compile(
+    r"\bsessions? \d|\bsession's\b|\bissues? #?\d|\bdevice tool\b|\bother engineers\b|\bengineers' jobs\b",
+    re.IGNORECASE,
+)
+
+
+def test_nothing_narrates_how_the_project_was_made() -> None:
+    suffixes = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".json"}
+    found = []
+    for path in [*ROOT.glob("*.md"), *ROOT.glob("*.toml"), *(ROOT / ".ci").glob("*")]:
+        found += [f"{path.name}: {m.group(0)}" for m in _MAKING.finditer(path.read_text())]
+    for top in (*CODE_DIRS, "docs", "tests"):
+        for path in (ROOT / top).rglob("*"):
+            if path.suffix not in suffixes or "__pycache__" in path.parts or path.name == Path(__file__).name:
+                continue
+            if any(p.endswith(".egg-info") for p in path.parts) or path.stat().st_size > 2_000_000:
+                continue
+            text = path.read_text(errors="replace")
+            found += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in _MAKING.finditer(text)]
+    assert not found, f"text that narrates the project's making: {found[:20]}"

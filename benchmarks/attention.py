@@ -931,9 +931,7 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="with --table: tiny shapes on CPU (TRITON_INTERPRET=1)"
     )
-    parser.add_argument(
-        "--json", type=Path, metavar="PATH", help="with --table: write every number here"
-    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="with --table: write every number here")
     parser.add_argument(
         "--flex-budget-s",
         type=float,

@@ -38,6 +38,7 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 from pagedserve.worker.cuda_graphs import padded_size
+from pagedserve.worker.graph_modes import step_path
 
 logger = logging.getLogger(__name__)
 
@@ -173,14 +174,16 @@ class FullDecodeGraphs:
         return len(self._by_size)
 
     def covers(self, metadata: AttentionMetadata) -> bool:
-        """Whether this step replays a full graph: a decode batch no larger than the largest size.
-        Pure."""
-        n = metadata.num_reqs
-        return (
-            metadata.max_query_len == 1
-            and metadata.num_actual_tokens == n
-            and padded_size(self.sizes, n) is not None
+        """Whether this step replays a full graph: a decode batch no larger than the largest size
+        (`graph_modes.step_path`). Pure."""
+        path = step_path(
+            metadata.num_actual_tokens,
+            metadata.num_reqs,
+            metadata.max_query_len,
+            full_sizes=self.sizes,
+            piecewise_sizes=(),
         )
+        return path == "full"
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor], backend: AttentionBackend, cache_ops: CacheOps) -> None:

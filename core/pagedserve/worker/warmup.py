@@ -110,7 +110,8 @@ def attention_warmup_batches(
                 if q <= s <= max_model_len:
                     add((q,) + (1,) * (r - 1), (s,) + (1,) * (r - 1))
             add((q,) * r, (q,) * r)  # uniform speculative batches
-    for q in _powers_of_two(32, min(max_num_batched_tokens, max_model_len)):
+    longest = min(max_num_batched_tokens, max_model_len)
+    for q in sorted({*_powers_of_two(32, longest), longest}):
         add((q,), (q,))  # a whole prompt
         if 2 * q <= max_model_len:
             add((q,), (2 * q,))  # a chunk after cached context

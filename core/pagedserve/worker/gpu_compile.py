@@ -10,8 +10,7 @@ What is compiled. The whole forward (`fullgraph=True`) with a dynamic token coun
 serves every step size (dynamo specialises a one-token step, a second graph). Attention is the
 opaque operator `torch.ops.pagedserve.paged_attention` (`pagedserve.attention.layer`), as for
 `cpu_compile`: the backend, its per-step plan and the KV-cache write run as the platform wrote
-them, so the compiled graph depends on the token count only. Guards on the model's modules and
-parameters are skipped, as in `cpu_compile` (the engine never changes a loaded model).
+them, so the compiled graph depends on the token count only.
 
 Cold start. Compiling an 8B model's forward takes tens of seconds; `warm_up` pays it at engine
 start (before any capture, which cannot compile) and inductor's and Triton's caches on disk
@@ -63,12 +62,12 @@ class GpuCompiledForward:
     Call it inside an open forward context, exactly like the model."""
 
     def __init__(self, model: PagedCausalLM) -> None:
-        options: dict[str, str | int | bool | Callable[..., Any]] = {}
-        skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-        if skip_module_guards is not None:
-            options["guard_filter_fn"] = skip_module_guards
+        # Dynamo's guards on the model stay (unlike `cpu_compile`): graphs are cached per code
+        # object, so without them a second model of the same class in the process (another
+        # window size, say) could run the first one's graph. They cost about a millisecond per
+        # call, and graph replays do not call the compiled forward at all.
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
-            model, fullgraph=True, dynamic=True, options=options
+            model, fullgraph=True, dynamic=True
         )
         self.model = model
 

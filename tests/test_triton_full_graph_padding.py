@@ -106,3 +106,60 @@ def test_warm_up_sweep_over_triton_leaves_the_cache_alone() -> None:
     batches = attention_warmup_batches(max_num_seqs=2, max_num_batched_tokens=4, max_model_len=8)
     warm_up_attention(TritonUnifiedAttentionBackend(), TritonCacheOps(), cache, spec, batches)
     assert torch.equal(cache, before)
+
+
+def test_a_model_forward_on_padded_buffers_gives_the_real_rows_hidden_states(tmp_path: Path) -> None:
+    # What a full graph replays: the whole forward over the padded buffers, planned from the
+    # max_model_len bound. Garbage in the padding rows (the 3D kernel's reduction of unwritten
+    # partials) must not reach a real row through any layer, and the KV cache must end up as
+    # the unpadded step leaves it.
+    from models_harness import save_checkpoint, tiny_hf_model
+    from transformers import LlamaConfig
+
+    from pagedserve.attention.forward_context import ForwardContext, forward_context
+    from pagedserve.models.loader import load_model
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
+    )
+    model = load_model(save_checkpoint(tiny_hf_model(config, seed=4), tmp_path / "llama")).model
+    spec = model.spec
+    backend, ops = TritonUnifiedAttentionBackend(num_splits=4), TritonCacheOps()
+    caches = [torch.zeros(spec.kv_cache_shape(16, BLOCK_SIZE)) for _ in range(spec.num_layers)]
+    table = torch.tensor([[3, 7, 0, 0], [1, 9, 12, 0], [14, 0, 0, 0]], dtype=torch.int32)
+    prompt_lens = [s - 1 for s in SEQ_LENS]
+    ids = torch.randint(1, 64, (sum(prompt_lens),), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in prompt_lens])
+    prefill = AttentionMetadata.build(prompt_lens, prompt_lens, table, BLOCK_SIZE)
+    with torch.inference_mode():
+        with forward_context(ForwardContext(prefill, caches, backend, ops)):
+            model(ids, positions)
+        decode = AttentionMetadata.build([1, 1, 1], SEQ_LENS, table, BLOCK_SIZE)
+        new_ids, new_pos = torch.tensor([5, 6, 7]), torch.tensor(prompt_lens)
+        real_caches = [c.clone() for c in caches]
+        with forward_context(ForwardContext(decode, real_caches, backend, ops)):
+            expected = model(new_ids, new_pos)
+
+        buffers = DecodeGraphBuffers(PADDED, MAX_BLOCKS, torch.device("cpu"))
+        buffers.input_ids.fill_(9)  # an earlier step's ids in the padding rows
+        buffers.fill(PADDED, new_ids, new_pos, decode)
+        padded_caches = [c.clone() for c in caches]
+        metadata = buffers.metadata(PADDED, max_seq_len=config.max_position_embeddings)
+        with forward_context(ForwardContext(metadata, padded_caches, backend, ops)):
+            hidden = model(buffers.input_ids[:PADDED], buffers.positions[:PADDED])
+    torch.testing.assert_close(hidden[:3], expected, rtol=1e-5, atol=1e-5)
+    new_slots = decode.slot_mapping.tolist()
+    for before, real, padded in zip(caches, real_caches, padded_caches, strict=True):
+        # Equal up to rounding (a GEMM over 8 rows may round differently from one over 3) ...
+        torch.testing.assert_close(padded, real, rtol=1e-5, atol=1e-5)
+        # ... and exactly the three new tokens' slots were written, nothing for the padding.
+        flat, flat_before = padded.view(2, -1, 1, 32), before.view(2, -1, 1, 32)
+        written = (flat != flat_before).any(3).any(2).any(0).nonzero().flatten().tolist()
+        assert written == sorted(new_slots)

@@ -56,7 +56,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument(
         "--graph-modes",
-        default="full_and_piecewise,full_decode_only,piecewise,none,eager",
+        default="full_and_piecewise,full_decode_only,piecewise,none",
         help="comma-separated cudagraph_mode values to run the platform in, and/or 'eager' "
         "(enforce_eager=True)",
     )

@@ -86,9 +86,27 @@ def test_the_default_mode_is_full_and_piecewise() -> None:
 
 
 def test_enforce_eager_turns_everything_off() -> None:
-    full, piecewise, compiled, notes = _plan("full_and_piecewise", enforce_eager=True)
-    assert (full, piecewise, compiled) == (False, False, False)
-    assert "enforce_eager" in notes[0]
+    plan = plan_graphs(
+        "full_and_piecewise",
+        enforce_eager=True,
+        gpu_compile=True,
+        device=CUDA,
+        spec=_spec(),
+        backend_supports_full=True,
+        cache_ops_skip_padding=True,
+    )
+    assert (plan.full_decode, plan.piecewise, plan.compile, plan.warm_up_kernels) == (False,) * 4
+    assert "enforce_eager" in plan.notes[0]
+    assert _plan("none", gpu_compile=False)[:3] == (False, False, False)
+    assert plan_graphs(  # no graphs and no compile asked for, yet the kernels still warm up
+        "none",
+        enforce_eager=False,
+        gpu_compile=False,
+        device=CUDA,
+        spec=_spec(),
+        backend_supports_full=True,
+        cache_ops_skip_padding=True,
+    ).warm_up_kernels
 
 
 def test_compile_switches_off_separately() -> None:

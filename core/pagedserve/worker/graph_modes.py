@@ -44,6 +44,9 @@ class GraphPlan:
     full_decode: bool  # capture full graphs for decode batches up to the request ladder's cap
     compile: bool  # run the forward's dense parts through torch.compile on the GPU
     notes: tuple[str, ...]  # one sentence per thing requested but off, with the reason
+    # JIT the attention kernels at start (`warmup`): on CUDA unless enforce_eager, which asks for
+    # the plainest engine (a quick start for debugging)
+    warm_up_kernels: bool = True
 
     def describe(self) -> str:
         """One line for the log. Pure."""
@@ -70,9 +73,12 @@ def plan_graphs(
         names = ", ".join(m.value for m in CudaGraphMode)
         raise ValueError(f"cudagraph_mode={mode!r} is not one of {names}") from None
     if enforce_eager:
-        return GraphPlan(False, False, False, ("enforce_eager=True turns off CUDA graphs and compilation",))
+        why = "enforce_eager=True turns off CUDA graphs, compilation and the kernel warm-up"
+        return GraphPlan(False, False, False, (why,), warm_up_kernels=False)
     if device.type != "cuda":
-        return GraphPlan(False, False, False, (f"the device is {device.type}, not CUDA",))
+        return GraphPlan(
+            False, False, False, (f"the device is {device.type}, not CUDA",), warm_up_kernels=False
+        )
     if spec.implementation != "native":
         # transformers models may sync with the host or branch on tensor values inside their
         # forward; a capture would fail or, worse, freeze one branch. Native models do neither.

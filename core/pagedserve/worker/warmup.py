@@ -196,7 +196,7 @@ def prepare_runner(
         compile_s = compiled.warm_up(caches, backend, cache_ops)
         runner.compiled = compiled
     forward = runner.compiled if runner.compiled is not None else runner.model
-    if runner.device.type == "cuda":
+    if plan.warm_up_kernels:
         start = time.perf_counter()
         batches = attention_warmup_batches(
             max_num_seqs=max_num_seqs,

@@ -4,9 +4,9 @@ For each mode of `--modes` (a `cudagraph_mode`, optionally with `+nocompile` for
 `gpu_compile=False`, or `eager` for `enforce_eager=True`), one engine is built and measured:
   * start-up: seconds to build the engine, split into torch.compile, the attention-kernel
     warm-up and graph capture (the rest is model load, KV-cache sizing and allocation); run
-    once with empty compile caches (`PAGEDSERVE_CACHE_DIR` pointing at a new directory, and
-    `TRITON_CACHE_DIR` / `TORCHINDUCTOR_CACHE_DIR` unset) for the cold start, once more for the
-    warm one;
+    once with empty compile caches (`XDG_CACHE_HOME` pointing at a new directory, and
+    `TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`, `PAGEDSERVE_CACHE_DIR` and
+    `PAGEDSERVE_CUDA_CACHE` unset) for the cold start, once more for the warm one;
   * single stream: one prompt of `--prompt-len` tokens, `--output-len` tokens out; TTFT is the
     first step (prefill + first sample), TPOT the median of the other steps (synchronised);
   * GPU idle: a torch-profiler trace of `--profile-steps` single-stream decode steps, and of as

@@ -381,5 +381,7 @@ def test_compile_caches_go_to_a_persistent_directory_unless_chosen(tmp_path: Pat
     assert chosen["TRITON_CACHE_DIR"] == "/mine/triton"
     assert chosen["TORCHINDUCTOR_CACHE_DIR"] == env["TORCHINDUCTOR_CACHE_DIR"]
     assert chosen["TORCHINDUCTOR_CACHE_DIR"].endswith("pagedserve/inductor")
-    env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path / "c")}
+    env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path / "c"), "XDG_CACHE_HOME": str(tmp_path / "x")}
     assert configure_compile_caches(env)["TRITON_CACHE_DIR"] == str(tmp_path / "c" / "triton")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "x")}
+    assert configure_compile_caches(env)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "x/pagedserve/inductor")

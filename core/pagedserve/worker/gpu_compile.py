@@ -44,10 +44,12 @@ CACHE_ROOT_ENV = "PAGEDSERVE_CACHE_DIR"  # where compile caches go unless their 
 def configure_compile_caches(environ: dict[str, str] | None = None) -> dict[str, str]:
     """Point inductor's and Triton's on-disk caches at a persistent directory unless the user
     chose one (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`): `$PAGEDSERVE_CACHE_DIR`, else
-    `~/.cache/pagedserve`. Inductor's own default lives under /tmp, which a reboot empties.
-    Returns variable -> directory in effect. Mutates `environ` (default: `os.environ`)."""
+    `$XDG_CACHE_HOME/pagedserve`, else `~/.cache/pagedserve` (beside the cuda platform's cubin
+    cache). Inductor's own default lives under /tmp, which a reboot empties. Returns variable ->
+    directory in effect. Mutates `environ` (default: `os.environ`)."""
     env: Any = os.environ if environ is None else environ
-    root = Path(env.get(CACHE_ROOT_ENV) or Path.home() / ".cache" / "pagedserve")
+    xdg = env.get("XDG_CACHE_HOME")
+    root = Path(env.get(CACHE_ROOT_ENV) or (Path(xdg) if xdg else Path.home() / ".cache") / "pagedserve")
     chosen = {}
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
         if not env.get(var):

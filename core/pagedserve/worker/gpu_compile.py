@@ -99,10 +99,14 @@ class GpuCompiledForward:
                 device=device,
             )
             ctx = ForwardContext(metadata, kv_caches, backend, cache_ops, attention_hook=zero_attention)
-            ids = torch.zeros(size, dtype=torch.long, device=device)
+            with torch.inference_mode(False):
+                # Ordinary tensors, like the runner's and the graphs' input buffers: dynamo's
+                # guards tell inference tensors apart, and a mismatch would recompile later.
+                ids = torch.zeros(size, dtype=torch.long, device=device)
+                positions = torch.zeros(size, dtype=torch.long, device=device)  # distinct: no alias
             try:
                 with forward_context(ctx):
-                    self(ids, ids.clone())
+                    self(ids, positions)
             except Exception as exc:  # inductor's failures have many types; all mean the same here
                 first_line = (str(exc).strip().splitlines() or [""])[0]
                 raise RuntimeError(

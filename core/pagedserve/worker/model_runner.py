@@ -31,7 +31,10 @@ from pagedserve.scheduler.output import CachedRequestData, SchedulerOutput
 from pagedserve.types import RequestId
 from pagedserve.worker.cpu_compile import CompiledForward
 from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs
+from pagedserve.worker.full_cuda_graphs import FullDecodeGraphs
+from pagedserve.worker.gpu_compile import GpuCompiledForward
 from pagedserve.worker.input_batch import InputBatch, RowState
+from pagedserve.worker.warmup import StartupTimes
 
 TokenLogprobs = dict[int, Logprob]  # token id -> logprob, for one position
 
@@ -98,9 +101,12 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.swap_caches: list[torch.Tensor] | None = None
-        # Set by `capture_cuda_graphs` / `compile_forward`; None: every forward runs eagerly.
+        # Set by `capture_cuda_graphs` / `compile_forward` / `warmup.prepare_runner`; None: that
+        # path is off (full decode graphs, piecewise graphs, compiled forward).
+        self.full_graphs: FullDecodeGraphs | None = None
         self.cuda_graphs: PiecewiseCudaGraphs | None = None
-        self.compiled: CompiledForward | None = None
+        self.compiled: CompiledForward | GpuCompiledForward | None = None
+        self.startup_times: StartupTimes | None = None  # set by `warmup.prepare_runner`
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool (one tensor per layer) used by swap-mode preemption."""
@@ -133,8 +139,10 @@ class ModelRunner:
         plan = self._plan(so)
         metadata, input_ids, positions = self._build_inputs(plan)
         ctx = ForwardContext(metadata, self.kv_caches, self.backend, self.cache_ops)
-        graphs, compiled = self.cuda_graphs, self.compiled
-        if graphs is not None and graphs.fits(metadata.num_actual_tokens):
+        full, graphs, compiled = self.full_graphs, self.cuda_graphs, self.compiled
+        if full is not None and full.covers(metadata):
+            hidden = full.run(metadata, input_ids, positions)
+        elif graphs is not None and graphs.fits(metadata.num_actual_tokens):
             hidden = graphs.run(ctx, input_ids, positions)
         else:
             forward = compiled if compiled is not None and compiled.fits(input_ids.shape[0]) else self.model

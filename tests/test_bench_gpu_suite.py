@@ -29,7 +29,9 @@ suite = _load()
 
 
 def _throughput(tok_s: float, req_s: float) -> dict[str, Any]:
-    return {"rc": 0, "result": {"result": {"output_tokens_per_s": tok_s, "requests_per_s": req_s}}}
+    startup = {"total_s": 40.0, "compile_s": 20.0, "attention_kernels_s": 5.0, "capture_s": 9.0}
+    result = {"output_tokens_per_s": tok_s, "requests_per_s": req_s}
+    return {"rc": 0, "result": {"result": result, "startup": startup}}
 
 
 def _stages() -> dict[str, Any]:
@@ -43,7 +45,7 @@ def _stages() -> dict[str, Any]:
         },
         "latency": {
             "result": {
-                "graphs": {
+                "full_and_piecewise": {
                     "single_stream": {"tpot_median_ms": 5.9, "ttft_ms": 16.0},
                     "decode_b1": {"idle_fraction": 0.04},
                     "decode_batch": {"idle_fraction": 0.2, "step_median_ms": 11.0},
@@ -159,3 +161,9 @@ def test_pytest_summary() -> None:
         suite.pytest_summary(["x", "==== 3 passed, 1 skipped in 2.0s ===="]) == "3 passed, 1 skipped in 2.0s"
     )
     assert suite.pytest_summary(["no summary here"]) is None
+
+
+def test_startup_rows_show_the_phases() -> None:
+    rows = {row.benchmark: row for row in suite.scoreboard(_stages())}
+    cold = rows["engine start-up, cold caches (8B shapes)"].ours
+    assert cold == "40.0 s (compile 20.0 s, kernels 5.0 s, capture 9.0 s)"

@@ -1,5 +1,6 @@
 """Dependencies point one way: no module of the core or of an in-tree plugin imports (at the top
-or inside a function) a module that, through any chain of imports, imports it back."""
+or inside a function) a module that, through any chain of imports, imports it back. Imports under
+`if TYPE_CHECKING:` are annotations only, never executed, and do not count."""
 
 from __future__ import annotations
 
@@ -26,7 +27,17 @@ def _import_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        type_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If)
+            and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+            for inner in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if id(node) in type_only:
+                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
             elif isinstance(node, ast.Import):

@@ -162,3 +162,25 @@ def test_docs_name_only_pagedserve_variables_the_code_defines() -> None:
             if f'"{name}"' not in code:
                 problems.append(f"{doc.relative_to(ROOT)}: {name}")
     assert not problems, f"docs name PAGEDSERVE_* names that no code defines: {problems}"
+
+
+def test_docs_name_only_pagedserve_modules_and_attributes_that_exist() -> None:
+    import importlib
+
+    problems = []
+    for doc in _doc_files():
+        for name in sorted(set(re.findall(r"`(pagedserve(?:\.\w+)+)`", doc.read_text()))):
+            parts = name.split(".")
+            # The longest importable module prefix, then attributes down from it.
+            for cut in range(len(parts), 0, -1):
+                try:
+                    obj: object = importlib.import_module(".".join(parts[:cut]))
+                except ModuleNotFoundError:
+                    continue
+                break
+            for attr in parts[cut:]:
+                if not hasattr(obj, attr):
+                    problems.append(f"{doc.relative_to(ROOT)}: {name}")
+                    break
+                obj = getattr(obj, attr)
+    assert not problems, f"docs name pagedserve modules or attributes that do not exist: {problems}"

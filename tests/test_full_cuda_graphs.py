@@ -24,9 +24,9 @@ from pagedserve.models.spec import ModelSpec
 from pagedserve.worker.cuda_graphs import default_graph_sizes, padded_size
 from pagedserve.worker.full_cuda_graphs import PADDING_SLOT, DecodeGraphBuffers, FullDecodeGraphs
 from pagedserve.worker.gpu_compile import configure_compile_caches
-from pagedserve.worker.graph_modes import plan_graphs, step_path
+from pagedserve.worker.graph_modes import GraphPlan, plan_graphs, step_path
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.warmup import attention_warmup_batches, warm_up_attention
+from pagedserve.worker.warmup import attention_warmup_batches, prepare_runner, warm_up_attention
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 
@@ -385,3 +385,19 @@ def test_compile_caches_go_to_a_persistent_directory_unless_chosen(tmp_path: Pat
     assert configure_compile_caches(env)["TRITON_CACHE_DIR"] == str(tmp_path / "c" / "triton")
     env = {"XDG_CACHE_HOME": str(tmp_path / "x")}
     assert configure_compile_caches(env)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "x/pagedserve/inductor")
+
+
+def test_prepare_runner_times_each_phase_and_leaves_the_kv_cache_alone(checkpoint: Path) -> None:
+    # What the engine does at start on a GPU, here with only the kernel warm-up (CPU: no graphs,
+    # no GPU compile): the sweep runs on the runner's own backend and caches, nothing is captured.
+    runner = _llm(checkpoint).engine.core.runner
+    before = [c.clone() for c in runner.kv_caches]
+    limits = dict(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16, cuda_graph_max_tokens=8)
+    times = prepare_runner(runner, GraphPlan(False, False, False, ()), **limits)
+    sweep = attention_warmup_batches(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16)
+    assert times.num_warmup_batches == len(sweep)
+    assert times.kernels_s > 0 and times.compile_s == times.capture_s == 0.0
+    assert runner.full_graphs is None and runner.cuda_graphs is None and runner.compiled is None
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+    skipped = prepare_runner(runner, GraphPlan(False, False, False, (), warm_up_kernels=False), **limits)
+    assert skipped.num_warmup_batches == 0 and skipped.kernels_s == 0.0

@@ -47,7 +47,7 @@ from tqdm import tqdm
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.layer import attend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.models.spec import ModelSpec, PagedCausalLM
+from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 
 logger = logging.getLogger(__name__)
@@ -83,19 +83,6 @@ def padded_size(sizes: Sequence[int], num_tokens: int) -> int | None:
     for size in sizes:
         if size >= num_tokens:
             return size
-    return None
-
-
-def eager_reason(device: torch.device, spec: ModelSpec, enforce_eager: bool) -> str | None:
-    """Why this engine runs without CUDA graphs, or None when it can use them. Pure."""
-    if enforce_eager:
-        return "enforce_eager=True"
-    if device.type != "cuda":
-        return f"the device is {device.type}, not CUDA"
-    if spec.implementation != "native":
-        # transformers models may sync with the host or branch on tensor values inside their
-        # forward; a capture would fail or, worse, freeze one branch. Native models do neither.
-        return "the model runs through the transformers fallback, which is not capture-safe"
     return None
 
 

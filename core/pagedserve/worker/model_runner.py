@@ -101,8 +101,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.swap_caches: list[torch.Tensor] | None = None
-        # Set by `capture_cuda_graphs` / `compile_forward` / `warmup.prepare_runner`; None: that
-        # path is off (full decode graphs, piecewise graphs, compiled forward).
+        # Set by `warmup.prepare_runner` (GPUs) / `compile_forward` (CPUs); None: that path is off
+        # (full decode graphs, piecewise graphs, compiled forward).
         self.full_graphs: FullDecodeGraphs | None = None
         self.cuda_graphs: PiecewiseCudaGraphs | None = None
         self.compiled: CompiledForward | GpuCompiledForward | None = None
@@ -112,14 +112,6 @@ class ModelRunner:
         """Allocate the CPU swap pool (one tensor per layer) used by swap-mode preemption."""
         shape = self.spec.kv_cache_shape(num_blocks, self.block_size)
         self.swap_caches = [torch.zeros(shape, dtype=c.dtype, device="cpu") for c in self.kv_caches]
-
-    def capture_cuda_graphs(self, sizes: list[int]) -> None:
-        """Capture piecewise CUDA graphs for these padded token counts (see `cuda_graphs`); steps
-        that fit one replay it from then on. Call once, after the KV cache exists. Mutates the
-        runner; slow (two forwards per size)."""
-        graphs = PiecewiseCudaGraphs(self.model, self.device, sizes)
-        graphs.capture(self.kv_caches, self.backend, self.cache_ops)
-        self.cuda_graphs = graphs
 
     def compile_forward(self) -> None:
         """Compile the model forward for small steps (see `cpu_compile`) and warm it up; steps

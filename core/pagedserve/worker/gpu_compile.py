@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # Token counts whose graphs cover every step: dynamo specialises 1, then one dynamic graph for >= 2.
 WARM_UP_SIZES = (2, 1)
+# Compiled entries dynamo may keep per code object: two per model (see `GpuCompiledForward`).
+RECOMPILE_LIMIT = 64
 CACHE_ROOT_ENV = "PAGEDSERVE_CACHE_DIR"  # where compile caches go unless their own variables say
 
 
@@ -68,6 +70,12 @@ class GpuCompiledForward:
         # object, so without them a second model of the same class in the process (another
         # window size, say) could run the first one's graph. They cost about a millisecond per
         # call, and graph replays do not call the compiled forward at all.
+        # Dynamo keeps its compiled entries per code object, and all native models share the
+        # decoder's `forward`: each model in the process adds its own entries (the one-token
+        # specialisation and the dynamic one), so a process that builds several engines (tests,
+        # benchmarks, one model per window size) would pass dynamo's default of 8 and fail.
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
             model, fullgraph=True, dynamic=True
         )

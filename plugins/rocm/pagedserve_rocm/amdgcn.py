@@ -1,5 +1,6 @@
-"""Compiling the unified attention kernels for AMD targets on any machine, and reading what the
-AMDGCN assembly says: VGPRs, spills, LDS, occupancy and the cache-policy bits of the K/V loads.
+"""Compiling the unified attention kernels for AMD targets without a GPU, and reading their AMDGCN.
+
+The assembly says the VGPRs, spills, LDS, occupancy and the cache-policy bits of the K/V loads.
 
 Triton's AMD backend compiles to AMDGCN without a GPU (`triton.compile(ASTSource(...),
 target=GPUTarget("hip", "gfx942", 64))`). The arguments are specialised as a real launch would
@@ -173,3 +174,45 @@ def compile_reduction(arch: str, *, head_size: int, num_splits: int, num_warps: 
         options={"num_warps": num_warps},
     )
     return stats_of(compiled.asm["amdgcn"], arch, compiled.metadata.shared)
+
+
+@dataclass(frozen=True, slots=True)
+class TableVariant:
+    """A variant the tables can select, compiled at its entry's most demanding shape."""
+
+    variant: AttentionVariant
+    entry: str  # "unified_attention_2d-gfx942.json#0 {match}"
+
+
+def table_variants(arch: str, configs_dir: Any = None) -> list[TableVariant]:
+    """One variant per entry of `arch`'s attention tables, at the entry's most demanding shape: the
+    largest head size it covers (256 when unbounded), float32 unless it names a dtype, softcap and
+    sliding window compiled in, GQA ratio 4, block size 16, the largest XCD count and (3D) the
+    largest split count. Reads the table files. Pure otherwise."""
+    import json
+    from pathlib import Path
+
+    from pagedserve_rocm.arch import KNOWN_ARCHES
+    from pagedserve_rocm.tuning import ATTENTION_KERNELS, CONFIG_DIR, read_attention_config
+
+    directory = Path(configs_dir) if configs_dir is not None else CONFIG_DIR
+    found: list[TableVariant] = []
+    for kernel in ATTENTION_KERNELS:
+        path = directory / f"{kernel}-{arch}.json"
+        for index, entry in enumerate(json.loads(path.read_text())["configs"]):
+            match = entry["match"]
+            config = read_attention_config(entry["params"], f"{path.name}#{index}")
+            variant = AttentionVariant(
+                kernel=kernel,
+                arch=arch,
+                config=config,
+                head_size=int(match.get("head_size", match.get("head_size_le", 256))),
+                dtype=str(match.get("dtype", "float32")),
+                num_queries_per_kv=4,
+                block_size=16,
+                softcap_and_window=True,
+                num_grid_groups=KNOWN_ARCHES[arch].max_xcds,
+                num_splits=128 if kernel == "unified_attention_3d" else 1,
+            )
+            found.append(TableVariant(variant, f"{path.name}#{index} {match}"))
+    return found

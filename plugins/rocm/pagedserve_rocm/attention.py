@@ -1,6 +1,7 @@
-"""`RocmUnifiedAttentionBackend`: the Triton unified attention kernels with what is AMD's: the
-architecture's tables (tile sizes, warps, `waves_per_eu`, `matrix_instr_nonkdim`, the K/V cache
-modifier), the XCD grid order and the platform's own 2D/3D thresholds.
+"""`RocmUnifiedAttentionBackend`: the Triton unified attention kernels, launched the AMD way.
+
+What is AMD's: the architecture's tables (tile sizes, warps, `waves_per_eu`, `matrix_instr_nonkdim`,
+the K/V cache modifier), the XCD grid order and the platform's own 2D/3D thresholds.
 
 One kernel source serves both vendors; this backend only chooses how it is launched. The target
 of a device is resolved once (`RocmTarget`): on an AMD GPU its gcnArchName and CU count; anywhere

@@ -1,6 +1,8 @@
-"""The rocm platform's tuned tables, read into typed configs: launch parameters of the unified
-attention kernels per architecture (`configs/unified_attention_{2d,3d}-<arch>.json`) and the 2D/3D
-thresholds (`configs/rocm_split_heuristic-<arch>.json`).
+"""The rocm platform's tuned tables, read into typed and checked configs.
+
+Launch parameters of the unified attention kernels per architecture
+(`configs/unified_attention_{2d,3d}-<arch>.json`) and the 2D/3D thresholds
+(`configs/rocm_split_heuristic-<arch>.json`).
 
 Device keys are architectures ("gfx942", "gfx950"); "default" is the generic AMD table for any
 other. The shape keys of the attention kernels are those of `pagedserve_triton.launch_params`.

@@ -1,0 +1,60 @@
+"""Every attention kernel variant the rocm tables can select, compiled for gfx942 and gfx950 by
+Triton's AMD backend (no GPU needed): zero VGPR and SGPR spills, at least the occupancy its
+`waves_per_eu` asks for, LDS within the architecture's, and K/V loads carrying the cache-policy
+bits of its cache modifier. Each table entry is compiled at its most demanding shape
+(`amdgcn.table_variants`); the 3D kernel's reduction at the tables' largest split count."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton.backends.amd.compiler")
+
+from pagedserve.platforms.tuned_configs import TunedConfigs
+from pagedserve_rocm.amdgcn import CACHE_POLICY_BITS, compile_reduction, kv_load_bits, table_variants
+from pagedserve_rocm.arch import KNOWN_ARCHES
+from pagedserve_rocm.tuning import split_thresholds, tuned_config_files
+
+VARIANTS = [v for arch in ("gfx942", "gfx950") for v in table_variants(arch)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("table_variant", VARIANTS, ids=[f"{v.variant.arch}:{v.entry}" for v in VARIANTS])
+def test_table_variant_compiles_without_spills(table_variant: object) -> None:
+    from pagedserve_rocm.amdgcn import TableVariant, compile_attention
+
+    assert isinstance(table_variant, TableVariant)
+    variant = table_variant.variant
+    stats = compile_attention(variant)
+    assert (stats.vgpr_spills, stats.sgpr_spills) == (0, 0), stats
+    assert stats.waves_per_eu >= variant.config.waves_per_eu, stats
+    assert stats.lds_bytes <= KNOWN_ARCHES[variant.arch].lds_bytes
+    assert stats.kv_load_bits, "no K/V vector loads found in the assembly"
+    assert set(stats.kv_load_bits) == {CACHE_POLICY_BITS[variant.config.kv_cache_modifier]}, (
+        stats.kv_load_bits
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_reduction_at_the_largest_split_count_does_not_spill(arch: str) -> None:
+    configs = TunedConfigs.from_files(tuned_config_files())
+    splits = split_thresholds(configs, arch).max_splits
+    warps = int(configs.lookup("reduce_segments", arch, head_size=256)["num_warps"])
+    stats = compile_reduction(arch, head_size=256, num_splits=splits, num_warps=warps)
+    assert (stats.vgpr_spills, stats.sgpr_spills) == (0, 0), stats
+
+
+def test_every_table_entry_is_a_variant() -> None:
+    assert len(VARIANTS) == sum(len(table_variants(arch)) for arch in KNOWN_ARCHES) >= 8
+    assert {v.variant.config.kv_cache_modifier for v in VARIANTS} == {"", ".cg"}
+
+
+def test_kv_load_bits_are_read_from_both_load_forms() -> None:
+    asm = (
+        "\tglobal_load_dwordx4 v[4:7], v[2:3], off nt\n"
+        "\tglobal_load_lds_dwordx4 v[2:3], off sc0 sc1\n"
+        "\tbuffer_load_dwordx4 v[8:11], v1, s[0:3], 0 offen\n"
+        "\tglobal_load_dwordx4 v[4:7], v[2:3], off\n"
+    )
+    assert kv_load_bits(asm) == (frozenset({"nt"}), frozenset({"sc0", "sc1"}), frozenset())

@@ -82,6 +82,16 @@ def test_nvidia_gpu_is_refused_unless_the_verification_mode_is_asked_for(
     )
 
 
+def test_grid_order_hook_answers_for_this_amd_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert plugin.pagedserve_grid_order("rocm", "AMD Instinct MI300X") is None  # no AMD GPU here
+    _fake_gpu(monkeypatch, hip="6.4", arch="gfx942:sramecc+:xnack-")
+    assert plugin.pagedserve_grid_order("rocm", "AMD Instinct MI300X") == GridOrder("xcd8", 8)
+    assert plugin.pagedserve_grid_order("rocm", "AMD Instinct MI210") is None
+    assert plugin.pagedserve_grid_order("triton", "AMD Instinct MI300X") is None
+    _fake_gpu(monkeypatch, hip="6.4", arch="gfx942:sramecc+:xnack-", cus=38)  # CPX partition
+    assert plugin.pagedserve_grid_order("rocm", "AMD Instinct MI300X").num_groups == 1  # type: ignore[union-attr]
+
+
 def test_priority_is_above_triton() -> None:
     import pagedserve_triton.plugin as triton_plugin
 

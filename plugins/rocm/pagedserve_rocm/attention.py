@@ -57,7 +57,8 @@ class RocmTarget:
     def for_arch(
         arch: str, device_name: str, num_cus: int, backend: LaunchBackend, notes: list[str]
     ) -> RocmTarget:
-        """The target of a device of `arch` with `num_cus` CUs. Pure."""
+        """The target of a device of `arch` with `num_cus` CUs; `notes` come first in its notes. Pure."""
+        notes = list(notes)
         table = table_key(arch)
         if table != arch:
             notes.append(f"no tables for {arch}: the generic AMD table ({table!r}) applies")

@@ -302,3 +302,24 @@ def test_cli_explain_with_arch(capsys: pytest.CaptureFixture[str]) -> None:
     on_partition = ["--device", "AMD Instinct MI300X:38:9.4", "--batch", "1x1x4096"]
     assert cli_main.main([*args, *on_partition]) == 0
     assert "grid order identity" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("hip", "kept"), [("6.4", True), (None, False)])
+def test_backend_passes_amd_options_only_to_hip_launches(
+    monkeypatch: pytest.MonkeyPatch, hip: str | None, kept: bool
+) -> None:
+    from pagedserve_rocm.attention import RocmUnifiedAttentionBackend
+
+    monkeypatch.delenv(ARCH_ENV, raising=False)
+    _fake_gpu(monkeypatch, hip=hip, arch="gfx942:sramecc+:xnack-")
+    backend = RocmUnifiedAttentionBackend(arch=None if hip else "gfx942")
+    device = torch.device("cuda", 0)
+    target = backend.target(device)
+    assert target.launch_backend == ("hip" if hip else "cuda") and target.grid_order.num_groups == 8
+    config = backend.attention_config(
+        "unified_attention_2d", device, head_size=128, block_size=16, num_queries_per_kv=4,
+        dtype=torch.bfloat16, max_query_len=1,
+    )  # fmt: skip
+    assert (config.block_m, config.tile_size, config.kv_cache_modifier) == (16, 32, ".cg")
+    expected = {"matrix_instr_nonkdim": 16, "waves_per_eu": 2} if kept else {}
+    assert dict(config.backend_options) == expected

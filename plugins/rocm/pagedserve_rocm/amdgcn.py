@@ -28,8 +28,16 @@ _KV_LOAD = re.compile(r"^\s*global_load(?:_lds)?_dwordx(?:2|4)\b(.*)$", re.M)
 _POLICY_BITS = ("sc0", "sc1", "nt")
 
 CACHE_POLICY_BITS: dict[str, frozenset[str]] = {"": frozenset(), ".cg": frozenset({"nt"})}
-"""The cache-policy bits Triton's AMD backend sets on gfx942/gfx950 loads for each cache modifier
-the tables use: `.cg` becomes `nt` (non-temporal: streamed through the caches, not kept)."""
+"""The cache-policy bits every K/V load must carry for each cache modifier the tables use: none
+for the default policy; for `.cg`, `nt` (non-temporal: streamed through the caches, not kept),
+which Triton's AMD backend sets on gfx942 and gfx950 (on gfx950 some load forms add `sc0`)."""
+
+
+def carries_policy(bits: frozenset[str], modifier: str) -> bool:
+    """Whether one load's cache-policy `bits` are what `modifier` asks for: exactly none for the
+    default policy, at least `CACHE_POLICY_BITS[modifier]` otherwise. Pure."""
+    wanted = CACHE_POLICY_BITS[modifier]
+    return not bits if not wanted else wanted <= bits
 
 
 @dataclass(frozen=True, slots=True)

@@ -214,9 +214,11 @@ class RocmUnifiedAttentionBackend(TritonUnifiedAttentionBackend):
             )
         except UnsupportedCase as e:
             return f"unsupported: {e}"
-        arch = getattr(batch, "arch", None)
-        if "amd" in batch.device_name.lower() and arch:
-            target = RocmTarget.for_arch(base_arch(arch), batch.device_name, batch.num_sms, "hip", [])
+        arch = batch.arch
+        if "amd" in batch.device_name.lower():  # this AMD GPU, or one named by --device
+            chosen = base_arch(arch) if arch else assumed_arch()
+            notes = [] if arch else [f"architecture not given: {chosen} assumed (--arch to choose)"]
+            target = RocmTarget.for_arch(chosen, batch.device_name, batch.num_sms, "hip", notes)
         else:
             why = (
                 f"--arch {arch}"

@@ -949,6 +949,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.backend == "rocm":
+        if args.tune is not None:
+            raise SystemExit(
+                "--tune writes the Triton plugin's files; sweep with the default --backend triton (on the AMD"
+                " GPU too) and copy the winners into plugins/rocm/pagedserve_rocm/configs by hand"
+            )
         from pagedserve_rocm.attention import RocmUnifiedAttentionBackend
 
         BACKEND[0] = RocmUnifiedAttentionBackend

@@ -323,3 +323,24 @@ def test_backend_passes_amd_options_only_to_hip_launches(
     assert (config.block_m, config.tile_size, config.kv_cache_modifier) == (16, 32, ".cg")
     expected = {"matrix_instr_nonkdim": 16, "waves_per_eu": 2} if kept else {}
     assert dict(config.backend_options) == expected
+
+
+def test_xcd_order_and_cache_modifier_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve_rocm.attention import DISABLE_ENV, RocmUnifiedAttentionBackend
+
+    monkeypatch.delenv(ARCH_ENV, raising=False)
+    cpu = torch.device("cpu")
+    shape = dict(head_size=128, block_size=16, num_queries_per_kv=4, dtype=torch.bfloat16, max_query_len=1)
+    on = RocmUnifiedAttentionBackend()
+    assert (
+        on.grid_groups(cpu) == 8
+        and on.attention_config("unified_attention_2d", cpu, **shape).kv_cache_modifier
+    )
+    monkeypatch.setenv(DISABLE_ENV, "xcd_order, kv_cache_modifier")
+    off = RocmUnifiedAttentionBackend()
+    assert off.grid_groups(cpu) == 1
+    assert off.attention_config("unified_attention_2d", cpu, **shape).kv_cache_modifier == ""
+    assert RocmUnifiedAttentionBackend(xcd_order=True).grid_groups(cpu) == 8  # the argument wins
+    monkeypatch.setenv(DISABLE_ENV, "xcd")
+    with pytest.raises(ValueError, match="unknown \\['xcd'\\]"):
+        RocmUnifiedAttentionBackend()

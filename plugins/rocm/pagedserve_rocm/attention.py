@@ -12,12 +12,12 @@ assumed architecture's largest part, with every AMD-only launch option stripped.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from pagedserve.platforms.api import AttentionCapabilities, GridOrder, UnsupportedCase
+from pagedserve.platforms.api import IDENTITY_GRID_ORDER, AttentionCapabilities, GridOrder, UnsupportedCase
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_rocm.arch import (
     ARCH_ENV,
@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # the CLI defines the query type; the backend only reads its 
     from pagedserve.cli.platforms import BatchQuery
 
 INTERPRETER_CUS = 1  # as the Triton backend: interpreted runs take the 2D kernel unless forced
+DISABLE_ENV = "PAGEDSERVE_ROCM_DISABLE"
+SWITCHES = ("xcd_order", "kv_cache_modifier")  # what DISABLE_ENV may switch off
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,17 +110,37 @@ class RocmUnifiedAttentionBackend(TritonUnifiedAttentionBackend):
         tuned_configs: TunedConfigs | None = None,
         arch: str | None = None,
         num_splits: int | None = None,
+        xcd_order: bool | None = None,
+        kv_cache_modifier: bool | None = None,
     ) -> None:
         """`tuned_configs` is the platform's (`LoadedPlatform.tuned_configs()`); None reads this
         plugin's tables and the Triton plugin's. `arch` uses that architecture's tables and grid
         order whatever the device (default: the device's, or `PAGEDSERVE_ROCM_ARCH`). `num_splits`
-        forces the 2D (1) or 3D kernel, as in the Triton backend."""
+        forces the 2D (1) or 3D kernel, as in the Triton backend. `xcd_order=False` launches in the
+        identity order and `kv_cache_modifier=False` drops the tables' `.cg` (debugging, A/B
+        timings); None reads `PAGEDSERVE_ROCM_DISABLE` ("xcd_order", "kv_cache_modifier", comma
+        separated), so an engine's backend can be switched too."""
         configs = tuned_configs if tuned_configs is not None else TunedConfigs.from_files(rocm_config_files())
         super().__init__(tuned_configs=configs, num_splits=num_splits)
+        disabled = {word.strip() for word in os.environ.get(DISABLE_ENV, "").split(",") if word.strip()}
+        unknown = disabled - set(SWITCHES)
+        if unknown:
+            raise ValueError(
+                f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r}: unknown {sorted(unknown)}; known: {SWITCHES}"
+            )
+        self._xcd_order = xcd_order if xcd_order is not None else "xcd_order" not in disabled
+        self._kv_cache_modifier = (
+            kv_cache_modifier if kv_cache_modifier is not None else "kv_cache_modifier" not in disabled
+        )
         self._configs = configs
         self._arch = arch
         self._targets: dict[torch.device, RocmTarget] = {}
         self._rocm_configs: dict[tuple[object, ...], tuple[RocmAttentionConfig, AttentionLaunchConfig]] = {}
+
+    @property
+    def xcd_order(self) -> bool:
+        """Whether launches use the XCD grid order (the constructor's or the environment's switch)."""
+        return self._xcd_order
 
     def target(self, device: torch.device) -> RocmTarget:
         """The device's target, resolved once per device."""
@@ -141,6 +163,8 @@ class RocmUnifiedAttentionBackend(TritonUnifiedAttentionBackend):
         found = self._rocm_configs.get(key)
         if found is None:
             config = attention_config(self._configs, target.table, kernel, **shape)  # type: ignore[arg-type]
+            if not self._kv_cache_modifier:
+                config = replace(config, kv_cache_modifier="")
             found = (config, config.for_backend(target.launch_backend)[0])
             self._rocm_configs[key] = found
         return found
@@ -168,8 +192,8 @@ class RocmUnifiedAttentionBackend(TritonUnifiedAttentionBackend):
         )[1]
 
     def grid_groups(self, device: torch.device) -> int:
-        """One group per XCD of the device (of the assumed part elsewhere)."""
-        return self.target(device).grid_order.num_groups
+        """One group per XCD of the device (of the assumed part elsewhere); 1 when switched off."""
+        return self.target(device).grid_order.num_groups if self._xcd_order else 1
 
     def thresholds(self, target: RocmTarget) -> SplitThresholds:
         """The table's 2D/3D thresholds. Does not mutate."""
@@ -290,7 +314,7 @@ def explain(backend: RocmUnifiedAttentionBackend, batch: BatchQuery, target: Roc
             why = f"{tiles} tiles already give {target.num_cus} CUs one each"
         else:
             why = f"the context ({batch.max_seq_len}) is too short for {t.min_keys_per_split}-key splits"
-    order = target.grid_order
+    order = target.grid_order if backend.xcd_order else IDENTITY_GRID_ORDER
     grid = (
         f"grid order {order.name}: tiles of one (request, KV head) stay on one XCD's L2"
         if order.num_groups > 1

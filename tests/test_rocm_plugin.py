@@ -249,6 +249,12 @@ def test_every_shape_class_has_a_valid_config(table: str) -> None:
                     )
     thresholds = split_thresholds(configs, table)
     assert thresholds.max_splits >= 64
+    # The generic AMD table is the rocm plugin's own, found before the Triton plugin's default file.
+    decode = attention_config(
+        configs, table, "unified_attention_2d", head_size=128, block_size=16, num_queries_per_kv=4,
+        dtype=torch.bfloat16, max_query_len=1,
+    )  # fmt: skip
+    assert (decode.tile_size, decode.waves_per_eu > 0) == ((16, False) if table == "default" else (32, True))
 
 
 def test_config_files_are_listed_with_the_triton_fallbacks() -> None:

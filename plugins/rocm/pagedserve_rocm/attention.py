@@ -57,18 +57,24 @@ class RocmTarget:
 
     @staticmethod
     def for_arch(
-        arch: str, device_name: str, num_cus: int, backend: LaunchBackend, notes: list[str]
+        arch: str,
+        device_name: str,
+        num_cus: int,
+        backend: LaunchBackend,
+        notes: list[str],
+        device_arch: str | None = None,
     ) -> RocmTarget:
-        """The target of a device of `arch` with `num_cus` CUs; `notes` come first in its notes. Pure."""
+        """The target of a device with `num_cus` CUs running `arch`'s tables; its XCDs are those of
+        `device_arch` (default `arch`). `notes` come first in the target's notes. Pure."""
         notes = list(notes)
         table = table_key(arch)
         if table != arch:
             notes.append(f"no tables for {arch}: the generic AMD table ({table!r}) applies")
-        _xcds, why = xcd_count(arch, num_cus)
+        layout = device_arch or arch
+        _xcds, why = xcd_count(layout, num_cus)
         notes.append(why)
-        return RocmTarget(
-            device_name, arch, table, num_cus, xcd_grid_order(arch, num_cus), backend, tuple(notes)
-        )
+        order = xcd_grid_order(layout, num_cus)
+        return RocmTarget(device_name, arch, table, num_cus, order, backend, tuple(notes))
 
 
 def _assumed_target(backend: LaunchBackend, why: str, arch: str | None = None) -> RocmTarget:
@@ -90,7 +96,7 @@ def resolve_target(device: torch.device, arch_override: str | None = None) -> Ro
         if arch_override and base_arch(arch_override) != detected:
             arch = base_arch(arch_override)
             notes.append(f"tables of {arch} requested instead")
-        return RocmTarget.for_arch(arch, props.name, props.multi_processor_count, "hip", notes)
+        return RocmTarget.for_arch(arch, props.name, props.multi_processor_count, "hip", notes, detected)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         why = f"verification mode on {name}: AMD tables through Triton's CUDA backend, AMD-only options off"

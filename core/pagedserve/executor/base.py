@@ -65,6 +65,16 @@ class ParallelExecutor(ABC):
         """Every rank builds its runner with the same number of blocks."""
         self.call_all("init_cache", num_kv_blocks, eos_token_ids)
 
+    def start_profile(self) -> None:
+        """Start a torch profiler on every rank (benchmarks: collective time per step)."""
+        self.call_all("start_profile")
+
+    def stop_profile(self) -> dict[str, tuple[int, float]]:
+        """Stop the profilers; rank 0's op / kernel name -> (calls, total microseconds)."""
+        result = self.call_all("stop_profile")[0]
+        assert isinstance(result, dict)
+        return result
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcast the step to every rank; rank 0's result is the step's."""
         result = self.call_all("execute", so)[0]

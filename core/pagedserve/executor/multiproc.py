@@ -38,6 +38,9 @@ _SPAWN_HINT = (
 TERMINATE_GRACE_S = 2.0
 """How long a rank may take to exit after SIGTERM before it is killed."""
 
+PEER_EXIT_WAIT_S = 1.0
+"""How long a failed step waits for a peer's death to show, to report the cause, not the symptom."""
+
 
 class MultiprocExecutor(ParallelExecutor):
     """`tensor_parallel_size` ranks as local processes. Not thread-safe."""
@@ -47,7 +50,7 @@ class MultiprocExecutor(ParallelExecutor):
         every one has joined the process group."""
         ctx = multiprocessing.get_context("spawn")
         world_size = args.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self.timeout_s = args.distributed_timeout_s
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
@@ -129,8 +132,19 @@ class MultiprocExecutor(ParallelExecutor):
             self._fail(f"rank {rank} died: {self._exit_status(rank)}")
         expected = "ready" if first_message else "ok"
         if status != expected:
-            self._fail(f"rank {rank} failed: {payload}")
+            self._fail(self._root_cause(rank, f"rank {rank} failed: {payload}"))
         return payload
+
+    def _root_cause(self, rank: int, reason: str) -> str:
+        """A rank whose peer died usually reports the broken collective before the driver sees the
+        death: name the dead peer as the cause when there is one (waiting briefly for its exit)."""
+        others = [p.sentinel for r, p in enumerate(self.procs) if r != rank]
+        wait(others, PEER_EXIT_WAIT_S)
+        for other, proc in enumerate(self.procs):
+            if other != rank and proc.exitcode is not None:
+                first_line = reason.splitlines()[0]
+                return f"rank {other} died: {self._exit_status(other)} (then {first_line})"
+        return reason
 
     def _exit_status(self, rank: int) -> str:
         proc = self.procs[rank]
@@ -179,7 +193,8 @@ def _environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 RAY_INSTALL = "pip install 'pagedserve[ray]'"
 
+PEER_EXIT_WAIT_S = 2.0
+"""How long a failed step waits for a peer's death to show, to report the cause, not the symptom."""
+
 
 class _RankActor:
     """The body of one rank's actor: a `TensorParallelWorker` created once the rendezvous address
@@ -133,8 +136,22 @@ class RayExecutor(ParallelExecutor):
                 except ray.exceptions.RayActorError as exc:
                     self._fail(f"rank {rank_of[ref]} died: {exc}")
                 except ray.exceptions.RayTaskError as exc:
-                    self._fail(f"rank {rank_of[ref]} failed: {exc}")
+                    self._fail(self._root_cause(pending, rank_of, f"rank {rank_of[ref]} failed: {exc}"))
         return list(ray.get(refs))
+
+    def _root_cause(self, pending: list[Any], rank_of: dict[Any, int], reason: str) -> str:
+        """A rank whose peer died usually reports the broken collective first: name the dead peer
+        as the cause when Ray reports one within a moment."""
+        ray = self._ray
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_EXIT_WAIT_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                return f"rank {rank_of[ref]} died: {exc} (then {reason.splitlines()[0]})"
+            except ray.exceptions.RayTaskError:
+                continue
+        return reason
 
     def _fail(self, reason: str) -> None:
         self._failure = reason

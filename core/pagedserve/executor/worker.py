@@ -48,6 +48,7 @@ class TensorParallelWorker:
         )
         self._model: DeviceModel | None = None
         self._runner: ModelRunner | None = None
+        self._profiler: torch.profiler.profile | None = None
 
     def load(self) -> WorkerReport:
         """Load this rank's shard and size its KV cache. Slow."""
@@ -85,6 +86,32 @@ class TensorParallelWorker:
             raise RuntimeError("execute called before init_cache")
         result = self._runner.execute(so)
         return result if self.group.rank == 0 else None
+
+    def start_profile(self) -> None:
+        """Start a torch profiler (CPU and, on GPUs, device activity) on this rank."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities)
+        self._profiler.__enter__()
+
+    def stop_profile(self) -> dict[str, tuple[int, float]] | None:
+        """Stop the profiler; rank 0 returns kernel or op name -> (calls, total device (GPU) or
+        self CPU time in microseconds), the others None."""
+        if self._profiler is None:
+            raise RuntimeError("stop_profile called without start_profile")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._profiler.__exit__(None, None, None)
+        events = self._profiler.key_averages()
+        self._profiler = None
+        if self.group.rank != 0:
+            return None
+        on_gpu = self.device.type == "cuda"
+        return {
+            e.key: (int(e.count), float(e.self_device_time_total if on_gpu else e.self_cpu_time_total))
+            for e in events
+        }
 
     def pid(self) -> int:
         """This rank's process id (the Ray executor reports it in errors; tests kill it)."""

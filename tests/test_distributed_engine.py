@@ -107,7 +107,7 @@ def test_tp4_replicates_kv_heads_and_equals_tp1(checkpoints: dict[str, Path]) ->
 
 
 def test_killed_rank_fails_the_engine_within_seconds(checkpoints: dict[str, Path]) -> None:
-    llm = _llm(checkpoints["llama"], tensor_parallel_size=2, num_kv_blocks=64, distributed_timeout_s=30)
+    llm = _llm(checkpoints["llama"], tensor_parallel_size=2, num_kv_blocks=64)
     runner = llm.engine.core.runner
     assert isinstance(runner, MultiprocExecutor)
     pids = [pid for pid in runner.pids if pid is not None]
@@ -117,7 +117,7 @@ def test_killed_rank_fails_the_engine_within_seconds(checkpoints: dict[str, Path
     start = time.monotonic()
     with pytest.raises(RankFailedError, match=r"rank 1 died: process \d+ was killed by signal 9"):
         llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
-    assert time.monotonic() - start < 10  # noticed at once, not after the 30 s collective timeout
+    assert time.monotonic() - start < 10  # noticed at once, not after the 60 s timeout
     for pid in pids:  # rank 0 (blocked in a collective with the dead rank) was stopped too
         assert not _alive(pid), f"rank process {pid} outlived the failure"
     with pytest.raises(RankFailedError, match="shut down earlier"):

@@ -70,9 +70,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 def test_ray_tp2_equals_tp1_and_fails_loudly_when_a_rank_dies(local_cluster: None, checkpoint: Path) -> None:
     expected = _tokens(_llm(checkpoint))
-    llm = _llm(
-        checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray", distributed_timeout_s=30
-    )
+    llm = _llm(checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray")
     executor = llm.engine.core.runner
     assert isinstance(executor, RayExecutor)
     try:

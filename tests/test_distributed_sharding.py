@@ -109,3 +109,13 @@ def test_sharded_read_equals_slicing_the_whole_tensor(tmp_path: Path) -> None:
     assert last.shape == (51, 64)
     assert torch.equal(last[:50], tensors["model.embed_tokens.weight"][51:])
     assert not last[50].any()  # the padding row
+
+
+def test_engine_refuses_an_unshardable_model_before_starting_ranks(tmp_path: Path) -> None:
+    from models_harness import save_checkpoint, tiny_hf_model
+
+    from pagedserve import LLM
+
+    path = save_checkpoint(tiny_hf_model(_config(), seed=0), tmp_path / "llama")
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 cannot shard this model"):
+        LLM(str(path), skip_tokenizer_init=True, tensor_parallel_size=3, num_kv_blocks=8)

@@ -88,8 +88,14 @@ def build_engine(args: EngineArgs) -> EngineSetup:
 
 def _build_parallel_engine(args: EngineArgs, platform: LoadedPlatform) -> EngineSetup:
     """The scheduler here, the model in `tensor_parallel_size` worker processes (or Ray actors)."""
+    from pagedserve.distributed.group import TensorParallelGroup
+    from pagedserve.distributed.sharding import ShardLayout
     from pagedserve.executor.launch import start_executor
 
+    source = resolve_model_source(args.model, args.gguf_file)
+    config = load_config(source)
+    # Refuse a model that does not split before starting a process per rank to find out.
+    ShardLayout.for_config(config, TensorParallelGroup(0, args.tensor_parallel_size))
     executor, reports = start_executor(args, platform)
     try:
         first = reports[0]
@@ -97,9 +103,8 @@ def _build_parallel_engine(args: EngineArgs, platform: LoadedPlatform) -> Engine
         num_blocks = args.num_kv_blocks or min(r.num_kv_blocks for r in reports)
         _check_num_blocks(args, num_blocks, first.max_model_len)
         _log_kv_cache(args, first.local_spec, num_blocks, first.backend_name)
-        source = resolve_model_source(args.model, args.gguf_file)
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or source)
-        eos = eos_token_ids(load_config(source), tokenizer.eos_token_id if tokenizer is not None else None)
+        eos = eos_token_ids(config, tokenizer.eos_token_id if tokenizer is not None else None)
         executor.init_cache(num_blocks, eos)
     except BaseException:
         executor.shutdown()

@@ -2,9 +2,10 @@
 arrive over a pipe from the driver.
 
 Messages in are pickled `(method, args)` tuples; answers out are `("ok", result)` or
-`("error", text)`. The first answer, `("ready", None)` or `("error", text)`, says whether the rank
-joined its group. A watchdog thread exits the process as soon as the driver is gone, so a killed
-engine never leaves ranks behind holding memory (or blocked in a collective).
+`("error", text)` (the exception's type and message; its traceback is in the rank's log). The
+first answer, `("ready", None)` or `("error", text)`, says whether the rank joined its group. A
+watchdog thread exits the process as soon as the driver is gone, so a killed engine never leaves
+ranks behind holding memory (or blocked in a collective).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def run_worker(
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}"
+    """The error for the driver's message; the traceback goes to this rank's log only."""
+    logging.getLogger(__name__).error("%s", "".join(traceback.format_exception(exc)).rstrip())
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -10,11 +10,11 @@ from collections.abc import Iterable
 
 from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from pagedserve.executor.base import StepRunner
 from pagedserve.outputs import FinishReason
 from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.types import RequestId
-from pagedserve.worker.model_runner import ModelRunner
 
 _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -29,7 +29,7 @@ class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
-        runner: ModelRunner,
+        runner: StepRunner,  # a ModelRunner, or an executor over tensor-parallel ranks
         *,
         max_model_len: int,
         proposer: NgramProposer | None = None,

@@ -103,3 +103,8 @@ class EngineArgs(_Config):
         512, ge=1, description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly"
     )
     num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram (prompt lookup) drafts per step")
+    async_scheduling: bool | None = Field(
+        None,
+        description="schedule and prepare step N+1 while step N runs on the device; None: on for "
+        "accelerator platforms, off on CPU platforms (where nothing runs beside the host)",
+    )

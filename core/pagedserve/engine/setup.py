@@ -190,8 +190,27 @@ def build_engine(args: EngineArgs) -> EngineSetup:
         logger.warning("cpu_compile=True has no effect: %s", not_compiled_why)
     scheduler = Scheduler(sched_config, cache_config, num_blocks)
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
-    core = EngineCore(scheduler, runner, max_model_len=max_model_len, proposer=proposer)
+    async_scheduling = async_scheduling_choice(args.async_scheduling, platform, proposer is not None)
+    core = EngineCore(
+        scheduler, runner, max_model_len=max_model_len, proposer=proposer, async_scheduling=async_scheduling
+    )
     return EngineSetup(platform, loaded, backend, tokenizer, eos, max_model_len, num_blocks, core)
+
+
+def async_scheduling_choice(requested: bool | None, platform: LoadedPlatform, drafts: bool) -> bool:
+    """Whether the engine schedules ahead (see `engine.step_pipeline`): as requested, else on for
+    accelerator platforms. Logs the choice."""
+    on = requested if requested is not None else platform.info.device_type != "cpu"
+    if not on:
+        logger.info("asynchronous scheduling off: every step is scheduled after the previous one's samples")
+    elif drafts:
+        logger.info(
+            "asynchronous scheduling on, but every step runs synchronously: n-gram drafts are "
+            "proposed from each step's sampled tokens"
+        )
+    else:
+        logger.info("asynchronous scheduling on: step N+1 is scheduled while step N runs")
+    return on
 
 
 def _max_model_len(args: EngineArgs, spec: ModelSpec) -> int:

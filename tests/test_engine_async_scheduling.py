@@ -22,7 +22,6 @@ from models_harness import random_prompts, save_checkpoint, tiny_hf_model
 from transformers import LlamaConfig
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.async_output import ModelRunnerOutput
@@ -280,14 +279,3 @@ def test_host_schedules_step_n_plus_1_before_reading_step_n(checkpoint: Path) ->
 def test_engine_args_default_is_off_on_cpu(checkpoint: Path) -> None:
     llm = LLM(str(checkpoint), skip_tokenizer_init=True, dtype="float32", max_model_len=64)
     assert llm.engine.core.pipeline is None
-
-
-def test_update_out_of_order_is_refused(checkpoint: Path) -> None:
-    engine: LLMEngine = _llm(checkpoint, True).engine
-    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, detokenize=False))
-    scheduler = engine.core.scheduler
-    first = scheduler.schedule()
-    second = scheduler.schedule()
-    with pytest.raises(ValueError, match="oldest scheduled"):
-        scheduler.update_from_output(second, {})
-    assert first.num_scheduled_tokens == {"a": len(PROMPTS[0])}

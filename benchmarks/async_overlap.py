@@ -10,10 +10,10 @@ reading its samples waits until then, as reading a pinned copy behind a CUDA eve
 So a synchronous step costs host + device time, and an asynchronous one about max(host, device):
 the difference is the host time hidden under the device. The table gives, per simulated device
 time, with `async_scheduling` off and on: the wall time per decode step and the simulated
-device's idle time per step (from finishing one step to the launch of the next), means over
-`--steps` timed steps after `--warmup`. On a shared machine the wall times include waits for a
-core; the idle times show the overlap more robustly (`--repeat` runs each pair several times and
-keeps the fastest).
+device's idle time per step (from finishing one step to the launch of the next), and the host
+thread's CPU time per step, means over `--steps` timed steps after `--warmup`. On a shared
+machine the wall and idle times include waits for a core (`--repeat` runs each pair several
+times and keeps the fastest); the CPU times do not.
 
 Usage: .venv/bin/python benchmarks/async_overlap.py [--requests 256] [--steps 100] [--warmup 10]
        [--vocab 256] [--device-ms 0,10,20,40] [--repeat 3]
@@ -109,9 +109,9 @@ def build(
 
 def step_ms(
     engine: LLMEngine, device: SimulatedDevice, requests: int, steps: int, warmup: int, vocab: int
-) -> tuple[float, float]:
-    """Mean wall time of one decode step with `requests` running requests, and mean device idle
-    time per step, in ms."""
+) -> tuple[float, float, float]:
+    """Per decode step with `requests` running requests, in ms: mean wall time, mean device idle
+    time, and mean CPU time of this thread (the host's work, whatever else the machine runs)."""
     params = SamplingParams(max_tokens=steps + warmup + 8, ignore_eos=True, temperature=0, detokenize=False)
     gen = torch.Generator().manual_seed(0)
     for i in range(requests):
@@ -120,11 +120,13 @@ def step_ms(
         engine.step()
     device.idle_s = 0.0
     times = []
+    cpu_start = time.thread_time()
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return statistics.fmean(times) * 1e3, device.idle_s / steps * 1e3
+    cpu_ms = (time.thread_time() - cpu_start) / steps * 1e3
+    return statistics.fmean(times) * 1e3, device.idle_s / steps * 1e3, cpu_ms
 
 
 def main() -> None:
@@ -141,18 +143,19 @@ def main() -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     print(f"{args.requests} decoding requests; ms per step, mean of {args.steps}, best of {args.repeat}")
-    print(f"{'device':>8} {'step sync':>10} {'step async':>11} {'idle sync':>10} {'idle async':>11}")
+    heads = ("step sync", "step async", "idle sync", "idle async", "cpu sync", "cpu async")
+    print(f"{'device':>6} " + " ".join(f"{h:>10}" for h in heads))
     with tempfile.TemporaryDirectory(prefix="async_overlap_") as tmp:
         for device_ms in (float(x) for x in args.device_ms.split(",")):
-            best: dict[bool, tuple[float, float]] = {}
+            best: dict[bool, tuple[float, float, float]] = {}
             for _ in range(args.repeat):
                 for on in (False, True):
                     engine, device = build(Path(tmp), args.vocab, on, device_ms / 1e3)
                     got = step_ms(engine, device, args.requests, args.steps, args.warmup, args.vocab)
                     best[on] = min(best.get(on, got), got)
-            (step_sync, idle_sync), (step_async, idle_async) = best[False], best[True]
-            steps = f"{step_sync:>10.2f} {step_async:>11.2f}"
-            print(f"{device_ms:>8.1f} {steps} {idle_sync:>10.2f} {idle_async:>11.2f}", flush=True)
+            (step_s, idle_s, cpu_s), (step_a, idle_a, cpu_a) = best[False], best[True]
+            cols = " ".join(f"{v:>10.2f}" for v in (step_s, step_a, idle_s, idle_a, cpu_s, cpu_a))
+            print(f"{device_ms:>6.1f} {cols}", flush=True)
 
 
 if __name__ == "__main__":

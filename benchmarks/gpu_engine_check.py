@@ -2,10 +2,13 @@
 
 Tiny random float32 models (Llama, Mistral with a sliding window, Qwen2, Qwen3) are saved as
 safetensors checkpoints; each is served by `LLM(platform="cpu_reference")` and by
-`LLM(platform=PLATFORM)` on the same prompts, with chunked prefill forced small and a KV pool small
-enough to preempt, and the greedy token ids must be equal.
+`LLM(platform=PLATFORM)` in every CUDA-graph mode of `--graph-modes` (each compiled, plus
+`enforce_eager`) on the same prompts, with chunked prefill forced small and a KV pool small
+enough to preempt, and the greedy token ids must be equal. The line of each accelerator run also
+says how many steps replayed full and piecewise graphs, so a mode that silently fell back shows.
 
     python benchmarks/gpu_engine_check.py --platform triton
+    python benchmarks/gpu_engine_check.py --platform cuda --graph-modes full_and_piecewise,piecewise
 """
 
 from __future__ import annotations
@@ -51,7 +54,14 @@ def main() -> int:
     )
     parser.add_argument("--platform", default="triton")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument(
+        "--graph-modes",
+        default="full_and_piecewise,full_decode_only,piecewise,none",
+        help="comma-separated cudagraph_mode values to run the platform in, and/or 'eager' "
+        "(enforce_eager=True)",
+    )
     args = parser.parse_args()
+    runs = [("cpu_reference", "eager")] + [(args.platform, m) for m in args.graph_modes.split(",")]
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 33, 100, 260, 17, 64]
     prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
@@ -64,7 +74,8 @@ def main() -> int:
             path = Path(tmp) / arch
             hf.save_pretrained(path)
             results = {}
-            for platform in ("cpu_reference", args.platform):
+            for platform, mode in runs:
+                graph_options = {"enforce_eager": True} if mode == "eager" else {"cudagraph_mode": mode}
                 for label, engine in (
                     ("plain", {"num_kv_blocks": 256}),
                     (
@@ -79,21 +90,29 @@ def main() -> int:
                         dtype="float32",
                         max_model_len=512,
                         block_size=16,
+                        **graph_options,
                         **engine,
                     )
                     outs = llm.generate(prompts, params, use_tqdm=False)
-                    results[(platform, label)] = [o.outputs[0].token_ids for o in outs]
+                    results[(platform, mode, label)] = [o.outputs[0].token_ids for o in outs]
+                    runner = llm.engine.core.runner
                     preempted = llm.engine.core.scheduler.num_preemptions
-                    print(f"{arch:8s} {platform:14s} {label:16s} preemptions={preempted}")
-                    del llm
-            reference = results[("cpu_reference", "plain")]
+                    full = runner.full_graphs.num_replays if runner.full_graphs is not None else 0
+                    piecewise = runner.cuda_graphs.num_replays if runner.cuda_graphs is not None else 0
+                    print(
+                        f"{arch:8s} {platform:14s} {mode:18s} {label:16s} preemptions={preempted} "
+                        f"full-graph steps={full} piecewise steps={piecewise}",
+                        flush=True,
+                    )
+                    del llm, runner
+            reference = results[("cpu_reference", "eager", "plain")]
             for key, tokens in results.items():
                 same = sum(a == b for a, b in zip(tokens, reference, strict=True))
                 ok = same == len(reference)
                 failures += not ok
                 print(
-                    f"  {arch:8s} {key[0]:14s} {key[1]:16s} equal to cpu_reference: {same}/{len(reference)}"
-                    + ("" if ok else "  <-- MISMATCH")
+                    f"  {arch:8s} {key[0]:14s} {key[1]:18s} {key[2]:16s} equal to cpu_reference: "
+                    f"{same}/{len(reference)}" + ("" if ok else "  <-- MISMATCH")
                 )
     print("ALL EQUAL" if failures == 0 else f"{failures} MISMATCHES")
     return 1 if failures else 0

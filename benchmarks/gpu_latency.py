@@ -1,6 +1,12 @@
-"""On a GPU: what piecewise CUDA graphs buy, with Llama-3.1-8B shapes and dummy bfloat16 weights.
+"""On a GPU: what CUDA graphs and compilation buy, with Llama-3.1-8B shapes and dummy bfloat16 weights.
 
-For each mode (graphs, then `enforce_eager=True`), one engine is built and measured:
+For each mode of `--modes` (a `cudagraph_mode`, optionally with `+nocompile` for
+`gpu_compile=False`, or `eager` for `enforce_eager=True`), one engine is built and measured:
+  * start-up: seconds to build the engine, split into torch.compile, the attention-kernel
+    warm-up and graph capture (the rest is model load, KV-cache sizing and allocation); run
+    once with empty compile caches (`XDG_CACHE_HOME` pointing at a new directory, and
+    `TRITON_CACHE_DIR`, `TORCHINDUCTOR_CACHE_DIR`, `PAGEDSERVE_CACHE_DIR` and
+    `PAGEDSERVE_CUDA_CACHE` unset) for the cold start, once more for the warm one;
   * single stream: one prompt of `--prompt-len` tokens, `--output-len` tokens out; TTFT is the
     first step (prefill + first sample), TPOT the median of the other steps (synchronised);
   * GPU idle: a torch-profiler trace of `--profile-steps` single-stream decode steps, and of as
@@ -9,7 +15,8 @@ For each mode (graphs, then `enforce_eager=True`), one engine is built and measu
   * throughput (`--what throughput --workload FILE`): `pagedserve bench throughput`'s loop on
     the workload file.
 
-    python benchmarks/gpu_latency.py --platform triton --json out.json
+    python benchmarks/gpu_latency.py --platform cuda --json out.json
+    python benchmarks/gpu_latency.py --modes full_and_piecewise,piecewise,none+nocompile --json out.json
     python benchmarks/gpu_latency.py --what throughput --workload sharegpt_like_256.json
 """
 
@@ -168,7 +175,18 @@ def host_profile(engine: LLMEngine, prompt_len: int, steps: int) -> str:
     return text.getvalue()
 
 
-def measure(args: argparse.Namespace, model_dir: str, enforce_eager: bool) -> dict[str, Any]:
+def engine_options(mode: str) -> dict[str, Any]:
+    """EngineArgs fields of one `--modes` entry: `eager`, or a cudagraph_mode with an optional
+    `+nocompile` suffix."""
+    if mode == "eager":
+        return {"enforce_eager": True}
+    graph_mode, _, suffix = mode.partition("+")
+    if suffix not in ("", "nocompile"):
+        raise SystemExit(f"mode {mode!r}: the only suffix is '+nocompile'")
+    return {"cudagraph_mode": graph_mode, "gpu_compile": suffix != "nocompile"}
+
+
+def measure(args: argparse.Namespace, model_dir: str, mode: str) -> dict[str, Any]:
     start = time.perf_counter()
     engine = LLMEngine(
         EngineArgs(
@@ -180,14 +198,27 @@ def measure(args: argparse.Namespace, model_dir: str, enforce_eager: bool) -> di
             num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=256,
             platform=args.platform,
-            enforce_eager=enforce_eager,
+            **engine_options(mode),
         )
     )
     out: dict[str, Any] = {"build_s": time.perf_counter() - start}
-    graphs = engine.core.runner.cuda_graphs
+    runner = engine.core.runner
+    times = runner.startup_times
+    if times is not None:
+        out["startup"] = {
+            "compile_s": times.compile_s,
+            "attention_kernels_s": times.kernels_s,
+            "capture_s": times.capture_s,
+            "load_and_rest_s": out["build_s"] - times.compile_s - times.kernels_s - times.capture_s,
+            "warmup_batches": times.num_warmup_batches,
+        }
+    print(out, flush=True)
+    graphs, full = runner.cuda_graphs, runner.full_graphs
     if graphs is not None:
         out["graph_sizes"] = list(graphs.sizes)
         out["num_graphs"] = graphs.num_graphs
+    if full is not None:
+        out["full_graph_sizes"] = list(full.sizes)
     what = set(args.what.split(","))
     if "latency" in what:
         out["single_stream"] = single_stream(engine, args.prompt_len, args.output_len)
@@ -207,7 +238,9 @@ def measure(args: argparse.Namespace, model_dir: str, enforce_eager: bool) -> di
         print(out["throughput"], flush=True)
     if graphs is not None:
         out["graph_replays"] = graphs.num_replays
-    del engine, graphs
+    if full is not None:
+        out["full_graph_replays"] = full.num_replays
+    del engine, runner, graphs, full
     gc.collect()
     torch.cuda.empty_cache()
     return out
@@ -229,7 +262,12 @@ def main() -> None:
     parser.add_argument(
         "--what", default="latency,profile", help="of latency, profile, hostprofile, throughput"
     )
-    parser.add_argument("--modes", default="graphs,eager")
+    parser.add_argument(
+        "--modes",
+        default="full_and_piecewise,piecewise",
+        help="comma-separated: a cudagraph_mode (none, piecewise, full_decode_only, full_and_piecewise), "
+        "optionally +nocompile, or eager",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -237,7 +275,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         llama_8b_config().save_pretrained(tmp)
         for mode in args.modes.split(","):
-            results[mode] = measure(args, tmp, enforce_eager=mode == "eager")
+            results[mode] = measure(args, tmp, mode)
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))

@@ -2,7 +2,8 @@
 
 The real `LLMEngine` (cpu_reference platform) serves a tiny random Llama (one layer, hidden 64,
 `--vocab` tokens, dummy weights), so the model's own arithmetic is small and what is left is the
-per-step work of the host: the part issue 7 caps at 1 ms per decode step on the GPU host.
+per-step work of the host: the part that has to stay well under a GPU decode step (about 1 ms)
+for the host not to leave the GPU idle.
 `--requests` requests are prefilled (untimed), then `--warmup` decode steps run untimed and
 `--steps` decode steps are timed. No request finishes during the timed steps.
 

@@ -1,7 +1,8 @@
-"""Piecewise CUDA graphs, the parts that run without a GPU: the size ladder and padding choice, when
-graphs are ruled out, the attention hook of the forward context (what capture cuts the forward
-at), the eager `attend` that replay runs between graphs, and that an engine off CUDA stays eager
-and unchanged. The capture and replay themselves are in `test_cuda_graphs_gpu.py`."""
+"""Piecewise CUDA graphs, the parts that run without a GPU: the size ladder and padding choice,
+that graphs refuse a CPU device (`test_full_cuda_graphs.py` has the mode rules), the attention
+hook of the forward context (what capture cuts the forward at), the eager `attend` that replay
+runs between graphs, and that an engine off CUDA stays eager and unchanged. The capture and
+replay themselves are in `test_cuda_graphs_gpu.py`."""
 
 from __future__ import annotations
 
@@ -18,13 +19,11 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.layer import attend, paged_attention
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.loader import load_model
-from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import CacheOps
 from pagedserve.worker.cuda_graphs import (
     PiecewiseCudaGraphs,
     _SplitAtAttention,
     default_graph_sizes,
-    eager_reason,
     padded_size,
 )
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
@@ -84,31 +83,6 @@ def test_padded_size_is_the_smallest_size_that_holds_the_step(num_tokens: int, e
 
 
 # ----------------------------------------------------------------------------- when graphs are off
-def _spec(implementation: str) -> ModelSpec:
-    return ModelSpec(
-        architecture="LlamaForCausalLM",
-        implementation=implementation,  # type: ignore[arg-type]
-        num_layers=2,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_size=16,
-        hidden_size=64,
-        vocab_size=VOCAB,
-        dtype=torch.float32,
-        sliding_windows=(None, None),
-        logit_softcap=None,
-        max_position_embeddings=256,
-    )
-
-
-def test_eager_reasons() -> None:
-    cuda = torch.device("cuda", 0)
-    assert eager_reason(cuda, _spec("native"), enforce_eager=False) is None
-    assert eager_reason(cuda, _spec("native"), enforce_eager=True) == "enforce_eager=True"
-    assert "cpu" in str(eager_reason(torch.device("cpu"), _spec("native"), enforce_eager=False))
-    assert "transformers fallback" in str(eager_reason(cuda, _spec("transformers"), enforce_eager=False))
-
-
 def test_graphs_refuse_a_cpu_device(checkpoint: Path) -> None:
     model = load_model(checkpoint).model
     with pytest.raises(ValueError, match="need a CUDA device"):

@@ -1,7 +1,9 @@
-"""Piecewise CUDA graphs on a real GPU: greedy tokens with graphs equal those of `enforce_eager=True`
-on the triton platform, for tiny float32 Llama, Mistral (sliding window) and Qwen3 models, through
-a whole-batch prefill that replays a graph, chunked prefill mixed with decodes, preemption, and a
-step too large for any graph; and the graphs captured are the ones the ladder names.
+"""CUDA graphs on a real GPU: greedy tokens with full decode graphs, piecewise graphs and the
+compiled forward equal those of `enforce_eager=True`, for tiny float32 Llama, Mistral (sliding
+window) and Qwen3 models, through a whole-batch prefill that replays a piecewise graph, chunked
+prefill mixed with decodes, preemption, and a step too large for any graph; every
+`cudagraph_mode` on the triton and cuda platforms; the graphs captured are the ones the ladders
+name; and once the engine is built, serving compiles no kernel.
 
 Skipped without a CUDA GPU. On a GPU machine run this file in its own pytest process (the
 interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernels on the CPU).
@@ -71,10 +73,12 @@ PROMPTS = _prompts([5, 33, 100, 260, 17, 64])
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False)
 
 
-def _run(path: Path, prompts: list[list[int]], **engine: Any) -> tuple[list[list[int]], LLM]:
+def _run(
+    path: Path, prompts: list[list[int]], platform: str = "triton", **engine: Any
+) -> tuple[list[list[int]], LLM]:
     llm = LLM(
         str(path),
-        platform="triton",
+        platform=platform,
         skip_tokenizer_init=True,
         dtype="float32",
         max_model_len=1024,
@@ -98,30 +102,65 @@ def test_borrowed_view_aliases_without_owning() -> None:
 @pytest.mark.parametrize(
     ("label", "engine"),
     [
-        ("whole-batch", {"num_kv_blocks": 256}),
+        ("whole-batch", {"num_kv_blocks": 256, "max_num_seqs": 8}),
         ("chunked+preempt", {"num_kv_blocks": 24, "max_num_batched_tokens": 64, "max_num_seqs": 4}),
     ],
 )
 def test_graphs_give_the_eager_tokens(
     checkpoints: dict[str, Path], arch: str, label: str, engine: dict
 ) -> None:
+    # The default mode: full graphs for decode batches, piecewise graphs for the rest, compiled.
     path = checkpoints[arch]
     eager, _ = _run(path, PROMPTS, enforce_eager=True, **engine)
     graphed, llm = _run(path, PROMPTS, **engine)
     assert graphed == eager
     runner = llm.engine.core.runner
-    graphs = runner.cuda_graphs
-    assert graphs is not None
+    graphs, full = runner.cuda_graphs, runner.full_graphs
+    assert graphs is not None and full is not None and runner.compiled is not None
     budget = engine.get("max_num_batched_tokens", 8192)
     num_layers = runner.spec.num_layers
     # One graph before each attention layer and one after the last: L + 1 per size.
     assert graphs.graphs_per_size() == {s: num_layers + 1 for s in default_graph_sizes(budget)}
+    assert full.sizes == default_graph_sizes(engine["max_num_seqs"])
     if label == "whole-batch":
-        # Every step replays: the 479-token prefill (padded to 480), then MAX_NEW - 1 decodes.
-        assert graphs.num_replays == MAX_NEW
+        # The 479-token prefill replays piecewise graphs (padded to 480), the MAX_NEW - 1 decode
+        # steps of 6 requests the full graph of 8.
+        assert (graphs.num_replays, full.num_replays) == (1, MAX_NEW - 1)
     else:
-        assert graphs.num_replays > MAX_NEW  # chunks, decodes and re-prefills after preemption
+        assert graphs.num_replays > 0 and full.num_replays > 0  # chunks, then decodes
         assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+_EAGER: dict[str, list[list[int]]] = {}  # platform -> eager tokens of the mode test's engine
+
+
+@pytest.mark.parametrize(
+    ("platform", "mode", "compiled"),
+    [
+        ("triton", "full_and_piecewise", False),
+        ("triton", "full_decode_only", True),
+        ("triton", "piecewise", True),
+        ("triton", "none", True),
+        ("cuda", "full_and_piecewise", True),
+        ("cuda", "full_decode_only", True),
+    ],
+)
+def test_every_mode_gives_the_eager_tokens(
+    checkpoints: dict[str, Path], platform: str, mode: str, compiled: bool
+) -> None:
+    path = checkpoints["mistral"]  # the sliding window exercises the windowed kernels too
+    engine = {"num_kv_blocks": 24, "max_num_batched_tokens": 64, "max_num_seqs": 4, "platform": platform}
+    if platform not in _EAGER:
+        _EAGER[platform] = _run(path, PROMPTS, enforce_eager=True, **engine)[0]
+    eager = _EAGER[platform]
+    graphed, llm = _run(path, PROMPTS, cudagraph_mode=mode, gpu_compile=compiled, **engine)
+    assert graphed == eager
+    runner = llm.engine.core.runner
+    assert (runner.full_graphs is not None) == mode.startswith("full")
+    assert (runner.cuda_graphs is not None) == (mode in ("piecewise", "full_and_piecewise"))
+    assert (runner.compiled is not None) == compiled
+    if runner.full_graphs is not None:
+        assert runner.full_graphs.num_replays > 0
 
 
 def test_a_step_beyond_the_ladder_runs_eagerly(checkpoints: dict[str, Path]) -> None:
@@ -130,12 +169,64 @@ def test_a_step_beyond_the_ladder_runs_eagerly(checkpoints: dict[str, Path]) -> 
     eager, _ = _run(path, prompts, enforce_eager=True, num_kv_blocks=64)
     graphed, llm = _run(path, prompts, num_kv_blocks=64)
     assert graphed == eager
-    graphs = llm.engine.core.runner.cuda_graphs
-    assert graphs is not None
-    # The 600-token prefill is eager; each of the MAX_NEW - 1 decodes after it replays.
-    assert graphs.num_replays == MAX_NEW - 1
+    runner = llm.engine.core.runner
+    assert runner.cuda_graphs is not None and runner.full_graphs is not None
+    # The 600-token prefill runs the compiled forward; each of the MAX_NEW - 1 decodes after it
+    # replays the one-request full graph.
+    assert runner.cuda_graphs.num_replays == 0
+    assert runner.full_graphs.num_replays == MAX_NEW - 1
 
 
-def test_enforce_eager_captures_nothing(checkpoints: dict[str, Path]) -> None:
+def test_enforce_eager_captures_and_compiles_nothing(checkpoints: dict[str, Path]) -> None:
     _, llm = _run(checkpoints["llama"], PROMPTS[:1], enforce_eager=True, num_kv_blocks=32)
-    assert llm.engine.core.runner.cuda_graphs is None
+    runner = llm.engine.core.runner
+    assert runner.cuda_graphs is None and runner.full_graphs is None and runner.compiled is None
+
+
+def _compiled_variants() -> dict[str, int]:
+    """Kernel name -> variants Triton has compiled in this process, for the triton platform's
+    kernels (attention and cache writes)."""
+    from pagedserve_triton import cache_kernels, unified_attention
+
+    kernels = {
+        "unified_attention_2d": unified_attention.unified_attention_2d_kernel,
+        "unified_attention_3d": unified_attention.unified_attention_3d_kernel,
+        "reduce_segments": unified_attention.reduce_segments_kernel,
+        "reshape_and_cache": cache_kernels.reshape_and_cache_kernel,
+    }
+    counts = {}
+    for name, kernel in kernels.items():
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton version keeps no per-device kernel caches to count")
+        counts[name] = sum(len(entry[0]) for entry in caches.values())
+    return counts
+
+
+def test_no_kernel_compiles_after_start(checkpoints: dict[str, Path]) -> None:
+    # No cold start: once the engine is built, a workload of prefills, chunks, mixed steps,
+    # preemption and decodes of every batch size compiles nothing more.
+    from torch._dynamo.utils import counters
+
+    llm = LLM(
+        str(checkpoints["qwen3"]),
+        platform="triton",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=1024,
+        num_kv_blocks=40,
+        max_num_batched_tokens=96,
+        max_num_seqs=8,
+        cuda_graph_max_tokens=32,  # steps of 33..96 tokens call the compiled forward directly
+    )
+    before, graphs_before = _compiled_variants(), counters["stats"]["unique_graphs"]
+    prompts = _prompts([3, 700, 40, 9, 130, 64, 1, 250, 17, 90])
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        for n in (40, 5, 90, 12, 60, 3, 30, 8, 70, 20)
+    ]
+    llm.generate(prompts, params, use_tqdm=False)
+    after = _compiled_variants()
+    grew = {k: (before[k], after[k]) for k in after if after[k] != before[k]}
+    assert not grew, f"kernel variants compiled while serving (before, after): {grew}"
+    assert counters["stats"]["unique_graphs"] == graphs_before, "torch.compile compiled while serving"

@@ -3,6 +3,7 @@ README's test command (nothing weaker)."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -46,3 +47,140 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "pytest" in test_command
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci_lines, "the README's test command and .ci/run's differ"
+
+
+_PATH_IN_BACKTICKS = re.compile(r"`((?:core|plugins|benchmarks|docs|tests|examples)/[^`\s]*)`")
+# Placeholders a reader fills in (`configs/cuda_paged_attention-<device>.json`, `DIR`), not files.
+_PLACEHOLDER = re.compile(r"[<>]|\b[A-Z]{3,}\b")
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if not match:
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    return [p for alt in match.group(1).split(",") for p in _expand_braces(head + alt + tail)]
+
+
+def _doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("plugins/*/*/*.md"))]
+
+
+def test_docs_name_only_files_that_exist() -> None:
+    missing = []
+    for doc in _doc_files():
+        for ref in _PATH_IN_BACKTICKS.findall(doc.read_text()):
+            if _PLACEHOLDER.search(ref):
+                continue
+            for pattern in _expand_braces(ref.rstrip("/").split("::")[0]):
+                if not any(ROOT.glob(pattern)):
+                    missing.append(f"{doc.relative_to(ROOT)}: {pattern}")
+    assert not missing, f"docs name files that do not exist: {missing}"
+
+
+def test_every_platform_plugin_is_described_in_the_architecture() -> None:
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    for plugin in sorted(p.name for p in (ROOT / "plugins").iterdir() if p.is_dir()):
+        assert f"* `{plugin}` —" in architecture, f"docs/architecture.md does not describe plugins/{plugin}"
+
+
+# How the project was made is not what it is: users know nothing of work sessions, tracker
+# numbers or the tools behind them.
+_MAKING = re.compile(
+    r"\bsessions? \d|\bsession's\b|\bissues? #?\d|\bdevice tool\b|\bother engineers\b|\bengineers' jobs\b",
+    re.IGNORECASE,
+)
+
+
+def test_nothing_narrates_how_the_project_was_made() -> None:
+    suffixes = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".json"}
+    found = []
+    for path in [*ROOT.glob("*.md"), *ROOT.glob("*.toml"), *(ROOT / ".ci").glob("*")]:
+        found += [f"{path.name}: {m.group(0)}" for m in _MAKING.finditer(path.read_text())]
+    for top in (*CODE_DIRS, "docs", "tests"):
+        for path in (ROOT / top).rglob("*"):
+            if path.suffix not in suffixes or "__pycache__" in path.parts or path.name == Path(__file__).name:
+                continue
+            if any(p.endswith(".egg-info") for p in path.parts) or path.stat().st_size > 2_000_000:
+                continue
+            text = path.read_text(errors="replace")
+            found += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in _MAKING.finditer(text)]
+    assert not found, f"text that narrates the project's making: {found[:20]}"
+
+
+# `pagedserve SUBCOMMAND [SUBSUBCOMMAND] ... --flag` in a doc: the flags a reader would type.
+_COMMAND = re.compile(r"\bpagedserve((?: [a-z][a-z-]*)+)((?: [^`\n#]*)?)")
+_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommand parsers of `parser` by name (empty when it has none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _doc_commands() -> list[tuple[str, str]]:
+    """(doc, command line) for every `pagedserve ...` command the docs show, with `\\` line
+    continuations joined and trailing `# comments` dropped."""
+    found = []
+    for doc in _doc_files():
+        text = doc.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            for match in _COMMAND.finditer(line):
+                found.append((doc.relative_to(ROOT).as_posix(), match.group(0)))
+    return found
+
+
+def test_docs_show_only_cli_flags_that_exist() -> None:
+    from pagedserve.cli.main import build_parser
+
+    top = build_parser()
+    problems = []
+    for doc, command in _doc_commands():
+        words = command.split()[1:]
+        parser = top
+        path = ["pagedserve"]
+        while words and words[0] in _subparsers(parser):
+            path.append(words[0])
+            parser = _subparsers(parser)[words.pop(0)]
+        if parser is top:
+            continue  # prose such as "pagedserve is ...", not a command
+        known = set(parser._option_string_actions)
+        for flag in _FLAG.findall(" ".join(words)):
+            if flag not in known:
+                problems.append(f"{doc}: `{' '.join(path)}` has no {flag}")
+    assert not problems, f"docs show CLI flags the parser does not have: {problems}"
+
+
+def test_docs_name_only_pagedserve_variables_the_code_defines() -> None:
+    code = "\n".join(path.read_text() for top in ("core", "plugins") for path in (ROOT / top).rglob("*.py"))
+    problems = []
+    for doc in _doc_files():
+        for name in sorted(set(re.findall(r"\bPAGEDSERVE_[A-Z0-9_]+\b", doc.read_text()))):
+            if f'"{name}"' not in code:
+                problems.append(f"{doc.relative_to(ROOT)}: {name}")
+    assert not problems, f"docs name PAGEDSERVE_* names that no code defines: {problems}"
+
+
+def test_docs_name_only_pagedserve_modules_and_attributes_that_exist() -> None:
+    import importlib
+
+    problems = []
+    for doc in _doc_files():
+        for name in sorted(set(re.findall(r"`(pagedserve(?:\.\w+)+)`", doc.read_text()))):
+            parts = name.split(".")
+            # The longest importable module prefix, then attributes down from it.
+            for cut in range(len(parts), 0, -1):
+                try:
+                    obj: object = importlib.import_module(".".join(parts[:cut]))
+                except ModuleNotFoundError:
+                    continue
+                break
+            for attr in parts[cut:]:
+                if not hasattr(obj, attr):
+                    problems.append(f"{doc.relative_to(ROOT)}: {name}")
+                    break
+                obj = getattr(obj, attr)
+    assert not problems, f"docs name pagedserve modules or attributes that do not exist: {problems}"

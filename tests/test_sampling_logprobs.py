@@ -11,7 +11,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.sampling import Sampler, SamplingMetadata, SamplingParams, SamplingRequest
+from pagedserve.sampling import (
+    Sampler,
+    SamplingParams,
+    SamplingRequest,
+    build_sampling_metadata,
+)
 from pagedserve.sampling.logprobs import (
     LogprobsTensors,
     compute_prompt_logprobs,
@@ -92,7 +97,7 @@ def test_greedy_with_repetition_penalty_and_logprobs_match_hf(tiny_llama: Any) -
     ours: list[int] = []
     for step in range(new_tokens):
         logits = tiny_llama(torch.tensor([prompt + ours])).logits[:, -1].float()
-        meta = SamplingMetadata.build(
+        meta = build_sampling_metadata(
             [SamplingRequest(params, prompt, ours)], vocab_size=96, eos_token_id=None
         )
         out = sampler.forward(logits, meta)
@@ -131,7 +136,7 @@ def test_prompt_logprobs_match_hf(tiny_llama: Any) -> None:
 
 def test_logprobs_beyond_vocab_are_rejected() -> None:
     with pytest.raises(ValueError, match="logprobs=11 asks for more top tokens than the vocabulary has"):
-        SamplingMetadata.build(
+        build_sampling_metadata(
             [SamplingRequest(SamplingParams(logprobs=11), [1], [])], vocab_size=10, eos_token_id=None
         )
 

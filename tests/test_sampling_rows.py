@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.sampling import Sampler, SamplingMetadata, SamplingParams, SamplingRequest
+from pagedserve.sampling import (
+    Sampler,
+    SamplingMetadata,
+    SamplingParams,
+    SamplingRequest,
+    build_sampling_metadata,
+)
 from pagedserve.sampling.metadata import step_seed
 from pagedserve.sampling.noise import (
     request_seed_hash,
@@ -112,7 +118,7 @@ class Model:
 
     def reference(self) -> SamplingMetadata:
         requests = [SamplingRequest(p, prompt, list(out), idx) for p, prompt, out, idx in self.requests]
-        return SamplingMetadata.build(requests, vocab_size=VOCAB, eos_token_id=EOS)
+        return build_sampling_metadata(requests, vocab_size=VOCAB, eos_token_id=EOS)
 
 
 def test_persistent_rows_match_a_fresh_build_through_joins_leaves_and_steps() -> None:
@@ -208,13 +214,13 @@ def test_top_p_on_a_few_rows_samples_as_each_row_alone() -> None:
     for step in range(30):
         logits = torch.randn(len(params), VOCAB, generator=generator) * 0.5
         outputs = [[0] * step]
-        batch = SamplingMetadata.build(
+        batch = build_sampling_metadata(
             [SamplingRequest(p, [1], outputs[0]) for p in params], vocab_size=VOCAB, eos_token_id=None
         )
         assert batch.top_p_rows is not None and batch.top_p_rows.tolist() == [0, 3]
         together = Sampler().forward(logits, batch).sampled_token_ids.tolist()
         for row, p in enumerate(params):
-            alone = SamplingMetadata.build(
+            alone = build_sampling_metadata(
                 [SamplingRequest(p, [1], outputs[0])], vocab_size=VOCAB, eos_token_id=None
             )
             assert alone.top_p_rows is None
@@ -267,7 +273,7 @@ def test_seeded_rows_sample_their_distribution() -> None:
     rows = 4000
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(rows, 3).contiguous()
     requests = [SamplingRequest(SamplingParams(seed=s), [1], []) for s in range(rows)]
-    meta = SamplingMetadata.build(requests, vocab_size=3, eos_token_id=None)
+    meta = build_sampling_metadata(requests, vocab_size=3, eos_token_id=None)
     freq = torch.bincount(Sampler().forward(logits, meta).sampled_token_ids, minlength=3).double() / rows
     for got, want in zip(freq.tolist(), [0.5, 0.3, 0.2], strict=True):
         assert abs(got - want) <= 4.5 * math.sqrt(want * (1 - want) / rows)

@@ -8,7 +8,13 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from pagedserve.sampling import Sampler, SamplingMetadata, SamplingParams, SamplingRequest
+from pagedserve.sampling import (
+    Sampler,
+    SamplingMetadata,
+    SamplingParams,
+    SamplingRequest,
+    build_sampling_metadata,
+)
 from pagedserve.sampling.penalties import PenaltyTensors, apply_penalties
 from pagedserve.sampling.sampler import apply_min_p, apply_top_k_top_p
 
@@ -33,7 +39,7 @@ def build(
         )
         for i, p in enumerate(params)
     ]
-    return SamplingMetadata.build(
+    return build_sampling_metadata(
         requests, vocab_size=vocab_size, eos_token_id=eos_token_id, generator=generator
     )
 
@@ -257,7 +263,7 @@ def test_shape_mismatch_is_reported() -> None:
     with pytest.raises(ValueError, match=r"logits must be \[num_reqs=1, vocab_size=10\]"):
         Sampler().forward(torch.zeros(1, 11), meta)
     with pytest.raises(ValueError, match="empty batch"):
-        SamplingMetadata.build([], vocab_size=10, eos_token_id=None)
+        build_sampling_metadata([], vocab_size=10, eos_token_id=None)
 
 
 def test_disabled_features_cost_nothing() -> None:

@@ -94,6 +94,17 @@ class EngineArgs(_Config):
     )
     seed: int = Field(0, ge=0)
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation")
+    cudagraph_mode: Literal["none", "piecewise", "full_decode_only", "full_and_piecewise"] = Field(
+        "full_and_piecewise",
+        description="CUDA graphs on NVIDIA GPUs: 'full_and_piecewise' replays decode batches as whole "
+        "graphs (attention inside) and other steps as piecewise graphs; 'full_decode_only' graphs "
+        "decode batches only; 'piecewise' cuts every step's graphs at attention; 'none' runs eagerly",
+    )
+    gpu_compile: bool = Field(
+        True,
+        description="GPU platforms: run the dense parts of the forward through torch.compile "
+        "(attention stays the platform's kernels); artifacts are cached on disk",
+    )
     cpu_compile: bool = Field(
         False,
         description="CPU platforms: run steps of up to 32 tokens through torch.compile (needs a C++ "

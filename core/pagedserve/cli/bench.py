@@ -8,10 +8,15 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedserve.bench.datasets import BenchRequest, fit_vocab, load_workload, random_requests
 from pagedserve.cli.engine_options import add_engine_options, engine_args_from
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
 
 
 def _rate(text: str) -> float:
@@ -132,6 +137,15 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0 if summary.failed == 0 else 1
 
 
+def _startup(engine: LLMEngine, build_s: float) -> dict[str, float]:
+    """Seconds the engine took to start, with the warm-up phases the runner recorded."""
+    out = {"total_s": build_s}
+    times = engine.core.runner.startup_times
+    if times is not None:
+        out.update(compile_s=times.compile_s, attention_kernels_s=times.kernels_s, capture_s=times.capture_s)
+    return out
+
+
 def run_throughput_cmd(args: argparse.Namespace) -> int:
     from pagedserve.bench.throughput import format_throughput, run_throughput
     from pagedserve.engine.llm_engine import LLMEngine
@@ -139,7 +153,9 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args, args.model)
     try:
         requests = load_workload(args.workload, args.num_prompts)
+        start = time.perf_counter()
         engine = LLMEngine(engine_args)
+        startup = _startup(engine, time.perf_counter() - start)
         requests = fit_vocab(requests, engine.vocab_size, wrap=args.wrap_token_ids)
         if args.warmup_requests < 0:
             raise ValueError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
@@ -152,6 +168,6 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
     print(format_throughput(result))
     if args.json_path:
         config = {"workload": args.workload, "model": args.model, "warmup_requests": args.warmup_requests}
-        payload = {"config": config, "result": result.to_dict()}
+        payload = {"config": config, "result": result.to_dict(), "startup": startup}
         Path(args.json_path).write_text(json.dumps(payload, indent=2) + "\n")
     return 0

@@ -24,6 +24,11 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
     "--load-format": ("load_format", str, "auto, safetensors, gguf or dummy (random weights)"),
     "--quantization": ("quantization", str, "gguf: keep a GGUF's Q4_1/Q8_0 blocks packed (CPU, bfloat16)"),
     "--cuda-graph-max-tokens": ("cuda_graph_max_tokens", int, "largest step replayed as CUDA graphs"),
+    "--cudagraph-mode": (
+        "cudagraph_mode",
+        str,
+        "none, piecewise, full_decode_only or full_and_piecewise (default)",
+    ),
     "--seed": ("seed", int, "engine seed"),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "n-gram draft tokens per step"),
 }
@@ -32,6 +37,7 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--no-chunked-prefill": ("enable_chunked_prefill", False, "turn chunked prefill off"),
     "--enforce-eager": ("enforce_eager", True, "no CUDA graphs, no compilation"),
     "--cpu-compile": ("cpu_compile", True, "CPU: torch.compile steps of up to 32 tokens (slow first start)"),
+    "--no-gpu-compile": ("gpu_compile", False, "GPU: run the forward's dense parts uncompiled"),
     "--skip-tokenizer-init": ("skip_tokenizer_init", True, "no tokenizer: token-id prompts only"),
     "--async-scheduling": ("async_scheduling", True, "schedule step N+1 while step N runs (default on GPUs)"),
     "--no-async-scheduling": ("async_scheduling", False, "every step synchronous (for debugging)"),

@@ -35,7 +35,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def conformance_suite(config: pytest.Config) -> ConformanceSuite:
-    """The session's suite, built on first use from the command-line options. Raises
+    """The suite of this pytest run, built on first use from the command-line options. Raises
     `pytest.UsageError` when no platform is named or it cannot be used."""
     suite = config.stash.get(_SUITE, None)
     if suite is None:

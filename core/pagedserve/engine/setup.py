@@ -7,6 +7,7 @@ know which platform, backend, dtype and KV-cache size they got.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +23,12 @@ from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.cpu_compile import compile_reason
-from pagedserve.worker.cuda_graphs import default_graph_sizes, eager_reason
+from pagedserve.worker.gpu_compile import configure_compile_caches
+from pagedserve.worker.graph_modes import plan_graphs
 from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.profile import profile_activation_bytes
+from pagedserve.worker.warmup import prepare_runner
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,9 @@ def build_engine(args: EngineArgs) -> EngineSetup:
     device = platform.device
     dtype = resolve_dtype(args.dtype, platform, args.quantization)
     logger.info("platform %s (%s), dtype %s", platform.name, platform.availability.reason, dtype)
+    if device.type == "cuda":
+        configure_compile_caches()  # before anything JIT-compiles, so every kernel lands on disk
+    load_start = time.perf_counter()
     loaded = load_model(
         args.model,
         gguf_file=args.gguf_file,
@@ -112,6 +118,7 @@ def build_engine(args: EngineArgs) -> EngineSetup:
         quantization=args.quantization,
     )
     spec = loaded.spec
+    logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
     max_model_len = _max_model_len(args, spec)
     backend = choose_backend(platform, spec, args.block_size)
     cache_ops = platform.cache_ops()
@@ -178,11 +185,26 @@ def build_engine(args: EngineArgs) -> EngineSetup:
     )
     if swap_blocks:
         runner.allocate_swap_space(swap_blocks)
-    eager_why = eager_reason(device, spec, args.enforce_eager)
-    if eager_why is None:
-        runner.capture_cuda_graphs(list(default_graph_sizes(max_batched, args.cuda_graph_max_tokens)))
+    graph_plan = plan_graphs(
+        args.cudagraph_mode,
+        enforce_eager=args.enforce_eager,
+        gpu_compile=args.gpu_compile,
+        device=device,
+        spec=spec,
+        backend_supports_full=backend.supports_full_cuda_graph,
+        cache_ops_skip_padding=cache_ops.skips_negative_slots,
+    )
+    if device.type == "cuda":
+        runner.startup_times = prepare_runner(
+            runner,
+            graph_plan,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        )
     else:
-        logger.info("CUDA graphs off (every step runs eagerly): %s", eager_why)
+        logger.info("no CUDA graphs: %s", graph_plan.describe())
     not_compiled_why = compile_reason(device, spec, args.cpu_compile, args.enforce_eager)
     if not_compiled_why is None:
         runner.compile_forward()

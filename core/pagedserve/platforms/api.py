@@ -26,9 +26,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.0"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.1"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -93,6 +93,15 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[AttentionCapabilities]
+    # API 1.1. True promises that `forward` can be recorded whole in a CUDA graph and replayed for
+    # other batches of the same padded size (full decode graphs, `pagedserve.worker.full_cuda_graphs`):
+    # its kernels, grids and scalar arguments depend only on the metadata's host fields
+    # (`num_reqs`, `num_actual_tokens`, `max_query_len`, `max_seq_len`) and on tensor layouts,
+    # never on values it would read back from the device; it does not sync; every device tensor
+    # it allocates is used within the call; and it stays correct when `max_seq_len` is only an
+    # upper bound of the real sequence lengths. Padding requests (query length 0, `seq_len` 0, at
+    # the end of the batch) attend to nothing and write no real token's output row.
+    supports_full_cuda_graph: ClassVar[bool] = False
 
     def check_supported(
         self,
@@ -180,6 +189,10 @@ class AttentionBackend(ABC):
 
 class CacheOps(ABC):
     """The three KV-cache data movements a platform provides. All of them mutate their destination."""
+
+    # API 1.1. True promises that `reshape_and_cache` leaves the rows whose slot is negative
+    # unwritten (the padding tokens of full CUDA graphs), without a device sync.
+    skips_negative_slots: ClassVar[bool] = False
 
     @abstractmethod
     def reshape_and_cache(

@@ -7,20 +7,18 @@ bias, ...) are `None` when no row of the batch uses them, so a plain greedy or p
 pays for nothing else; an all-greedy batch carries no per-row tensor at all.
 
 Every per-row tensor is a flat [num_reqs] (or [num_reqs, width]) array with a neutral value on rows
-that do not use the feature. `SamplingMetadata.build` is the from-scratch builder for a list of
-requests (tests and simple runners); it goes through `SamplingRows` too, so both agree.
+that do not use the feature. `rows.build_sampling_metadata` is the from-scratch builder for a
+list of requests (tests and simple runners); it goes through `SamplingRows` too, so both agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagedserve.sampling.noise import request_seed_hash, splitmix64
 from pagedserve.sampling.penalties import PenaltyTensors
-from pagedserve.sampling.sampling_params import SamplingParams
 
 
 def step_seed(seed: int, sample_index: int, step: int) -> int:
@@ -30,16 +28,6 @@ def step_seed(seed: int, sample_index: int, step: int) -> int:
     generated makes seeded output independent of batch composition, row order and preemption.
     The batched form is `noise.step_seeds`."""
     return splitmix64(request_seed_hash(seed, sample_index) ^ step) >> 1
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingRequest:
-    """One row of a batch, as the builder sees it. Sequences are read, never mutated."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far; its length is the step index of seeded noise
-    sample_index: int = 0  # which of the request's n samples this row is (seeded samples must differ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,37 +78,3 @@ class SamplingMetadata:
         if self.seeded is None:
             return {}
         return dict(zip(self.seeded.rows.tolist(), self.seeded.seeds.tolist(), strict=True))
-
-    @staticmethod
-    def build(
-        requests: Sequence[SamplingRequest],
-        *,
-        vocab_size: int,
-        eos_token_id: int | None,
-        device: torch.device | str = "cpu",
-        generator: torch.Generator | None = None,
-    ) -> SamplingMetadata:
-        """Build the metadata of one step for `requests` (row i = requests[i]); tensors go to
-        `device`, which must be the device of the logits given to the sampler.
-
-        Raises ValueError when a logit-bias, stop or history token id is outside [0, vocab_size)
-        or logprobs exceeds vocab_size. Does not mutate its arguments."""
-        # rows.py derives metadata from per-row arrays and imports this module; the from-scratch
-        # builder is a one-off batch of those arrays, so the import waits until it is called.
-        from pagedserve.sampling.rows import SamplingRows, TokenHistories
-
-        if not requests:
-            raise ValueError("cannot build sampling metadata for an empty batch")
-        rows = SamplingRows(len(requests))
-        for r in requests:
-            rows.add(r.params, r.sample_index)
-        histories = TokenHistories.from_lists(
-            [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests]
-        )
-        return rows.metadata(
-            histories,
-            vocab_size=vocab_size,
-            eos_token_id=eos_token_id,
-            device=torch.device(device),
-            generator=generator,
-        )

@@ -28,6 +28,16 @@ from pagedserve.sampling.sampling_params import SamplingParams, SamplingType
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """One row of a batch, as the builder sees it. Sequences are read, never mutated."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far; its length is the step index of seeded noise
+    sample_index: int = 0  # which of the request's n samples this row is (seeded samples must differ)
+
+
+@dataclass(frozen=True, slots=True)
 class TokenHistories:
     """Where the sampler finds the tokens before each sampled position: rows of a token array.
 
@@ -433,4 +443,34 @@ def _edits(
         rows=torch.from_numpy(positions).to(device),
         token_ids=torch.from_numpy(tokens).to(device),
         values=torch.from_numpy(values).to(device),
+    )
+
+
+def build_sampling_metadata(
+    requests: Sequence[SamplingRequest],
+    *,
+    vocab_size: int,
+    eos_token_id: int | None,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> SamplingMetadata:
+    """Build the metadata of one step for `requests` (row i = requests[i]) from scratch; tensors
+    go to `device`, which must be the device of the logits given to the sampler.
+
+    Raises ValueError when a logit-bias, stop or history token id is outside [0, vocab_size)
+    or logprobs exceeds vocab_size. Does not mutate its arguments."""
+    if not requests:
+        raise ValueError("cannot build sampling metadata for an empty batch")
+    rows = SamplingRows(len(requests))
+    for r in requests:
+        rows.add(r.params, r.sample_index)
+    histories = TokenHistories.from_lists(
+        [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests]
+    )
+    return rows.metadata(
+        histories,
+        vocab_size=vocab_size,
+        eos_token_id=eos_token_id,
+        device=torch.device(device),
+        generator=generator,
     )

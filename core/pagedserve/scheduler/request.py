@@ -30,8 +30,8 @@ _FINISHED = frozenset(
 class StopCriteria:
     """Token-level stop rules, checked by the scheduler as it appends sampled tokens.
 
-    Stop *strings* are not here: they need detokenized text, so the detokenizer matches them and
-    calls `Scheduler.finish_requests`."""
+    Stop *strings* are not here: they need detokenized text, so the front end's detokenizer
+    matches them and the engine core then calls `Scheduler.finish_requests`."""
 
     max_tokens: int  # most output tokens; prompt + max_tokens must fit in max_model_len
     min_tokens: int = 0  # EOS and stop tokens are ignored until this many outputs exist

@@ -104,7 +104,7 @@ class CompiledForward:
                 block_size=kv_caches[0].shape[2],
                 device=device,
             )
-            ctx = ForwardContext(metadata, kv_caches, backend, cache_ops, attention_hook=_zero_attention)
+            ctx = ForwardContext(metadata, kv_caches, backend, cache_ops, attention_hook=zero_attention)
             ids = torch.zeros(size, dtype=torch.long, device=device)
             start = time.perf_counter()
             try:
@@ -126,7 +126,7 @@ class CompiledForward:
             )
 
 
-def _zero_attention(
+def zero_attention(
     layer_idx: int,
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
     key: torch.Tensor,

@@ -42,11 +42,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from tqdm import tqdm
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.layer import attend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.models.spec import ModelSpec, PagedCausalLM
+from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 
 logger = logging.getLogger(__name__)
@@ -82,19 +83,6 @@ def padded_size(sizes: Sequence[int], num_tokens: int) -> int | None:
     for size in sizes:
         if size >= num_tokens:
             return size
-    return None
-
-
-def eager_reason(device: torch.device, spec: ModelSpec, enforce_eager: bool) -> str | None:
-    """Why this engine runs without CUDA graphs, or None when it can use them. Pure."""
-    if enforce_eager:
-        return "enforce_eager=True"
-    if device.type != "cuda":
-        return f"the device is {device.type}, not CUDA"
-    if spec.implementation != "native":
-        # transformers models may sync with the host or branch on tensor values inside their
-        # forward; a capture would fail or, worse, freeze one branch. Native models do neither.
-        return "the model runs through the transformers fallback, which is not capture-safe"
     return None
 
 
@@ -215,13 +203,22 @@ class PiecewiseCudaGraphs:
     Built once at engine start, after the KV cache is allocated; `run` replaces the eager model
     call of any step whose token count fits the ladder (`fits`)."""
 
-    def __init__(self, model: PagedCausalLM, device: torch.device, sizes: Sequence[int]) -> None:
-        """Allocates the static input and attention-output buffers; captures nothing yet."""
+    def __init__(
+        self,
+        model: PagedCausalLM,
+        device: torch.device,
+        sizes: Sequence[int],
+        *,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Allocates the static input and attention-output buffers; captures nothing yet.
+        `forward` is what capture runs (the compiled forward, `gpu_compile`); None: the model."""
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         if not sizes or any(s < 1 for s in sizes):
             raise ValueError(f"CUDA-graph sizes must be a non-empty list of positive ints, got {sizes}")
         self.model = model
+        self.forward = forward if forward is not None else model
         self.device = device
         self.sizes = tuple(sorted(set(sizes)))  # ascending
         spec = model.spec
@@ -264,7 +261,9 @@ class PiecewiseCudaGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
+            for size in tqdm(
+                reversed(self.sizes), total=len(self.sizes), desc="piecewise graphs", disable=None
+            ):
                 self._by_size[size] = self._capture_size(ctx, size, stream)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -289,13 +288,13 @@ class PiecewiseCudaGraphs:
         # this stream) must happen before capture, where allocation of that kind is not allowed.
         warmup = _SplitAtAttention(self._attn_out, size, new_graph=None)
         with forward_context(replace(ctx, attention_hook=warmup)):
-            self.model(ids, positions)
+            self.forward(ids, positions)
         stream.synchronize()
         split = _SplitAtAttention(self._attn_out, size, new_graph=self._begin_graph)
         with forward_context(replace(ctx, attention_hook=split)):
             split.begin_graph()
             try:
-                hidden = self.model(ids, positions)
+                hidden = self.forward(ids, positions)
             except BaseException as exc:
                 # Leave the stream out of capture mode, so the error is the model's, not CUDA's.
                 try:

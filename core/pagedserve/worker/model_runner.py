@@ -37,7 +37,10 @@ from pagedserve.worker.async_output import (
 )
 from pagedserve.worker.cpu_compile import CompiledForward
 from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs
+from pagedserve.worker.full_cuda_graphs import FullDecodeGraphs
+from pagedserve.worker.gpu_compile import GpuCompiledForward
 from pagedserve.worker.input_batch import InputBatch, RowState
+from pagedserve.worker.warmup import StartupTimes
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +96,12 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.swap_caches: list[torch.Tensor] | None = None
-        # Set by `capture_cuda_graphs` / `compile_forward`; None: every forward runs eagerly.
+        # Set by `warmup.prepare_runner` (GPUs) / `compile_forward` (CPUs); None: that path is off
+        # (full decode graphs, piecewise graphs, compiled forward).
+        self.full_graphs: FullDecodeGraphs | None = None
         self.cuda_graphs: PiecewiseCudaGraphs | None = None
-        self.compiled: CompiledForward | None = None
+        self.compiled: CompiledForward | GpuCompiledForward | None = None
+        self.startup_times: StartupTimes | None = None  # set by `warmup.prepare_runner`
         # The last launched step's output: its device tokens are the next step's placeholder inputs.
         self._last: PendingOutput | None = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -104,14 +110,6 @@ class ModelRunner:
         """Allocate the CPU swap pool (one tensor per layer) used by swap-mode preemption."""
         shape = self.spec.kv_cache_shape(num_blocks, self.block_size)
         self.swap_caches = [torch.zeros(shape, dtype=c.dtype, device="cpu") for c in self.kv_caches]
-
-    def capture_cuda_graphs(self, sizes: list[int]) -> None:
-        """Capture piecewise CUDA graphs for these padded token counts (see `cuda_graphs`); steps
-        that fit one replay it from then on. Call once, after the KV cache exists. Mutates the
-        runner; slow (two forwards per size)."""
-        graphs = PiecewiseCudaGraphs(self.model, self.device, sizes)
-        graphs.capture(self.kv_caches, self.backend, self.cache_ops)
-        self.cuda_graphs = graphs
 
     def compile_forward(self) -> None:
         """Compile the model forward for small steps (see `cpu_compile`) and warm it up; steps
@@ -140,8 +138,10 @@ class ModelRunner:
         if plan.pending.any():
             self._read_placeholders(plan, input_ids)
         ctx = ForwardContext(metadata, self.kv_caches, self.backend, self.cache_ops)
-        graphs, compiled = self.cuda_graphs, self.compiled
-        if graphs is not None and graphs.fits(metadata.num_actual_tokens):
+        full, graphs, compiled = self.full_graphs, self.cuda_graphs, self.compiled
+        if full is not None and full.covers(metadata):
+            hidden = full.run(metadata, input_ids, positions)
+        elif graphs is not None and graphs.fits(metadata.num_actual_tokens):
             hidden = graphs.run(ctx, input_ids, positions)
         else:
             forward = compiled if compiled is not None and compiled.fits(input_ids.shape[0]) else self.model

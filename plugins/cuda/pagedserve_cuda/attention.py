@@ -70,6 +70,11 @@ class CudaPagedAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "cuda_paged"
     # Triton runs every case the CUDA kernels do not, so the pair supports exactly what it does.
     capabilities: ClassVar[AttentionCapabilities] = UNIFIED_ATTENTION_CAPABILITIES
+    # The kernel choice is host-only; v1/v2 CTAs of a sequence shorter than their partition return
+    # at once (seq_len 0: every one), and v2's reduction writes row query_start_loc[seq], which
+    # for a padding sequence is the first padding row. Prefill batches go to Triton, which
+    # declares the same.
+    supports_full_cuda_graph: ClassVar[bool] = True
 
     def __init__(
         self,

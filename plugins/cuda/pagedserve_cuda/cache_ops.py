@@ -12,6 +12,8 @@ when the source is the CPU) and scattered on the destination.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from pagedserve.platforms.api import CacheOps
@@ -79,6 +81,8 @@ def contiguous_runs(block_mapping: torch.Tensor) -> list[tuple[int, int, int]]:
 
 class CudaCacheOps(CacheOps):
     """reshape_and_cache and copy_blocks as CUDA kernels; swap_blocks through the copy engines."""
+
+    skips_negative_slots: ClassVar[bool] = True  # the kernel returns early on a negative slot
 
     def __init__(self, *, loader: KernelLoader = LOADER) -> None:
         self._loader = loader

@@ -130,6 +130,10 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
 
     name: ClassVar[str] = "triton_unified"
     capabilities: ClassVar[AttentionCapabilities] = UNIFIED_ATTENTION_CAPABILITIES
+    # Grids and scalars come from host metadata only; padding requests (query length 0) end in
+    # their first program, a split past a sequence's end writes an empty partial, and the
+    # reduction of a padding token writes only that token's row.
+    supports_full_cuda_graph: ClassVar[bool] = True
 
     def __init__(
         self,

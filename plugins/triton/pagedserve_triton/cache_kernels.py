@@ -42,6 +42,8 @@ def reshape_and_cache_kernel(
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
+    if slot < 0:
+        return  # a padding token of a full CUDA graph: nothing to write
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     d_mask = offs_d < HEAD_SIZE
     k = tl.load(key_ptr + tok * stride_k_tok + head * stride_k_head + offs_d, mask=d_mask)

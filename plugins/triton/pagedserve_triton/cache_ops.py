@@ -6,6 +6,7 @@ layout (`launch_params.CachedLaunch`); the block copies check every call."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import triton
@@ -54,6 +55,8 @@ class TritonCacheOps(CacheOps):
 
     An instance keeps the current step's `reshape_and_cache` launch, so one instance must not run
     two calls at once (from two threads)."""
+
+    skips_negative_slots: ClassVar[bool] = True  # the kernel returns early on a negative slot
 
     def __init__(self, *, tuned_configs: TunedConfigs | None = None) -> None:
         """`tuned_configs` is the platform's; None reads this plugin's own files."""

@@ -39,6 +39,7 @@ read the same KV data (same head, neighbouring query blocks of one request) are 
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import triton
@@ -349,7 +350,26 @@ def _attend_span(
     return acc, m_i, l_i
 
 
-@triton.jit
+def _per_step_arguments() -> dict[str, list[str]]:
+    """`triton.jit` options that keep the kernels from specialising on arguments that change from
+    step to step: the batch-geometry integers (Triton specialises values of 1 and multiples of 16)
+    and the metadata pointers, whose 16-byte alignment depends on where the runner's upload buffer
+    put them. Specialising on either would compile new variants while serving, after the start-up
+    warm-up, for no gain (they feed scalar loads and loop bounds). Options this Triton lacks are
+    left out."""
+    ints = ["num_reqs", "num_q_blocks", "num_programs"]
+    options = {"do_not_specialize": ints}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        options["do_not_specialize_on_alignment"] = [
+            *ints,
+            "block_table_ptr",
+            "seq_lens_ptr",
+            "query_start_loc_ptr",
+        ]
+    return options
+
+
+@triton.jit(**_per_step_arguments())
 def unified_attention_2d_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_size]
     q_ptr,  # [num_tokens, num_q_heads, head_size]
@@ -456,7 +476,7 @@ def unified_attention_2d_kernel(
     )
 
 
-@triton.jit
+@triton.jit(**_per_step_arguments())
 def unified_attention_3d_kernel(
     segm_acc_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_SIZE_PADDED] float32
     segm_max_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] float32, base 2

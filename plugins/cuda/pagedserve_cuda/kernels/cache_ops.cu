@@ -27,6 +27,7 @@ extern "C" __global__ void reshape_and_cache(
     int block_size, int num_kv_heads, int head_bytes) {
     const long long token = blockIdx.x;
     const long long slot = slot_mapping[token];
+    if (slot < 0) return;  // a padding token of a full CUDA graph: nothing to write
     const long long block = slot / block_size;
     const long long offset = slot % block_size;
     char* dst = kv_cache + block * stride_kv_block + offset * stride_kv_slot;

@@ -1,0 +1,487 @@
+"""Every GPU number of docs/benchmarks.md from one command, with the peers measured in the same run.
+
+    python -m benchmarks.gpu_suite --out docs/results/DATE_GPU --peers PEERS_DIR
+
+Run it from the repository root of a GPU host where pagedserve is installed with
+`pip install -e ".[cuda]"` (docs/gpu_hosts.md, also for hosts without internet). Each stage runs
+in a process of its own with its own time limit, so one failing stage is reported and the others
+still run:
+
+  env         GPU, driver, Python, torch, triton, transformers, the pagedserve revision
+  tests       the GPU tests (`pytest -m gpu`)
+  conformance every attention backend and cache op of the cuda and triton platforms against the
+              cpu_reference oracle (`pagedserve conformance`)
+  engine      greedy tokens on the cuda and triton platforms equal cpu_reference's (tiny models)
+  attention   the attention case table (`benchmarks/attention.py --table`)
+  latency     single stream 512 -> 128 on Llama-3.1-8B shapes, GPU idle, the decode step at 256
+              running requests (`benchmarks/gpu_latency.py`)
+  throughput  `pagedserve bench throughput` on each workload: first with empty kernel caches (a
+              fresh machine's first run), then again with the caches it filled (warm)
+  peers       HF transformers + static cache + torch.compile single stream, and HF continuous
+              batching on the 256-request workload (scripts from PEERS_DIR)
+
+Each stage writes `stage_NAME.json` and `logs/NAME.log` under OUT; stages can be run apart
+(`--stages latency,peers`) into the same OUT, and every run rewrites `suite.json` (all stages
+found in OUT) and `suite.md` (the scoreboard table docs/benchmarks.md quotes). `--report` only
+rewrites those two from the stage files already in OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {
+    "256": ROOT / "benchmarks" / "workloads" / "sharegpt_like_256.json",
+    "1000": ROOT / "benchmarks" / "workloads" / "sharegpt_like_1000.json",
+}
+STAGES = ("env", "tests", "conformance", "engine", "attention", "latency", "throughput", "peers")
+PLATFORMS = ("cuda", "triton")
+# Environment variables naming the on-disk caches of compiled kernels and graphs. A cold run gets
+# all of them pointed at empty directories, which is what a fresh machine has.
+CACHE_ENV = {
+    "TRITON_CACHE_DIR": "triton",
+    "PAGEDSERVE_CUDA_CACHE": "pagedserve-cuda",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "CUDA_CACHE_PATH": "cuda-driver",
+    "PAGEDSERVE_CACHE_DIR": "pagedserve",
+    "XDG_CACHE_HOME": "xdg",
+}
+# The engine's default graph mode, whose numbers the scoreboard shows; the latency stage also
+# measures piecewise graphs alone, for comparison.
+DEFAULT_MODE = "full_and_piecewise"
+
+
+@dataclass(slots=True)
+class Suite:
+    """Where one suite run writes, and how it starts processes."""
+
+    out: Path
+    peers: Path | None
+    python: str = sys.executable
+    env: dict[str, str] = field(default_factory=dict)
+
+    def run(self, name: str, argv: list[str], timeout_s: float, cache: Path | None = None) -> dict[str, Any]:
+        """Run `argv` from the repository root, its output to logs/NAME.log; never raises for
+        the command's own failure: rc, seconds and the log's tail are the result."""
+        log = self.out / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1", "OUT": str(self.out / "raw")}
+        (self.out / "raw").mkdir(exist_ok=True)
+        env.update(cache_env(cache or self.out / "cache"))
+        print(f"[gpu_suite] {name}: {' '.join(argv)}", flush=True)
+        start = time.perf_counter()
+        with log.open("w") as fh:
+            try:
+                rc = subprocess.run(
+                    argv, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        seconds = time.perf_counter() - start
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        print(f"[gpu_suite] {name}: rc {rc} in {seconds:.0f} s", flush=True)
+        if rc != 0:
+            print("\n".join("    " + line for line in tail), flush=True)
+        return {"rc": rc, "seconds": round(seconds, 1), "log": str(log.relative_to(self.out)), "tail": tail}
+
+
+def cache_env(root: Path) -> dict[str, str]:
+    """The cache variables pointed at directories under `root` (created)."""
+    env = {}
+    for var, sub in CACHE_ENV.items():
+        path = root / sub
+        path.mkdir(parents=True, exist_ok=True)
+        env[var] = str(path)
+    return env
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Stages: each returns what goes into stage_NAME.json.
+
+
+def stage_env(suite: Suite) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "host_cpus": os.cpu_count(),
+    }
+    for module in ("triton", "transformers"):
+        try:
+            info[module] = __import__(module).__version__
+        except ImportError:
+            info[module] = None
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        query = [smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+        info["nvidia_smi"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    info["pagedserve_revision"] = rev.stdout.strip() or None
+    return info
+
+
+def stage_tests(suite: Suite) -> dict[str, Any]:
+    argv = [suite.python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    res = suite.run("tests", argv, timeout_s=900)
+    res["summary"] = pytest_summary(res["tail"])
+    return res
+
+
+def stage_conformance(suite: Suite) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for plat in PLATFORMS:
+        argv = [suite.python, "-m", "pagedserve.cli.main", "conformance", "--platform", plat]
+        out[plat] = suite.run(f"conformance_{plat}", argv, timeout_s=600)
+    return out
+
+
+def stage_engine(suite: Suite) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for plat in PLATFORMS:
+        argv = [suite.python, "benchmarks/gpu_engine_check.py", "--platform", plat]
+        out[plat] = suite.run(f"engine_{plat}", argv, timeout_s=600)
+    return out
+
+
+def stage_attention(suite: Suite) -> dict[str, Any]:
+    path = suite.out / "raw" / "attention_table.json"
+    argv = [suite.python, "benchmarks/attention.py", "--table", "--flex-budget-s", "120", "--json", str(path)]
+    res = suite.run("attention", argv, timeout_s=900)
+    res["table"] = read_json(path)
+    return res
+
+
+def stage_latency(suite: Suite) -> dict[str, Any]:
+    path = suite.out / "raw" / "latency.json"
+    modes = f"{DEFAULT_MODE},piecewise"
+    argv = [suite.python, "benchmarks/gpu_latency.py", "--platform", "cuda", "--modes", modes]
+    argv += ["--what", "latency,profile", "--json", str(path)]
+    res = suite.run("latency", argv, timeout_s=900)
+    res["result"] = read_json(path)
+    return res
+
+
+def stage_throughput(suite: Suite, workloads: dict[str, Path]) -> dict[str, Any]:
+    from benchmarks.gpu_latency import llama_8b_config
+
+    model_dir = suite.out / "llama-3.1-8b-shapes"
+    llama_8b_config().save_pretrained(model_dir)
+    out: dict[str, Any] = {}
+    for name, workload in workloads.items():
+        # One cache directory per workload, empty before its first run: cold, then warm.
+        cache = suite.out / f"cache-throughput-{name}"
+        shutil.rmtree(cache, ignore_errors=True)
+        for kind in ("cold", "warm"):
+            path = suite.out / "raw" / f"throughput_{name}_{kind}.json"
+            argv = [suite.python, "-m", "pagedserve.cli.main", "bench", "throughput"]
+            argv += ["--model", str(model_dir), "--load-format", "dummy", "--dtype", "bfloat16"]
+            argv += ["--skip-tokenizer-init", "--max-model-len", "4096", "--platform", "cuda"]
+            argv += ["--max-num-seqs", "256", "--warmup-requests", "16", "--workload", str(workload)]
+            argv += ["--json", str(path)]
+            res = suite.run(f"throughput_{name}_{kind}", argv, timeout_s=900, cache=cache)
+            res["result"] = read_json(path)
+            out[f"{name}_{kind}"] = res
+    return out
+
+
+def stage_peers(suite: Suite) -> dict[str, Any]:
+    if suite.peers is None:
+        return {"skipped": "no --peers directory given"}
+    out: dict[str, Any] = {}
+    script = suite.peers / "peer_compiled_latency.py"
+    res = suite.run("peer_compiled_latency", [suite.python, str(script)], timeout_s=600)
+    res["result"] = read_json(suite.out / "raw" / "peer_compiled.json")
+    out["compiled_latency"] = res
+    path = suite.out / "raw" / "hf_throughput_256.json"
+    argv = [suite.python, str(suite.peers / "hf_throughput.py"), "--methods", "cb", "--cb-timeout-s", "150"]
+    argv += ["--load-workload", str(WORKLOADS["256"]), "--json", str(path)]
+    res = suite.run("peer_hf_throughput", argv, timeout_s=600)
+    res["result"] = read_json(path)
+    out["hf_throughput_256"] = res
+    return out
+
+
+def pytest_summary(tail: list[str]) -> str | None:
+    """pytest's closing line ("12 passed, 1 skipped in 30.1s"), if the tail has one. Pure."""
+    for line in reversed(tail):
+        if re.search(r"\b\d+ (passed|failed|error|skipped)", line):
+            return line.strip("= ").strip()
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The scoreboard: one row per number docs/benchmarks.md quotes, with its peer and its target.
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    benchmark: str
+    ours: str
+    peer: str
+    target: str
+    verdict: str  # "met", "missed", "n/a" (no target) or "not run"
+
+
+def judge(value: float | None, op: str, bound: float) -> str:
+    """'met' or 'missed' for `value op bound`; 'not run' when there is no value. Pure."""
+    if value is None:
+        return "not run"
+    ok = {">=": value >= bound, "<=": value <= bound, "<": value < bound}[op]
+    return "met" if ok else "missed"
+
+
+def dig(data: Any, *keys: Any) -> Any:
+    """data[k0][k1]... or None where any step is missing. Pure."""
+    for key in keys:
+        if isinstance(data, dict):
+            data = data.get(key)
+        elif isinstance(data, list) and isinstance(key, int) and -len(data) <= key < len(data):
+            data = data[key]
+        else:
+            return None
+    return data
+
+
+def fmt(value: float | None, spec: str = ",.0f", unit: str = "") -> str:
+    return "not run" if value is None else f"{value:{spec}}{unit}"
+
+
+def throughput_rows(stages: dict[str, Any]) -> list[Row]:
+    thr = stages.get("throughput") or {}
+    hf = dig(stages, "peers", "hf_throughput_256", "result")
+    hf_tok = dig(hf, "results", "cb", "output_tok_per_s") or dig(hf, "cb", "output_tok_per_s")
+    peer_256 = f"HF transformers continuous batching {fmt(hf_tok)} tok/s" if hf_tok else "HF peer not run"
+    goals = {"256": (7000.0, 6300.0), "1000": (8000.0, None)}
+    rows = []
+    for name, (warm_goal, cold_goal) in goals.items():
+        warm = dig(thr, f"{name}_warm", "result", "result", "output_tokens_per_s")
+        cold = dig(thr, f"{name}_cold", "result", "result", "output_tokens_per_s")
+        warm_rps = dig(thr, f"{name}_warm", "result", "result", "requests_per_s")
+        peer = peer_256 if name == "256" else "vLLM publishes ~37 req/s (Llama-3-8B, ShareGPT, one H100)"
+        target = f">= {warm_goal:,.0f} tok/s" + (" and >= 40 req/s" if name == "1000" else "")
+        verdict = judge(warm, ">=", warm_goal)
+        if name == "1000" and verdict == "met":
+            verdict = judge(warm_rps, ">=", 40.0)
+        ours = "not run" if warm is None else f"{fmt(warm)} tok/s, {fmt(warm_rps, '.1f')} req/s"
+        rows.append(Row(f"offline throughput, {name} requests, warm", ours, peer, target, verdict))
+        ratio = None if cold is None or not warm else cold / warm
+        cold_target = "within 10% of warm" + (f" and >= {cold_goal:,.0f} tok/s" if cold_goal else "")
+        cold_verdict = judge(ratio, ">=", 0.9)
+        if cold_goal and cold_verdict == "met":
+            cold_verdict = judge(cold, ">=", cold_goal)
+        ours_cold = f"{fmt(cold)} tok/s ({fmt(ratio, '.0%')} of warm)" if ratio else fmt(cold)
+        rows.append(
+            Row(
+                f"offline throughput, {name} requests, empty kernel caches",
+                ours_cold,
+                "",
+                cold_target,
+                cold_verdict,
+            )
+        )
+    return rows + startup_rows(thr)
+
+
+def startup_rows(thr: dict[str, Any]) -> list[Row]:
+    """Engine start-up of the first workload's runs: cold (empty caches) and warm. Pure."""
+    rows = []
+    for kind in ("cold", "warm"):
+        startup = next((dig(thr, key, "result", "startup") for key in thr if key.endswith(f"_{kind}")), None)
+        total = dig(startup, "total_s")
+        parts = ", ".join(
+            f"{label} {fmt(dig(startup, key), '.1f', ' s')}"
+            for key, label in (
+                ("compile_s", "compile"),
+                ("attention_kernels_s", "kernels"),
+                ("capture_s", "capture"),
+            )
+        )
+        ours = "not run" if total is None else f"{total:.1f} s ({parts})"
+        rows.append(Row(f"engine start-up, {kind} caches (8B shapes)", ours, "", "", "n/a"))
+    return rows
+
+
+def latency_rows(stages: dict[str, Any]) -> list[Row]:
+    lat = dig(stages, "latency", "result", DEFAULT_MODE)
+    peer = dig(stages, "peers", "compiled_latency", "result")
+    peer_tpot = min(peer["tpot_ms"]) if peer and peer.get("tpot_ms") else None
+    peer_ttft = min(peer["ttft_ms"]) if peer and peer.get("ttft_ms") else None
+    tpot = dig(lat, "single_stream", "tpot_median_ms")
+    ttft = dig(lat, "single_stream", "ttft_ms")
+    compiled = "HF + static cache + torch.compile"
+    idle1 = dig(lat, "decode_b1", "idle_fraction")
+    idle256 = dig(lat, "decode_batch", "idle_fraction")
+    step256 = dig(lat, "decode_batch", "step_median_ms")
+    floor = None if tpot is None else 1024 * tpot / 1e3
+    return [
+        Row(
+            "single stream 512 -> 128, TPOT",
+            fmt(tpot, ".2f", " ms"),
+            f"{compiled} {fmt(peer_tpot, '.2f', ' ms')}",
+            "<= 6.0 ms",
+            judge(tpot, "<=", 6.0),
+        ),
+        Row(
+            "single stream 512 -> 128, TTFT",
+            fmt(ttft, ".1f", " ms"),
+            f"{compiled} {fmt(peer_ttft, '.1f', ' ms')}",
+            "<= 15 ms",
+            judge(ttft, "<=", 15.0),
+        ),
+        Row("GPU idle, 1 running request", fmt(idle1, ".0%"), "", "< 5%", judge(idle1, "<", 0.05)),
+        Row("GPU idle, 256 running requests", fmt(idle256, ".0%"), "", "< 5%", judge(idle256, "<", 0.05)),
+        Row(
+            "decode step, 256 running requests",
+            fmt(step256, ".1f", " ms"),
+            "",
+            "<= 12 ms",
+            judge(step256, "<=", 12.0),
+        ),
+        Row("floor of a 1,024-step request (1,024 x TPOT)", fmt(floor, ".2f", " s"), "", "", "n/a"),
+    ]
+
+
+def attention_rows(stages: dict[str, Any]) -> list[Row]:
+    results = dig(stages, "attention", "table", "results") or []
+    rows = []
+    for res in results:
+        if res.get("q_heads") != 32 or not res.get("target"):
+            continue
+        ours = res.get("ours") or {}
+        kind = res.get("kind")
+        value = ours.get("tflops") if kind in ("prefill", "chunked") else ours.get("us")
+        shown = fmt(value, ".0f", " TFLOP/s") if kind in ("prefill", "chunked") else fmt(value, ".1f", " us")
+        cudnn = dig(res, "baselines", "cudnn", "us")
+        verdict = {True: "met", False: "missed", None: "not run"}[res.get("target_met")]
+        rows.append(
+            Row(
+                f"attention {res['case']} (32q/8kv)",
+                shown,
+                f"cuDNN SDPA {fmt(cudnn, '.1f', ' us')}",
+                res["target"],
+                verdict,
+            )
+        )
+    return rows
+
+
+def _exit_row(benchmark: str, rc: int | None, passed: str, target: str) -> Row:
+    """A pass/fail row from a stage's exit status (None: the stage did not run). Pure."""
+    if rc is None:
+        return Row(benchmark, "not run", "", target, "not run")
+    return Row(
+        benchmark, passed if rc == 0 else f"failed (exit {rc})", "", target, "met" if rc == 0 else "missed"
+    )
+
+
+def check_rows(stages: dict[str, Any]) -> list[Row]:
+    rows = []
+    for plat in PLATFORMS:
+        rc = dig(stages, "conformance", plat, "rc")
+        rows.append(_exit_row(f"conformance of {plat} against cpu_reference", rc, "all pass", "all pass"))
+    for plat in PLATFORMS:
+        rc = dig(stages, "engine", plat, "rc")
+        rows.append(_exit_row(f"greedy tokens on {plat} equal cpu_reference's", rc, "equal", "equal"))
+    summary = dig(stages, "tests", "summary") or "all pass"
+    rows.append(_exit_row("GPU tests (pytest -m gpu)", dig(stages, "tests", "rc"), summary, "all pass"))
+    return rows
+
+
+def scoreboard(stages: dict[str, Any]) -> list[Row]:
+    return throughput_rows(stages) + latency_rows(stages) + attention_rows(stages) + check_rows(stages)
+
+
+def markdown(stages: dict[str, Any]) -> str:
+    env = stages.get("env") or {}
+    head = (
+        f"{env.get('gpu', 'GPU not recorded')}, {env.get('date', '')}: torch {env.get('torch')}, "
+        f"triton {env.get('triton')}, transformers {env.get('transformers')}, "
+        f"pagedserve {env.get('pagedserve_revision')}"
+    )
+    lines = [
+        head,
+        "",
+        "| benchmark | pagedserve | peer (same run) | target | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for row in scoreboard(stages):
+        verdict = f"**{row.verdict}**" if row.verdict == "missed" else row.verdict
+        lines.append(f"| {row.benchmark} | {row.ours} | {row.peer} | {row.target} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path) -> dict[str, Any]:
+    """suite.json and suite.md from every stage_*.json in `out`."""
+    stages = {p.stem.removeprefix("stage_"): read_json(p) for p in sorted(out.glob("stage_*.json"))}
+    (out / "suite.json").write_text(json.dumps(stages, indent=2) + "\n")
+    (out / "suite.md").write_text(markdown(stages))
+    return stages
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="directory for the results (created)")
+    parser.add_argument(
+        "--peers", type=Path, help="directory holding hf_throughput.py and peer_compiled_latency.py"
+    )
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
+    parser.add_argument("--workloads", default="256,1000", help="of 256, 1000, or paths to workload files")
+    parser.add_argument("--report", action="store_true", help="only rewrite suite.json and suite.md")
+    args = parser.parse_args(argv)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
+    workloads = {w: WORKLOADS[w] if w in WORKLOADS else Path(w) for w in args.workloads.split(",") if w}
+    missing = [str(p) for p in workloads.values() if not p.is_file()]
+    if missing:
+        parser.error(f"workload files not found: {missing}")
+    if args.peers is not None and not (args.peers / "hf_throughput.py").is_file():
+        parser.error(f"--peers {args.peers} has no hf_throughput.py")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        suite = Suite(out=args.out.resolve(), peers=None if args.peers is None else args.peers.resolve())
+        runners: dict[str, Callable[[], dict[str, Any]]] = {
+            "env": lambda: stage_env(suite),
+            "tests": lambda: stage_tests(suite),
+            "conformance": lambda: stage_conformance(suite),
+            "engine": lambda: stage_engine(suite),
+            "attention": lambda: stage_attention(suite),
+            "latency": lambda: stage_latency(suite),
+            "throughput": lambda: stage_throughput(suite, workloads),
+            "peers": lambda: stage_peers(suite),
+        }
+        # The environment is recorded with every run: stages run apart may meet different hosts.
+        for name in ["env", *(s for s in stages if s != "env")]:
+            result = runners[name]()
+            (args.out / f"stage_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_report(args.out)
+    print((args.out / "suite.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

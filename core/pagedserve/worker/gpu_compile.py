@@ -1,0 +1,132 @@
+"""`gpu_compile=True` (default on GPUs): the forward compiled by inductor, attention left to the backend.
+
+Why. Between two attention calls a decoder layer is a chain of small memory-bound operators:
+RMSNorm with the residual add, the rotary embedding, the SiLU-times-up of the MLP, views and
+casts. Eagerly each one reads and writes its whole activation; inductor fuses each chain into one
+or two Triton kernels, so a step moves less memory and launches fewer kernels, and the CUDA graphs
+captured from the compiled code (piecewise and full) replay the fused kernels.
+
+What is compiled. The whole forward (`fullgraph=True`) with a dynamic token count, so one graph
+serves every step size (dynamo specialises a one-token step, a second graph). Attention is the
+opaque operator `torch.ops.pagedserve.paged_attention` (`pagedserve.attention.layer`), as for
+`cpu_compile`: the backend, its per-step plan and the KV-cache write run as the platform wrote
+them, so the compiled graph depends on the token count only.
+
+Cold start. Compiling an 8B model's forward takes tens of seconds; `warm_up` pays it at engine
+start (before any capture, which cannot compile) and inductor's and Triton's caches on disk
+(`configure_compile_caches`) bring a later start down to seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedserve.attention.forward_context import ForwardContext, forward_context
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.models.spec import PagedCausalLM
+from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.worker.cpu_compile import zero_attention
+
+logger = logging.getLogger(__name__)
+
+# Token counts whose graphs cover every step: dynamo specialises 1, then one dynamic graph for >= 2.
+WARM_UP_SIZES = (2, 1)
+# Compiled entries dynamo may keep per code object: two per model (see `GpuCompiledForward`).
+RECOMPILE_LIMIT = 64
+CACHE_ROOT_ENV = "PAGEDSERVE_CACHE_DIR"  # where compile caches go unless their own variables say
+
+
+def configure_compile_caches(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Point inductor's and Triton's on-disk caches at a persistent directory unless the user
+    chose one (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`): `$PAGEDSERVE_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/pagedserve`, else `~/.cache/pagedserve` (beside the cuda platform's cubin
+    cache). Inductor's own default lives under /tmp, which a reboot empties. Returns variable ->
+    directory in effect. Mutates `environ` (default: `os.environ`)."""
+    env: Any = os.environ if environ is None else environ
+    xdg = env.get("XDG_CACHE_HOME")
+    root = Path(env.get(CACHE_ROOT_ENV) or (Path(xdg) if xdg else Path.home() / ".cache") / "pagedserve")
+    chosen = {}
+    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        if not env.get(var):
+            env[var] = str(root / sub)
+        chosen[var] = env[var]
+    return chosen
+
+
+class GpuCompiledForward:
+    """The model forward compiled by inductor for every step size, on a GPU.
+
+    Call it inside an open forward context, exactly like the model."""
+
+    def __init__(self, model: PagedCausalLM) -> None:
+        # Dynamo's guards on the model stay (unlike `cpu_compile`): graphs are cached per code
+        # object, so without them a second model of the same class in the process (another
+        # window size, say) could run the first one's graph. They cost about a millisecond per
+        # call, and graph replays do not call the compiled forward at all.
+        # Dynamo keeps its compiled entries per code object, and all native models share the
+        # decoder's `forward`: each model in the process adds its own entries (the one-token
+        # specialisation and the dynamic one), so a process that builds several engines (tests,
+        # benchmarks, one model per window size) would pass dynamo's default of 8 and fail.
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
+            model, fullgraph=True, dynamic=True
+        )
+        self.model = model
+
+    @staticmethod
+    def fits(num_tokens: int) -> bool:
+        """Every step runs compiled (the graph is dynamic in the token count). Pure."""
+        return num_tokens >= 1
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] ids and positions -> [num_tokens, hidden_size]. Mutates the KV caches of
+        the open forward context, as the model does."""
+        return self._forward(input_ids, positions)
+
+    @torch.inference_mode()  # as `ModelRunner.execute`, so that the graphs match its steps
+    def warm_up(self, kv_caches: list[torch.Tensor], backend: AttentionBackend, cache_ops: CacheOps) -> float:
+        """Compile every graph now (`WARM_UP_SIZES`) with attention answered by zeros (the KV
+        caches are not touched). Returns the seconds it took. Slow on a cold cache."""
+        device = kv_caches[0].device
+        spec = self.model.spec
+        start = time.perf_counter()
+        for size in WARM_UP_SIZES:
+            metadata = AttentionMetadata.build(
+                query_lens=[1] * size,
+                seq_lens=[1] * size,
+                block_table=torch.zeros(size, 1, dtype=torch.int32),
+                block_size=kv_caches[0].shape[2],
+                device=device,
+            )
+            ctx = ForwardContext(metadata, kv_caches, backend, cache_ops, attention_hook=zero_attention)
+            with torch.inference_mode(False):
+                # Ordinary tensors, like the runner's and the graphs' input buffers: dynamo's
+                # guards tell inference tensors apart, and a mismatch would recompile later.
+                ids = torch.zeros(size, dtype=torch.long, device=device)
+                positions = torch.zeros(size, dtype=torch.long, device=device)  # distinct: no alias
+            try:
+                with forward_context(ctx):
+                    self(ids, positions)
+            except Exception as exc:  # inductor's failures have many types; all mean the same here
+                first_line = (str(exc).strip().splitlines() or [""])[0]
+                raise RuntimeError(
+                    f"gpu_compile=True: compiling the {spec.architecture} forward for {size}-token steps "
+                    f"failed ({type(exc).__name__}: {first_line}); start with gpu_compile=False "
+                    "(--no-gpu-compile) to run the forward uncompiled"
+                ) from exc
+        torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "compiled the %s forward (torch.compile, dynamic token count) in %.1f s",
+            spec.architecture,
+            elapsed,
+        )
+        return elapsed

@@ -1,0 +1,126 @@
+"""Which CUDA graphs and compilation an engine gets (`cudagraph_mode`), and which path a step takes.
+
+The modes follow vLLM's names:
+
+* `none` — no graphs; every step runs the (compiled or eager) forward directly.
+* `piecewise` — every step up to `cuda_graph_max_tokens` replays piecewise graphs
+  (`cuda_graphs`): dense parts as graphs, attention eager between them.
+* `full_decode_only` — batches whose requests all have one new token replay one whole graph,
+  attention inside (`full_cuda_graphs`); every other step runs without graphs.
+* `full_and_piecewise` (the default) — full graphs for decode batches, piecewise for the rest.
+
+Full graphs need an attention backend and cache ops that promise to be capturable whole
+(`AttentionBackend.supports_full_cuda_graph`, `CacheOps.skips_negative_slots`); without them a
+full mode falls back (`full_and_piecewise` to `piecewise`, `full_decode_only` to `none`) and the
+log says why. Everything here is pure: the engine set-up and the model runner call it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from pagedserve.models.spec import ModelSpec
+from pagedserve.worker.cuda_graphs import padded_size
+
+
+class CudaGraphMode(enum.Enum):
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL_DECODE_ONLY = "full_decode_only"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+
+@dataclass(frozen=True, slots=True)
+class GraphPlan:
+    """What the engine builds at start: which graph kinds, whether the GPU forward is compiled,
+    and why anything asked for is off (for the log)."""
+
+    piecewise: bool  # capture piecewise graphs for steps up to the token ladder's cap
+    full_decode: bool  # capture full graphs for decode batches up to the request ladder's cap
+    compile: bool  # run the forward's dense parts through torch.compile on the GPU
+    notes: tuple[str, ...]  # one sentence per thing requested but off, with the reason
+    # JIT the attention kernels at start (`warmup`): on CUDA unless enforce_eager, which asks for
+    # the plainest engine (a quick start for debugging)
+    warm_up_kernels: bool = True
+
+    def describe(self) -> str:
+        """One line for the log. Pure."""
+        kinds = [k for k, on in (("full decode", self.full_decode), ("piecewise", self.piecewise)) if on]
+        graphs = " + ".join(kinds) if kinds else "no"
+        text = f"{graphs} CUDA graphs, forward {'compiled' if self.compile else 'not compiled'}"
+        return text + ("" if not self.notes else " (" + "; ".join(self.notes) + ")")
+
+
+def plan_graphs(
+    mode: str,
+    *,
+    enforce_eager: bool,
+    gpu_compile: bool,
+    device: torch.device,
+    spec: ModelSpec,
+    backend_supports_full: bool,
+    cache_ops_skip_padding: bool,
+) -> GraphPlan:
+    """Turn the engine options into what is built. Raises ValueError for an unknown mode. Pure."""
+    try:
+        wanted = CudaGraphMode(mode)
+    except ValueError:
+        names = ", ".join(m.value for m in CudaGraphMode)
+        raise ValueError(f"cudagraph_mode={mode!r} is not one of {names}") from None
+    if enforce_eager:
+        why = "enforce_eager=True turns off CUDA graphs, compilation and the kernel warm-up"
+        return GraphPlan(False, False, False, (why,), warm_up_kernels=False)
+    if device.type != "cuda":
+        return GraphPlan(
+            False, False, False, (f"the device is {device.type}, not CUDA",), warm_up_kernels=False
+        )
+    if spec.implementation != "native":
+        # transformers models may sync with the host or branch on tensor values inside their
+        # forward; a capture would fail or, worse, freeze one branch. Native models do neither.
+        why = "the model runs through the transformers fallback, which is neither capture-safe nor traceable"
+        return GraphPlan(False, False, False, (why,))
+    notes: list[str] = []
+    if not gpu_compile:
+        notes.append("gpu_compile=False")
+    piecewise = wanted in (CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE)
+    full = wanted in (CudaGraphMode.FULL_DECODE_ONLY, CudaGraphMode.FULL_AND_PIECEWISE)
+    if full and not (backend_supports_full and cache_ops_skip_padding):
+        missing = []
+        if not backend_supports_full:
+            missing.append("the attention backend does not declare supports_full_cuda_graph")
+        if not cache_ops_skip_padding:
+            missing.append("the cache ops do not declare skips_negative_slots")
+        fallback = "piecewise graphs only" if piecewise else "no graphs"
+        notes.append(f"cudagraph_mode={wanted.value}: {' and '.join(missing)}, so {fallback}")
+        full = False
+    if wanted is CudaGraphMode.NONE:
+        notes.append("cudagraph_mode=none")
+    return GraphPlan(piecewise, full, gpu_compile, tuple(notes))
+
+
+StepPath = Literal["full", "piecewise", "eager"]
+
+
+def step_path(
+    num_tokens: int,
+    num_reqs: int,
+    max_query_len: int,
+    *,
+    full_sizes: Sequence[int],  # ascending request counts with a full graph; empty: none
+    piecewise_sizes: Sequence[int],  # ascending token counts with piecewise graphs; empty: none
+) -> StepPath:
+    """Which forward one step runs. A decode batch (every request one new token) replays the full
+    graph of the smallest captured size that holds it; any other step, or a decode batch larger
+    than every full graph, replays piecewise graphs when its token count fits their ladder, and
+    otherwise runs the forward directly. Pure."""
+    decode = max_query_len == 1 and num_tokens == num_reqs
+    if decode and full_sizes and padded_size(full_sizes, num_reqs) is not None:
+        return "full"
+    if piecewise_sizes and padded_size(piecewise_sizes, num_tokens) is not None:
+        return "piecewise"
+    return "eager"

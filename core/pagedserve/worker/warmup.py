@@ -1,0 +1,240 @@
+"""No cold start: compile the forward, JIT the attention kernels and capture the graphs before serving.
+
+Why. Triton and NVRTC compile a kernel the first time a launch needs a new variant (another
+split count, another tile configuration, another integer specialisation of the batch geometry),
+and `torch.compile` compiles on the first call. Left to the first requests, that work lands inside
+the first timed steps: a fresh machine ran its first benchmark at half the speed of a warm one.
+
+What. `prepare_runner` runs, in order and with the time of each in the log:
+
+1. compile the GPU forward (`gpu_compile`), when the plan says so;
+2. run the attention backend (and the cache write) over a sweep of synthetic batches
+   (`attention_warmup_batches`): decode batches of every request count class and context length
+   that picks a different plan, speculative and mixed batches with short queries, and prefills
+   of every power-of-two length up to the token budget; nothing is written to the KV cache
+   (padding slots) and the backend only reads it;
+3. capture the full decode graphs, then the piecewise graphs (their capture runs the compiled
+   forward once per size, which compiles anything the sweep missed).
+
+The sweep is a list of batch shapes, not a list of kernels: it is what makes it backend-agnostic.
+It covers each axis a backend plans on (request count, longest query, longest context) at the
+values where the shipped backends change their plan and at the ones Triton specialises integer
+arguments on (1, multiples of 16, others).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.models.spec import ModelSpec
+from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs, default_graph_sizes
+from pagedserve.worker.full_cuda_graphs import PADDING_SLOT, FullDecodeGraphs
+from pagedserve.worker.gpu_compile import GpuCompiledForward
+from pagedserve.worker.graph_modes import GraphPlan
+
+if TYPE_CHECKING:  # the runner imports nothing from here; only the type is needed
+    from pagedserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Request counts besides the graph ladder: Triton specialises integer arguments equal to 1 and
+# divisible by 16, so counts on either side of multiples of 16 give the other variants.
+_EXTRA_REQUEST_COUNTS = (3, 5, 15, 17, 31, 33)
+# Short query lengths: speculative steps (drafts + 1) and the small chunks of mixed steps, where
+# the Triton backend may still split the KV range (it does up to 16 query tokens).
+_SHORT_QUERY_LENS = (2, 3, 4, 5, 8, 9, 16, 17)
+# Past this many requests a short-query batch fills the GPU without splitting the KV range, so
+# its context length no longer changes the plan: one context is enough there.
+_MAX_SPLIT_REQUESTS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupBatch:
+    """One synthetic attention call: per-request query and sequence lengths."""
+
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    """Powers of two in [low, high], plus `high` itself. Pure."""
+    out = []
+    p = 1
+    while p <= high:
+        if p >= low:
+            out.append(p)
+        p *= 2
+    if high >= low and (not out or out[-1] != high):
+        out.append(high)
+    return out
+
+
+def attention_warmup_batches(
+    *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+) -> list[WarmupBatch]:
+    """The sweep of batch shapes `warm_up_attention` runs (module docstring), every one within the
+    engine's limits: at most `max_num_seqs` requests, `max_num_batched_tokens` tokens and
+    `max_model_len` tokens per sequence. Pure; deterministic order, no duplicates."""
+    if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
+        raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+    max_reqs = min(max_num_seqs, max_num_batched_tokens)
+    counts = sorted({*default_graph_sizes(max_reqs), *_EXTRA_REQUEST_COUNTS} & set(range(1, max_reqs + 1)))
+    contexts = _powers_of_two(16, max_model_len) or [max_model_len]
+    batches: dict[WarmupBatch, None] = {}  # insertion-ordered set
+
+    def add(query_lens: tuple[int, ...], seq_lens: tuple[int, ...]) -> None:
+        if sum(query_lens) <= max_num_batched_tokens and len(query_lens) <= max_num_seqs:
+            batches[WarmupBatch(query_lens, seq_lens)] = None
+
+    for r in counts:
+        for s in contexts:  # decode: the longest context decides split counts and partitions
+            add((1,) * r, (s,) + (1,) * (r - 1))
+        for q in _SHORT_QUERY_LENS:
+            if q > max_model_len:
+                continue
+            short_contexts = contexts if r <= _MAX_SPLIT_REQUESTS else [max(q, contexts[0])]
+            for s in short_contexts:  # one short query among decodes (mixed and speculative steps)
+                if q <= s <= max_model_len:
+                    add((q,) + (1,) * (r - 1), (s,) + (1,) * (r - 1))
+            add((q,) * r, (q,) * r)  # uniform speculative batches
+    longest = min(max_num_batched_tokens, max_model_len)
+    for q in sorted({*_powers_of_two(32, longest), longest}):
+        add((q,), (q,))  # a whole prompt
+        if 2 * q <= max_model_len:
+            add((q,), (2 * q,))  # a chunk after cached context
+        for r in (2, 3, 16):
+            add((q,) * r, (q,) * r)
+    return list(batches)
+
+
+def warm_up_attention(
+    backend: AttentionBackend,
+    cache_ops: CacheOps,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], one layer's
+    spec: ModelSpec,
+    batches: Sequence[WarmupBatch],
+) -> None:
+    """Run `backend.forward` once per batch and per distinct (window, softcap) of the model's
+    layers, every request's block table pointing at block 0, and the cache write once per token
+    count class with padding slots when the cache ops skip them. Reads the KV cache, writes
+    nothing in it. Slow on a cold kernel cache (each new variant compiles)."""
+    device = kv_cache.device
+    block_size = kv_cache.shape[2]
+    max_tokens = max(b.num_tokens for b in batches)
+    query = torch.zeros((max_tokens, spec.num_q_heads, spec.head_size), dtype=kv_cache.dtype, device=device)
+    out = torch.empty_like(query)
+    layouts = sorted({(w, spec.logit_softcap) for w in spec.sliding_windows}, key=str)
+    scale = spec.head_size**-0.5
+    for batch in tqdm(batches, desc="attention kernels", disable=None):
+        width = -(-max(batch.seq_lens) // block_size)
+        table = torch.zeros((len(batch.query_lens), width), dtype=torch.int32)
+        metadata = AttentionMetadata.build(
+            list(batch.query_lens), list(batch.seq_lens), table, block_size, device
+        )
+        n = batch.num_tokens
+        for window, softcap in layouts:
+            backend.forward(
+                query[:n],
+                kv_cache,
+                metadata,
+                scale=scale,
+                sliding_window=window,
+                logit_softcap=softcap,
+                out=out[:n],
+            )
+    if cache_ops.skips_negative_slots:
+        kv = torch.zeros(
+            (max_tokens, 2, spec.num_kv_heads, spec.head_size), dtype=kv_cache.dtype, device=device
+        )
+        for n in sorted({1, 2, 16, 17, max_tokens} & set(range(1, max_tokens + 1))):
+            slots = torch.full((n,), PADDING_SLOT, dtype=torch.int64, device=device)
+            cache_ops.reshape_and_cache(kv[:n, 0], kv[:n, 1], kv_cache, slots)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True, slots=True)
+class StartupTimes:
+    """Seconds spent getting the runner ready, by phase (0.0 for a phase that did not run)."""
+
+    compile_s: float  # torch.compile of the forward
+    kernels_s: float  # the attention-kernel sweep
+    capture_s: float  # full and piecewise CUDA-graph capture
+    num_warmup_batches: int
+
+
+def prepare_runner(
+    runner: ModelRunner,
+    plan: GraphPlan,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    cuda_graph_max_tokens: int,
+) -> StartupTimes:
+    """Compile, warm up and capture what `plan` asks for on `runner` (module docstring). Call once,
+    after the KV cache exists and before the engine takes requests. Mutates the runner (its
+    `compiled`, `full_graphs` and `cuda_graphs`); slow."""
+    compile_s = kernels_s = capture_s = 0.0
+    num_batches = 0
+    caches, backend, cache_ops = runner.kv_caches, runner.backend, runner.cache_ops
+    if plan.compile:
+        compiled = GpuCompiledForward(runner.model)
+        compile_s = compiled.warm_up(caches, backend, cache_ops)
+        runner.compiled = compiled
+    forward = runner.compiled if runner.compiled is not None else runner.model
+    if plan.warm_up_kernels:
+        start = time.perf_counter()
+        batches = attention_warmup_batches(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        warm_up_attention(backend, cache_ops, caches[0], runner.spec, batches)
+        kernels_s = time.perf_counter() - start
+        num_batches = len(batches)
+        logger.info("attention kernels warmed up on %d batch shapes in %.1f s", num_batches, kernels_s)
+    start = time.perf_counter()
+    if plan.full_decode:
+        full = FullDecodeGraphs(
+            forward,
+            runner.device,
+            default_graph_sizes(max_num_seqs, cuda_graph_max_tokens),
+            max_blocks_per_req=runner.batch.block_table.np.shape[1],
+            max_seq_len=max_model_len,
+        )
+        full.capture(caches, backend, cache_ops)
+        runner.full_graphs = full
+    if plan.piecewise:
+        graphs = PiecewiseCudaGraphs(
+            runner.model,
+            runner.device,
+            default_graph_sizes(max_num_batched_tokens, cuda_graph_max_tokens),
+            forward=forward,
+        )
+        graphs.capture(caches, backend, cache_ops)
+        runner.cuda_graphs = graphs
+    if plan.full_decode or plan.piecewise:
+        capture_s = time.perf_counter() - start
+    times = StartupTimes(compile_s, kernels_s, capture_s, num_batches)
+    logger.info(
+        "ready to serve (%s): compile %.1f s, attention kernels %.1f s, graph capture %.1f s",
+        plan.describe(),
+        compile_s,
+        kernels_s,
+        capture_s,
+    )
+    return times

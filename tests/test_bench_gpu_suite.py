@@ -1,0 +1,169 @@
+"""`benchmarks/gpu_suite.py` without a GPU: the scoreboard judges every target from the stage
+results, stage files written apart make one report, and a stage's failure or time-out is a result,
+not a crash."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu_suite"] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+suite = _load()
+
+
+def _throughput(tok_s: float, req_s: float) -> dict[str, Any]:
+    startup = {"total_s": 40.0, "compile_s": 20.0, "attention_kernels_s": 5.0, "capture_s": 9.0}
+    result = {"output_tokens_per_s": tok_s, "requests_per_s": req_s}
+    return {"rc": 0, "result": {"result": result, "startup": startup}}
+
+
+def _stages() -> dict[str, Any]:
+    return {
+        "env": {"gpu": "Test GPU", "date": "2026-01-01", "torch": "2.11", "triton": "3.6"},
+        "throughput": {
+            "256_cold": _throughput(6500.0, 30.0),
+            "256_warm": _throughput(7100.0, 33.0),
+            "1000_cold": _throughput(5000.0, 25.0),
+            "1000_warm": _throughput(8100.0, 39.0),
+        },
+        "latency": {
+            "result": {
+                "full_and_piecewise": {
+                    "single_stream": {"tpot_median_ms": 5.9, "ttft_ms": 16.0},
+                    "decode_b1": {"idle_fraction": 0.04},
+                    "decode_batch": {"idle_fraction": 0.2, "step_median_ms": 11.0},
+                }
+            }
+        },
+        "peers": {
+            "compiled_latency": {"result": {"tpot_ms": [7.9, 7.86], "ttft_ms": [24.0, 23.0]}},
+            "hf_throughput_256": {"result": {"results": {"cb": {"output_tok_per_s": 450.3}}}},
+        },
+        "engine": {"cuda": {"rc": 0}, "triton": {"rc": 1}},
+        "tests": {"rc": 0, "summary": "20 passed in 30.0s"},
+        "attention": {
+            "table": {
+                "results": [
+                    {
+                        "case": "prefill 4x2048",
+                        "kind": "prefill",
+                        "q_heads": 32,
+                        "ours": {"us": 300.0, "tflops": 458.0},
+                        "baselines": {"cudnn": {"us": 270.0}},
+                        "target": ">= 450 TFLOP/s and <= flex",
+                        "target_met": True,
+                    },
+                    {"case": "decode b1 ctx8192", "kind": "decode", "q_heads": 64, "target": None},
+                ]
+            }
+        },
+    }
+
+
+def _verdicts() -> dict[str, str]:
+    return {row.benchmark: row.verdict for row in suite.scoreboard(_stages())}
+
+
+def test_throughput_targets_warm_cold_and_requests_per_second() -> None:
+    verdicts = _verdicts()
+    assert verdicts["offline throughput, 256 requests, warm"] == "met"
+    # 6500 / 7100 = 91.5% of warm and >= 6300: both halves of the cold target hold.
+    assert verdicts["offline throughput, 256 requests, empty kernel caches"] == "met"
+    # 8100 tok/s but 39 req/s: the request rate half of the target fails.
+    assert verdicts["offline throughput, 1000 requests, warm"] == "missed"
+    assert verdicts["offline throughput, 1000 requests, empty kernel caches"] == "missed"  # 62% of warm
+
+
+def test_latency_idle_and_step_targets() -> None:
+    verdicts = _verdicts()
+    assert verdicts["single stream 512 -> 128, TPOT"] == "met"
+    assert verdicts["single stream 512 -> 128, TTFT"] == "missed"
+    assert verdicts["GPU idle, 1 running request"] == "met"
+    assert verdicts["GPU idle, 256 running requests"] == "missed"
+    assert verdicts["decode step, 256 running requests"] == "met"
+
+
+def test_checks_and_attention_rows() -> None:
+    verdicts = _verdicts()
+    assert verdicts["greedy tokens on cuda equal cpu_reference's"] == "met"
+    assert verdicts["greedy tokens on triton equal cpu_reference's"] == "missed"
+    assert verdicts["GPU tests (pytest -m gpu)"] == "met"
+    assert verdicts["attention prefill 4x2048 (32q/8kv)"] == "met"
+    assert not any("64q" in name or "decode b1" in name for name in verdicts)  # no goal, no row
+
+
+def test_peers_appear_beside_ours() -> None:
+    rows = {row.benchmark: row for row in suite.scoreboard(_stages())}
+    assert "7.86 ms" in rows["single stream 512 -> 128, TPOT"].peer
+    assert "450 tok/s" in rows["offline throughput, 256 requests, warm"].peer
+
+
+def test_missing_stages_are_not_run_never_met() -> None:
+    rows = suite.scoreboard({})
+    assert rows, "every row is shown even when nothing ran"
+    assert {row.verdict for row in rows} <= {"not run", "n/a"}
+
+
+def test_report_joins_stage_files_written_apart(tmp_path: Path) -> None:
+    for name, data in _stages().items():
+        (tmp_path / f"stage_{name}.json").write_text(json.dumps(data))
+    assert suite.main(["--out", str(tmp_path), "--report"]) == 0
+    md = (tmp_path / "suite.md").read_text()
+    assert md.startswith("Test GPU, 2026-01-01")
+    assert "| offline throughput, 256 requests, warm | 7,100 tok/s, 33.0 req/s |" in md
+    assert "**missed**" in md
+    assert set(json.loads((tmp_path / "suite.json").read_text())) == set(_stages())
+
+
+def test_bad_arguments_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        suite.main(["--out", str(tmp_path), "--stages", "latency,speed"])
+    assert "unknown stages ['speed']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        suite.main(["--out", str(tmp_path), "--peers", str(tmp_path)])
+    assert "has no hf_throughput.py" in capsys.readouterr().err
+
+
+def test_a_stage_that_fails_or_hangs_is_a_result(tmp_path: Path) -> None:
+    runner = suite.Suite(out=tmp_path, peers=None)
+    failed = runner.run("fails", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], timeout_s=60)
+    assert failed["rc"] == 3 and failed["tail"] == ["boom"]
+    hung = runner.run("hangs", [sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=0.5)
+    assert hung["rc"] == 124
+    assert (tmp_path / "logs" / "hangs.log").is_file()
+
+
+def test_cold_runs_get_their_own_empty_caches(tmp_path: Path) -> None:
+    env = suite.cache_env(tmp_path / "cold")
+    assert set(env) == set(suite.CACHE_ENV)
+    assert all(Path(p).is_dir() and not any(Path(p).iterdir()) for p in env.values())
+
+
+def test_pytest_summary() -> None:
+    assert (
+        suite.pytest_summary(["x", "==== 3 passed, 1 skipped in 2.0s ===="]) == "3 passed, 1 skipped in 2.0s"
+    )
+    assert suite.pytest_summary(["no summary here"]) is None
+
+
+def test_startup_rows_show_the_phases() -> None:
+    rows = {row.benchmark: row for row in suite.scoreboard(_stages())}
+    cold = rows["engine start-up, cold caches (8B shapes)"].ours
+    assert cold == "40.0 s (compile 20.0 s, kernels 5.0 s, capture 9.0 s)"

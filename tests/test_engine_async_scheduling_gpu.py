@@ -1,7 +1,7 @@
 """Asynchronous scheduling on a real GPU: the same outputs as synchronous steps on the cuda and
-triton platforms (CUDA graphs on), through varied max_tokens, EOS, chunked prefill, preemption,
-seeded sampling with penalties and n > 1, and the samples come back through pinned memory behind
-an event.
+triton platforms in the default graph mode (full decode graphs, piecewise graphs, compiled
+forward), through varied max_tokens, EOS, chunked prefill, preemption, seeded sampling with
+penalties and n > 1; and the samples come back through pinned memory behind an event.
 
 Skipped without a CUDA GPU. On a GPU machine run this file in its own pytest process (the
 interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernels on the CPU).
@@ -73,7 +73,9 @@ def test_greedy_equal_with_and_without_async_scheduling(checkpoint: Path, platfo
     sync, _ = _run(checkpoint, platform, False, params, max_num_batched_tokens=32)
     async_, llm = _run(checkpoint, platform, True, params, max_num_batched_tokens=32)
     assert async_ == sync
-    assert llm.engine.core.runner.cuda_graphs is not None  # graphs replayed under async scheduling
+    runner = llm.engine.core.runner
+    # Decode steps replayed full graphs whose input ids were read from the previous step's samples.
+    assert runner.full_graphs is not None and runner.full_graphs.num_replays > 0
 
 
 def test_preemption_and_seeded_penalised_n_sampling_equal(checkpoint: Path) -> None:

@@ -49,6 +49,9 @@ from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.launch_params import CONFIG_DIR
 from pagedserve_triton.unified_attention import INTERPRETED
 
+# The backend class every timing constructs; `--backend rocm` swaps in the rocm platform's.
+BACKEND: list[type[TritonUnifiedAttentionBackend]] = [TritonUnifiedAttentionBackend]
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -122,7 +125,7 @@ def time_graph(fn: Callable[[], object], iters: int = 50) -> float:
 
 
 def triton_time(batch: Batch, num_splits: int | None, configs: TunedConfigs | None = None) -> float:
-    backend = TritonUnifiedAttentionBackend(num_splits=num_splits, tuned_configs=configs)
+    backend = BACKEND[0](num_splits=num_splits, tuned_configs=configs)
     out = torch.empty_like(batch.query)
     scale = batch.query.shape[-1] ** -0.5
     return time_graph(
@@ -166,7 +169,7 @@ def kv_bytes(batch: Batch) -> int:
 def plan_of(batch: Batch) -> str:
     _, hq, d = batch.query.shape
     _, _, bs, hkv, _ = batch.kv_cache.shape
-    plan = TritonUnifiedAttentionBackend().plan(
+    plan = BACKEND[0]().plan(
         batch.metadata,
         num_q_heads=hq,
         num_kv_heads=hkv,
@@ -784,10 +787,10 @@ def run_table_case(
     batch = make_batch(shape, case.query_lens, case.seq_lens, device=device.type)
     scale = shape.head_size**-0.5
     res.plan = plan_of(batch)
-    heuristic = TritonUnifiedAttentionBackend()
+    heuristic = BACKEND[0]()
     ours_out = heuristic.forward(batch.query, batch.kv_cache, batch.metadata, scale=scale).clone()
     for m, splits in ((res.ours, None), (res.forced_2d, 1)):
-        call = ours_call(TritonUnifiedAttentionBackend(num_splits=splits), batch)
+        call = ours_call(BACKEND[0](num_splits=splits), batch)
         timer(call, m)
         m.max_diff = float((call().float() - ours_out.float()).abs().max())
     measure_baselines(res, batch, ours_out, timer, flex_left_s)
@@ -938,7 +941,22 @@ def main() -> None:
         default=150.0,
         help="with --table: seconds of Flex compile + timing after which Flex is skipped",
     )
+    parser.add_argument(
+        "--backend",
+        choices=["triton", "rocm"],
+        default="triton",
+        help="rocm: the rocm platform's backend (AMD tables, XCD grid order; on an AMD GPU)",
+    )
     args = parser.parse_args()
+    if args.backend == "rocm":
+        if args.tune is not None:
+            raise SystemExit(
+                "--tune writes the Triton plugin's files; sweep with the default --backend triton (on the AMD"
+                " GPU too) and copy the winners into plugins/rocm/pagedserve_rocm/configs by hand"
+            )
+        from pagedserve_rocm.attention import RocmUnifiedAttentionBackend
+
+        BACKEND[0] = RocmUnifiedAttentionBackend
     if args.table:
         if args.smoke and not INTERPRETED:
             raise SystemExit("--smoke runs Triton on CPU: set TRITON_INTERPRET=1 in the environment")

@@ -114,6 +114,17 @@ class EngineArgs(_Config):
         512, ge=1, description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly"
     )
     num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram (prompt lookup) drafts per step")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=512, description="ranks the model is sharded over (one process per rank, one device each)"
+    )
+    distributed_executor_backend: Literal["mp", "ray"] = Field(
+        "mp", description="how ranks start with tensor_parallel_size > 1: 'mp' one host, 'ray' a Ray cluster"
+    )
+    distributed_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="a rank that does not answer (or a collective that waits) this long fails the engine",
+    )
     async_scheduling: bool | None = Field(
         None,
         description="schedule and prepare step N+1 while step N runs on the device; None: on for "

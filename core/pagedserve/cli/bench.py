@@ -139,8 +139,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _startup(engine: LLMEngine, build_s: float) -> dict[str, float]:
     """Seconds the engine took to start, with the warm-up phases the runner recorded."""
+    from pagedserve.worker.model_runner import ModelRunner
+
     out = {"total_s": build_s}
-    times = engine.core.runner.startup_times
+    runner = engine.core.runner  # worker processes time their own start under tensor parallelism
+    times = runner.startup_times if isinstance(runner, ModelRunner) else None
     if times is not None:
         out.update(compile_s=times.compile_s, attention_kernels_s=times.kernels_s, capture_s=times.capture_s)
     return out

@@ -31,6 +31,17 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
     ),
     "--seed": ("seed", int, "engine seed"),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "n-gram draft tokens per step"),
+    "--tensor-parallel-size": ("tensor_parallel_size", int, "shard the model over this many devices"),
+    "--distributed-executor-backend": (
+        "distributed_executor_backend",
+        str,
+        "mp (one host, default) or ray (ranks as Ray actors, multi-node)",
+    ),
+    "--distributed-timeout-s": (
+        "distributed_timeout_s",
+        float,
+        "seconds before a silent rank fails the engine",
+    ),
 }
 _SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--no-prefix-caching": ("enable_prefix_caching", False, "turn prefix caching off"),

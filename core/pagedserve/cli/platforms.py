@@ -49,6 +49,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="NAME:SMS:MAJOR.MINOR",
         help=f"GPU to assume where the platform has none here (default: '{_ASSUMED_DEVICE}')",
     )
+    explain.add_argument(
+        "--arch",
+        metavar="GFX",
+        help="AMD GPU architecture to assume for AMD platforms (rocm), e.g. gfx942 or gfx950; without an "
+        "AMD --device, the architecture's largest part",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -78,6 +84,7 @@ class BatchQuery:
     device_name: str
     num_sms: int
     capability: tuple[int, int]
+    arch: str | None = None  # AMD architecture ("gfx942"): the device's, or --arch; None elsewhere
 
 
 @runtime_checkable
@@ -97,7 +104,9 @@ def _parse_device(text: str) -> tuple[str, int, tuple[int, int]]:
     return match[1], int(match[2]), (int(match[3]), int(match[4]))
 
 
-def batch_query(args: argparse.Namespace, device: tuple[str, int, tuple[int, int]]) -> BatchQuery:
+def batch_query(
+    args: argparse.Namespace, device: tuple[str, int, tuple[int, int]], arch: str | None = None
+) -> BatchQuery:
     """The `--explain` flags as a `BatchQuery` on `device`; `ValueError` names a malformed flag."""
     batch = re.fullmatch(r"(\d+)x(\d+)x(\d+)", args.batch)
     if batch is None:
@@ -122,6 +131,7 @@ def batch_query(args: argparse.Namespace, device: tuple[str, int, tuple[int, int
         device_name=device[0],
         num_sms=device[1],
         capability=device[2],
+        arch=arch,
     )
 
 
@@ -135,9 +145,12 @@ def explain_text(registry: PlatformRegistry, args: argparse.Namespace) -> str:
     silent: list[str] = []
     for platform in platforms:
         device, where = assumed, "assumed (--device)" if args.device else "assumed: no GPU of it here"
+        arch: str | None = args.arch
         if platform.availability.available and platform.info.device_type == "cuda":
             props = torch.cuda.get_device_properties(0)
             device, where = (props.name, props.multi_processor_count, (props.major, props.minor)), "this GPU"
+            if torch.version.hip is not None:
+                arch = getattr(props, "gcnArchName", "unknown").split(":")[0]
         try:
             backends = platform.attention_backends()
         except PlatformError as e:
@@ -149,10 +162,15 @@ def explain_text(registry: PlatformRegistry, args: argparse.Namespace) -> str:
                 silent.append(f"{platform.name}/{backend_cls.name}")
                 continue
             name, sms, (major, minor) = device
-            lines.append(
-                f"{platform.name}/{backend_cls.name} on {name} ({sms} SMs, sm_{major}{minor}; {where}):"
-            )
-            lines.append(f"  {backend.explain_batch(batch_query(args, device))}")
+            if arch is not None and where != "this GPU":
+                # The backend names the AMD part it assumes for the architecture.
+                header = f"{arch} ({'--arch' if args.arch else where})"
+            elif arch is not None:
+                header = f"{name} ({sms} CUs, {arch}; {where})"
+            else:
+                header = f"{name} ({sms} SMs, sm_{major}{minor}; {where})"
+            lines.append(f"{platform.name}/{backend_cls.name} on {header}:")
+            lines.append(f"  {backend.explain_batch(batch_query(args, device, arch))}")
     if len(lines) == 1:
         scope = f"platform {args.platform!r}" if args.platform else "any platform"
         lines.append(f"no backend of {scope} explains its kernel choice")

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from pagedserve.engine.step_pipeline import StepPipeline
+from pagedserve.executor.base import StepRunner
 from pagedserve.outputs import FinishReason
 from pagedserve.scheduler.output import RequestUpdate
 from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
@@ -31,7 +32,7 @@ class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
-        runner: ModelRunner,
+        runner: StepRunner,  # a ModelRunner, or an executor over tensor-parallel ranks
         *,
         max_model_len: int,
         proposer: NgramProposer | None = None,
@@ -43,7 +44,14 @@ class EngineCore:
         self.proposer = proposer
         self._pending_aborts: list[EngineCoreOutput] = []
         # Asynchronous scheduling (see step_pipeline); None: every step is synchronous.
-        self.pipeline = StepPipeline(scheduler, runner, proposer) if async_scheduling else None
+        self.pipeline = None
+        if async_scheduling:
+            if not isinstance(runner, ModelRunner):
+                raise ValueError(
+                    "async_scheduling needs the in-process ModelRunner; tensor-parallel executors run "
+                    "every step synchronously: set async_scheduling=False"
+                )
+            self.pipeline = StepPipeline(scheduler, runner, proposer)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a sequence. Raises `RequestRejected` (a ValueError) if it can never run."""

@@ -28,7 +28,7 @@ class LLMEngine:
         self.setup: EngineSetup = build_engine(args)
         self.core = self.setup.core
         self.tokenizer = self.setup.tokenizer
-        self.vocab_size = self.setup.loaded.spec.vocab_size
+        self.vocab_size = self.setup.spec.vocab_size
         self.eos_token_ids = self.setup.eos_token_ids
         self.max_model_len = self.setup.max_model_len
         self.inputs = InputProcessor(self.tokenizer, vocab_size=self.vocab_size)

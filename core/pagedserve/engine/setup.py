@@ -6,41 +6,46 @@ know which platform, backend, dtype and KV-cache size they got.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.ngram_proposer import NgramProposer
-from pagedserve.models.loader import LoadedModel, load_model, load_tokenizer
+from pagedserve.executor.base import WorkerReport
+from pagedserve.models.loader import LoadedModel, load_config, load_tokenizer, resolve_model_source
 from pagedserve.models.spec import ModelSpec
-from pagedserve.platforms.api import AttentionBackend, UnsupportedCase
+from pagedserve.platforms.api import AttentionBackend
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
 from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.worker.cpu_compile import compile_reason
-from pagedserve.worker.gpu_compile import configure_compile_caches
-from pagedserve.worker.graph_modes import plan_graphs
-from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
-from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.profile import profile_activation_bytes
-from pagedserve.worker.warmup import prepare_runner
+from pagedserve.worker.kv_sizing import kv_block_bytes
+from pagedserve.worker.runner_setup import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    build_runner,
+    choose_backend,
+    fit_kv_blocks,
+    load_device_model,
+    resolve_dtype,
+    swap_space_blocks,
+)
+
+# Re-exported: they lived here before the per-device half of the setup moved to `runner_setup`.
+__all__ = [
+    "DEFAULT_MAX_MODEL_LEN",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "EngineSetup",
+    "build_engine",
+    "choose_backend",
+    "eos_token_ids",
+    "resolve_dtype",
+]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_MODEL_LEN = 8192
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +53,8 @@ class EngineSetup:
     """What was chosen, for logs, `LLM` attributes and tests."""
 
     platform: LoadedPlatform
-    loaded: LoadedModel
+    spec: ModelSpec  # of the whole model (head counts unsharded)
+    loaded: LoadedModel | None  # None with tensor_parallel_size > 1: the weights live in the ranks
     backend: AttentionBackend
     tokenizer: PreTrainedTokenizerBase | None  # None with skip_tokenizer_init
     eos_token_ids: frozenset[int]
@@ -57,103 +63,104 @@ class EngineSetup:
     core: EngineCore
 
 
-def resolve_dtype(name: str, platform: LoadedPlatform, quantization: str | None = None) -> torch.dtype:
-    """`"auto"` is float32 on CPU platforms (CPUs are slow at half precision) and bfloat16 on
-    accelerators, and with packed 4-bit weights (whose kernels take bfloat16); an explicit dtype
-    must be one the platform supports."""
-    supported = platform.info.supported_dtypes
-    if name == "auto":
-        cpu = platform.info.device_type == "cpu"
-        dtype = torch.float32 if cpu and quantization is None else torch.bfloat16
-    else:
-        dtype = _DTYPES[name]
-    if dtype not in supported:
-        raise ValueError(
-            f"dtype {name!r} is not supported by platform {platform.name!r}; it supports "
-            f"{', '.join(str(d).removeprefix('torch.') for d in supported)}"
-        )
-    return dtype
-
-
-def choose_backend(platform: LoadedPlatform, spec: ModelSpec, block_size: int) -> AttentionBackend:
-    """The platform's first attention backend that declares support for this model's shapes."""
-    reasons = []
-    for cls in platform.attention_backends():
-        backend = cls()
-        try:
-            backend.check_supported(
-                head_size=spec.head_size,
-                dtype=spec.dtype,
-                block_size=block_size,
-                # Any sliding layer needs window support, even if other layers attend fully.
-                sliding_window=next((w for w in spec.sliding_windows if w is not None), None),
-                logit_softcap=spec.logit_softcap,
-            )
-        except UnsupportedCase as exc:
-            reasons.append(str(exc))
-            continue
-        return backend
-    raise ValueError(
-        f"no attention backend of platform {platform.name!r} supports this model "
-        f"(head_size={spec.head_size}, dtype={spec.dtype}, block_size={block_size}): " + "; ".join(reasons)
-    )
-
-
 def build_engine(args: EngineArgs) -> EngineSetup:
-    """Select the platform, load the model and build the engine core. Slow (loads weights)."""
+    """Select the platform, load the model and build the engine core. Slow (loads weights).
+    With `tensor_parallel_size > 1` the model is loaded by one worker process per rank."""
     platform = load_platforms().select(args.platform)
+    if args.tensor_parallel_size > 1:
+        return _build_parallel_engine(args, platform)
     device = platform.device
-    dtype = resolve_dtype(args.dtype, platform, args.quantization)
-    logger.info("platform %s (%s), dtype %s", platform.name, platform.availability.reason, dtype)
-    if device.type == "cuda":
-        configure_compile_caches()  # before anything JIT-compiles, so every kernel lands on disk
-    load_start = time.perf_counter()
-    loaded = load_model(
-        args.model,
-        gguf_file=args.gguf_file,
-        dtype=dtype,
-        device=device,
-        load_format=args.load_format,  # type: ignore[arg-type]  # validated by EngineArgs' pattern
-        seed=args.seed,
-        quantization=args.quantization,
+    dm = load_device_model(args, platform, device)
+    spec = dm.loaded.spec
+    num_blocks = args.num_kv_blocks or fit_kv_blocks(dm, args, device)
+    _check_num_blocks(args, num_blocks, dm.max_model_len)
+    _log_kv_cache(args, spec, num_blocks, dm.backend.name)
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or dm.loaded.source)
+    eos = eos_token_ids(dm.loaded.hf_config, tokenizer.eos_token_id if tokenizer is not None else None)
+    runner = build_runner(dm, args, device, num_kv_blocks=num_blocks, eos_token_ids=eos)
+    scheduler = _scheduler(args, spec, num_blocks, dm.max_model_len, dm.max_num_batched_tokens)
+    proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
+    async_scheduling = async_scheduling_choice(args.async_scheduling, platform, proposer is not None)
+    core = EngineCore(
+        scheduler,
+        runner,
+        max_model_len=dm.max_model_len,
+        proposer=proposer,
+        async_scheduling=async_scheduling,
     )
-    spec = loaded.spec
-    logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
-    max_model_len = _max_model_len(args, spec)
-    backend = choose_backend(platform, spec, args.block_size)
-    cache_ops = platform.cache_ops()
-    max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
-    if not args.enable_chunked_prefill:
-        max_batched = max(max_batched, max_model_len)
-    num_blocks = args.num_kv_blocks or num_kv_blocks_for(
-        spec,
-        args,
-        device=device,
-        max_model_len=max_model_len,
-        profile_activation_bytes=lambda: profile_activation_bytes(
-            loaded.model,
-            backend,
-            cache_ops,
-            num_tokens=max_batched,
-            num_reqs=min(args.max_num_seqs, max(1, max_batched // 256)),
-            block_size=args.block_size,
-            device=device,
-        ),
+    return EngineSetup(
+        platform, spec, dm.loaded, dm.backend, tokenizer, eos, dm.max_model_len, num_blocks, core
     )
+
+
+def _build_parallel_engine(args: EngineArgs, platform: LoadedPlatform) -> EngineSetup:
+    """The scheduler here, the model in `tensor_parallel_size` worker processes (or Ray actors)."""
+    from pagedserve.distributed.group import TensorParallelGroup
+    from pagedserve.distributed.sharding import ShardLayout
+    from pagedserve.executor.launch import start_executor
+
+    source = resolve_model_source(args.model, args.gguf_file)
+    config = load_config(source)
+    # Refuse a model that does not split before starting a process per rank to find out.
+    ShardLayout.for_config(config, TensorParallelGroup(0, args.tensor_parallel_size))
+    executor, reports = start_executor(args, platform)
+    try:
+        first = reports[0]
+        # Every rank sized its cache from its own free memory; all must hold the same block ids.
+        num_blocks = args.num_kv_blocks or min(r.num_kv_blocks for r in reports)
+        _check_num_blocks(args, num_blocks, first.max_model_len)
+        _log_kv_cache(args, first.local_spec, num_blocks, first.backend_name)
+        tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or source)
+        eos = eos_token_ids(config, tokenizer.eos_token_id if tokenizer is not None else None)
+        executor.init_cache(num_blocks, eos)
+    except BaseException:
+        executor.shutdown()
+        raise
+    scheduler = _scheduler(
+        args, first.local_spec, num_blocks, first.max_model_len, first.max_num_batched_tokens
+    )
+    proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
+    if args.async_scheduling:
+        logger.warning(
+            "async_scheduling=True has no effect with tensor_parallel_size > 1: the ranks run every "
+            "step synchronously"
+        )
+    core = EngineCore(scheduler, executor, max_model_len=first.max_model_len, proposer=proposer)
+    backend = choose_backend(platform, first.local_spec, args.block_size)
+    spec = _whole_model_spec(first)
+    return EngineSetup(platform, spec, None, backend, tokenizer, eos, first.max_model_len, num_blocks, core)
+
+
+def _whole_model_spec(report: WorkerReport) -> ModelSpec:
+    return dataclasses.replace(
+        report.local_spec, num_q_heads=report.num_q_heads, num_kv_heads=report.num_kv_heads
+    )
+
+
+def _check_num_blocks(args: EngineArgs, num_blocks: int, max_model_len: int) -> None:
     min_blocks = -(-max_model_len // args.block_size)
     if num_blocks < min_blocks and args.num_kv_blocks is None:
         raise ValueError(
             f"only {num_blocks} KV blocks fit in memory but one max_model_len={max_model_len} request "
             f"needs {min_blocks}: lower max_model_len or free memory"
         )
+
+
+def _log_kv_cache(args: EngineArgs, spec: ModelSpec, num_blocks: int, backend_name: str) -> None:
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), attention backend %s",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s), attention backend %s",
         num_blocks,
         args.block_size,
         num_blocks * args.block_size,
         num_blocks * kv_block_bytes(spec, args.block_size) / 2**20,
-        backend.name,
+        " per rank" if args.tensor_parallel_size > 1 else "",
+        backend_name,
     )
+
+
+def _scheduler(
+    args: EngineArgs, spec: ModelSpec, num_blocks: int, max_model_len: int, max_batched: int
+) -> Scheduler:
     sched_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max_batched,
@@ -162,61 +169,13 @@ def build_engine(args: EngineArgs) -> EngineSetup:
         preemption_mode=args.preemption_mode,
         num_speculative_tokens=args.num_speculative_tokens,
     )
-    swap_blocks = int(args.swap_space_gib * 2**30 // kv_block_bytes(spec, args.block_size))
     cache_config = CacheConfig(
         block_size=args.block_size,
         num_kv_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
-        swap_space_blocks=swap_blocks,
+        swap_space_blocks=swap_space_blocks(spec, args),
     )
-    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or loaded.source)
-    eos = eos_token_ids(loaded.hf_config, tokenizer.eos_token_id if tokenizer is not None else None)
-    runner = ModelRunner(
-        loaded.model,
-        backend,
-        cache_ops,
-        num_kv_blocks=num_blocks,
-        block_size=args.block_size,
-        max_num_reqs=args.max_num_seqs,
-        max_model_len=max_model_len,
-        eos_token_ids=eos,
-        device=device,
-        seed=args.seed,
-    )
-    if swap_blocks:
-        runner.allocate_swap_space(swap_blocks)
-    graph_plan = plan_graphs(
-        args.cudagraph_mode,
-        enforce_eager=args.enforce_eager,
-        gpu_compile=args.gpu_compile,
-        device=device,
-        spec=spec,
-        backend_supports_full=backend.supports_full_cuda_graph,
-        cache_ops_skip_padding=cache_ops.skips_negative_slots,
-    )
-    if device.type == "cuda":
-        runner.startup_times = prepare_runner(
-            runner,
-            graph_plan,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_batched,
-            max_model_len=max_model_len,
-            cuda_graph_max_tokens=args.cuda_graph_max_tokens,
-        )
-    else:
-        logger.info("no CUDA graphs: %s", graph_plan.describe())
-    not_compiled_why = compile_reason(device, spec, args.cpu_compile, args.enforce_eager)
-    if not_compiled_why is None:
-        runner.compile_forward()
-    elif args.cpu_compile:
-        logger.warning("cpu_compile=True has no effect: %s", not_compiled_why)
-    scheduler = Scheduler(sched_config, cache_config, num_blocks)
-    proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
-    async_scheduling = async_scheduling_choice(args.async_scheduling, platform, proposer is not None)
-    core = EngineCore(
-        scheduler, runner, max_model_len=max_model_len, proposer=proposer, async_scheduling=async_scheduling
-    )
-    return EngineSetup(platform, loaded, backend, tokenizer, eos, max_model_len, num_blocks, core)
+    return Scheduler(sched_config, cache_config, num_blocks)
 
 
 def async_scheduling_choice(requested: bool | None, platform: LoadedPlatform, drafts: bool) -> bool:
@@ -233,19 +192,6 @@ def async_scheduling_choice(requested: bool | None, platform: LoadedPlatform, dr
     else:
         logger.info("asynchronous scheduling on: step N+1 is scheduled while step N runs")
     return on
-
-
-def _max_model_len(args: EngineArgs, spec: ModelSpec) -> int:
-    trained = spec.max_position_embeddings
-    if args.max_model_len is None:
-        return min(trained or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
-    if trained is not None and args.max_model_len > trained:
-        logger.warning(
-            "max_model_len=%d is longer than the model's trained context (%d): quality may degrade",
-            args.max_model_len,
-            trained,
-        )
-    return args.max_model_len
 
 
 def eos_token_ids(hf_config: object, tokenizer_eos: int | None) -> frozenset[int]:

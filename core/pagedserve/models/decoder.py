@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedserve.attention.layer import PagedAttention
+from pagedserve.distributed.layers import VocabParallelLogits
 from pagedserve.models.layers import (
     GatedMLP,
     MergedLinear,
@@ -179,6 +180,8 @@ class DecoderForCausalLM(PagedCausalLM):
         )
         # Set by `pack_quantized_weights`: the head as packed 4-bit codes (CPU decode).
         self.packed_head: PackedInt4Linear | None = None
+        # Set by `distributed.sharding.shard_model`: the head holds one rank's vocabulary rows.
+        self.vocab_parallel: VocabParallelLogits | None = None
         self.spec = ModelSpec(
             architecture=self.architecture,
             implementation="native",
@@ -208,7 +211,10 @@ class DecoderForCausalLM(PagedCausalLM):
         if self.packed_head is not None:
             return self.packed_head(hidden_states).float()
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, head).float()
+        logits = F.linear(hidden_states, head)
+        if self.vocab_parallel is not None:
+            logits = self.vocab_parallel.gather(logits)
+        return logits.float()
 
     @torch.no_grad()
     def pack_quantized_weights(self, recovered: dict[str, RecoveredCodes]) -> int:

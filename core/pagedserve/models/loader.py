@@ -17,7 +17,9 @@ from typing import Any, Literal
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedserve.models.registry import choose_model
+from pagedserve.distributed.group import TensorParallelGroup
+from pagedserve.models.decoder import DecoderForCausalLM
+from pagedserve.models.registry import architecture_of, choose_model
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.models.weights import fill_dummy_weights, iter_gguf, iter_safetensors
 
@@ -141,11 +143,14 @@ def load_model(
     seed: int = 0,
     allow_fallback: bool = True,
     quantization: Quantization | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> LoadedModel:
     """Build the model `model` names, on `device` in `dtype`, with weights from its checkpoint
     (or random ones for `load_format="dummy"`, seeded by `seed`). Native implementation when
     there is one, the transformers fallback otherwise (unless `allow_fallback=False`).
-    `quantization="gguf"` keeps a GGUF file's Q4_1/Q8_0 blocks packed (`packed_int4`)."""
+    `quantization="gguf"` keeps a GGUF file's Q4_1/Q8_0 blocks packed (`packed_int4`).
+    With a `tp` group of more than one rank, builds and loads only that rank's shard
+    (`distributed.sharding`)."""
     source = resolve_model_source(model, gguf_file)
     fmt = _resolve_format(source, load_format)
     device = torch.device(device)
@@ -153,6 +158,8 @@ def load_model(
         _check_quantization(quantization, fmt, dtype, device)
     config = load_config(source)
     choice = choose_model(config, allow_fallback=allow_fallback)
+    if tp is not None and tp.world_size > 1:
+        return _load_shard(choice.native_class, config, source, fmt, dtype, device, seed, quantization, tp)
     built: PagedCausalLM
     if choice.native_class is None:
         from pagedserve.models.hf_fallback import build_fallback_model
@@ -233,3 +240,51 @@ def _load_gguf_packed(model: PagedCausalLM, gguf_path: Path, config: Any) -> Non
             "load it without quantization="
         )
     logger.info("quantization='gguf': %d layers kept as packed 4-bit codes", packed)
+
+
+def _load_shard(
+    native_class: type[DecoderForCausalLM] | None,
+    config: Any,
+    source: ModelSource,
+    fmt: LoadFormat,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    quantization: Quantization | None,
+    tp: TensorParallelGroup,
+) -> LoadedModel:
+    """`load_model` for one rank of a tensor-parallel group: the native model with this rank's
+    shapes, filled with this rank's part of every tensor. Dummy weights are drawn per shard (so
+    they differ from an unsharded model's: they are for benchmarks only)."""
+    from pagedserve.distributed.sharding import (
+        ShardLayout,
+        iter_safetensors_shard,
+        shard_model,
+        shard_weights,
+    )
+
+    if native_class is None:
+        raise ValueError(
+            f"tensor_parallel_size={tp.world_size} needs a native pagedserve model; "
+            f"{architecture_of(config)} runs through the transformers fallback, which cannot be sharded "
+            "(use tensor_parallel_size=1)"
+        )
+    if quantization is not None:
+        raise ValueError(
+            f"quantization={quantization!r} runs on one CPU and cannot be sharded: drop quantization= "
+            "or use tensor_parallel_size=1"
+        )
+    layout = ShardLayout.for_config(config, tp)
+    with torch.device("meta"):
+        native = native_class(config, dtype)
+        shard_model(native, layout, tp)
+    native = native.to(dtype).to_empty(device=device)
+    if fmt == "dummy":
+        fill_dummy_weights(native, seed)
+    elif fmt == "gguf":
+        assert source.gguf_path is not None
+        native.load_weights(shard_weights(iter_gguf(source.gguf_path, config), layout))
+    else:
+        native.load_weights(iter_safetensors_shard(source.directory, layout))
+    native.eval()
+    return LoadedModel(model=native, hf_config=config, spec=native.spec, source=source)

@@ -111,7 +111,10 @@ class AsyncLLMEngine:
             target=run_engine_core,
             args=(self.args.model_dump_json(), in_addr, out_addr, os.getpid()),
             name="pagedserve-engine-core",
-            daemon=True,
+            # A daemonic process may not start children, and with tensor parallelism the core
+            # starts one per rank. It still ends with this process: `shutdown` stops it, and it
+            # exits by itself when this process is gone (see engine_proc).
+            daemon=self.args.tensor_parallel_size == 1,
         )
         proc.start()
         self._proc = proc

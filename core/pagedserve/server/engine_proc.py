@@ -45,7 +45,7 @@ def run_engine_core(args_json: str, input_addr: str, output_addr: str, parent_pi
         setup = build_engine(args)
         info = CoreInfo(
             max_model_len=setup.max_model_len,
-            vocab_size=setup.loaded.spec.vocab_size,
+            vocab_size=setup.spec.vocab_size,
             eos_token_ids=setup.eos_token_ids,
             num_kv_blocks=setup.num_kv_blocks,
             block_size=args.block_size,

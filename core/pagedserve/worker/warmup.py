@@ -190,12 +190,10 @@ def prepare_runner(
     `compiled`, `full_graphs` and `cuda_graphs`); slow."""
     compile_s = kernels_s = capture_s = 0.0
     num_batches = 0
-    caches, backend, cache_ops = runner.kv_caches, runner.backend, runner.cache_ops
     if plan.compile:
         compiled = GpuCompiledForward(runner.model)
-        compile_s = compiled.warm_up(caches, backend, cache_ops)
+        compile_s = compiled.warm_up(runner.kv_caches, runner.backend, runner.cache_ops)
         runner.compiled = compiled
-    forward = runner.compiled if runner.compiled is not None else runner.model
     if plan.warm_up_kernels:
         start = time.perf_counter()
         batches = attention_warmup_batches(
@@ -203,11 +201,44 @@ def prepare_runner(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         )
-        warm_up_attention(backend, cache_ops, caches[0], runner.spec, batches)
+        warm_up_attention(runner.backend, runner.cache_ops, runner.kv_caches[0], runner.spec, batches)
         kernels_s = time.perf_counter() - start
         num_batches = len(batches)
         logger.info("attention kernels warmed up on %d batch shapes in %.1f s", num_batches, kernels_s)
-    start = time.perf_counter()
+    if plan.full_decode or plan.piecewise:
+        start = time.perf_counter()
+        _capture_graphs(
+            runner,
+            plan,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            cuda_graph_max_tokens=cuda_graph_max_tokens,
+        )
+        capture_s = time.perf_counter() - start
+    logger.info(
+        "ready to serve (%s): compile %.1f s, attention kernels %.1f s, graph capture %.1f s",
+        plan.describe(),
+        compile_s,
+        kernels_s,
+        capture_s,
+    )
+    return StartupTimes(compile_s, kernels_s, capture_s, num_batches)
+
+
+def _capture_graphs(
+    runner: ModelRunner,
+    plan: GraphPlan,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    cuda_graph_max_tokens: int,
+) -> None:
+    """Capture full decode graphs, then piecewise ones, as `plan` asks, from the compiled forward
+    where there is one. Mutates the runner (`full_graphs`, `cuda_graphs`)."""
+    caches, backend, cache_ops = runner.kv_caches, runner.backend, runner.cache_ops
+    forward = runner.compiled if runner.compiled is not None else runner.model
     if plan.full_decode:
         full = FullDecodeGraphs(
             forward,
@@ -227,14 +258,3 @@ def prepare_runner(
         )
         graphs.capture(caches, backend, cache_ops)
         runner.cuda_graphs = graphs
-    if plan.full_decode or plan.piecewise:
-        capture_s = time.perf_counter() - start
-    times = StartupTimes(compile_s, kernels_s, capture_s, num_batches)
-    logger.info(
-        "ready to serve (%s): compile %.1f s, attention kernels %.1f s, graph capture %.1f s",
-        plan.describe(),
-        compile_s,
-        kernels_s,
-        capture_s,
-    )
-    return times

@@ -25,7 +25,7 @@ from pagedserve.platforms.api import (
 )
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
-from pagedserve_triton.launch_params import CachedLaunch, LaunchParams, device_name_of
+from pagedserve_triton.launch_params import AttentionLaunchConfig, CachedLaunch, LaunchParams, device_name_of
 from pagedserve_triton.unified_attention import (
     INTERPRETED,
     LOG2E,
@@ -65,6 +65,10 @@ def choose_split(
     *,
     block_q: int = 1,
     tile_size: int = 16,
+    max_query_len_3d: int = MAX_QUERY_LEN_3D,
+    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
+    max_splits: int = MAX_SPLITS,
+    target_programs_per_sm: int = TARGET_PROGRAMS_PER_SM,
 ) -> SplitPlan:
     """Pick the 2D or the split-KV 3D kernel from batch geometry. Pure.
 
@@ -75,18 +79,19 @@ def choose_split(
     for `TARGET_PROGRAMS_PER_SM` programs per SM but never below `MIN_KEYS_PER_SPLIT` keys (nor
     below one `tile_size` KV tile of the 3D kernel) per split, and at most `MAX_SPLITS`. Queries
     longer than `MAX_QUERY_LEN_3D` always use 2D: their query blocks are parallel already and the
-    float32 partials would grow with them."""
-    if num_reqs <= 0 or max_query_len > MAX_QUERY_LEN_3D:
+    float32 partials would grow with them. The keyword thresholds default to these constants; a
+    platform with thresholds of its own (the rocm plugin's tables) passes them."""
+    if num_reqs <= 0 or max_query_len > max_query_len_3d:
         return PLAN_2D
     tiles = num_reqs * triton.cdiv(max_query_len, block_q) * num_kv_heads
     if tiles >= num_sms:
         return PLAN_2D
-    by_length = max_seq_len // max(MIN_KEYS_PER_SPLIT, tile_size)
+    by_length = max_seq_len // max(min_keys_per_split, tile_size)
     if by_length < 2:
         return PLAN_2D
-    wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, tiles))
+    wanted = triton.next_power_of_2(triton.cdiv(target_programs_per_sm * num_sms, tiles))
     longest_allowed = 1 << (by_length.bit_length() - 1)  # largest power of two <= by_length
-    num_splits = min(wanted, longest_allowed, MAX_SPLITS)
+    num_splits = min(wanted, longest_allowed, max_splits)
     if num_splits < 2:
         return PLAN_2D
     return SplitPlan("3d", num_splits)
@@ -322,9 +327,9 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             device=query.device,
         )
         kernel = "unified_attention_2d" if plan.kind == "2d" else "unified_attention_3d"
-        cfg = self._launch_params.attention(
+        cfg = self.attention_config(
             kernel,
-            device_name,
+            query.device,
             head_size=head_size,
             block_size=block_size,
             num_queries_per_kv=queries_per_kv,
@@ -368,9 +373,10 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             USE_WINDOW=sliding_window is not None,
             # Triton's interpreter (3.9) multiplies bfloat16 dot operands as raw uint16 bits.
             DOT_IN_FP32=query.dtype == torch.bfloat16 and INTERPRETED,
-            NUM_GRID_GROUPS=self._grid_order.num_groups,
+            NUM_GRID_GROUPS=self.grid_groups(query.device),
+            KV_CACHE_MODIFIER=cfg.kv_cache_modifier,
         )
-        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **dict(cfg.backend_options)}
         if plan.kind == "2d":
             attention = CachedLaunch(
                 unified_attention_2d_kernel,
@@ -436,13 +442,12 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         """The kernel `forward` runs for this batch: the constructor's `num_splits` if given, else
         `choose_split`. Host-only (no device sync); mutates only the launch-parameter cache."""
         queries_per_kv = num_q_heads // num_kv_heads
-        device_name = device_name_of(device)
         if self._num_splits is not None:
             return PLAN_2D if self._num_splits == 1 else SplitPlan("3d", self._num_splits)
         # The heuristic needs the 2D kernel's tokens per query block, which its config sets.
-        cfg_2d = self._launch_params.attention(
+        cfg_2d = self.attention_config(
             "unified_attention_2d",
-            device_name,
+            device,
             head_size=head_size,
             block_size=block_size,
             num_queries_per_kv=queries_per_kv,
@@ -450,9 +455,9 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             max_query_len=metadata.max_query_len,
         )
         # ... and the 3D kernel's KV tile: a split shorter than one tile would get no work.
-        cfg_3d = self._launch_params.attention(
+        cfg_3d = self.attention_config(
             "unified_attention_3d",
-            device_name,
+            device,
             head_size=head_size,
             block_size=block_size,
             num_queries_per_kv=queries_per_kv,
@@ -460,12 +465,63 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             max_query_len=metadata.max_query_len,
         )
         block_q = max(cfg_2d.block_m, triton.next_power_of_2(queries_per_kv)) // queries_per_kv
-        return choose_split(
+        return self.split_plan(
             metadata.num_reqs,
             metadata.max_query_len,
             metadata.max_seq_len,
             num_kv_heads,
-            self._sm_count(device),
+            device,
             block_q=block_q,
             tile_size=cfg_3d.tile_size,
+        )
+
+    # What a platform that reuses this backend with tables of its own (the rocm plugin) overrides.
+
+    def attention_config(
+        self,
+        kernel: str,
+        device: torch.device,
+        *,
+        head_size: int,
+        block_size: int,
+        num_queries_per_kv: int,
+        dtype: torch.dtype,
+        max_query_len: int,
+    ) -> AttentionLaunchConfig:
+        """Launch parameters of "unified_attention_2d" or "unified_attention_3d" for this shape class
+        on `device`, from the tuned configs. Mutates only the launch-parameter cache."""
+        return self._launch_params.attention(
+            kernel,
+            device_name_of(device),
+            head_size=head_size,
+            block_size=block_size,
+            num_queries_per_kv=num_queries_per_kv,
+            dtype=dtype,
+            max_query_len=max_query_len,
+        )
+
+    def grid_groups(self, device: torch.device) -> int:
+        """`NUM_GRID_GROUPS` of the launches on `device`: the constructor's grid order. Pure."""
+        return self._grid_order.num_groups
+
+    def split_plan(
+        self,
+        num_reqs: int,
+        max_query_len: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        device: torch.device,
+        *,
+        block_q: int,
+        tile_size: int,
+    ) -> SplitPlan:
+        """`choose_split` with this module's thresholds and the device's SM count."""
+        return choose_split(
+            num_reqs,
+            max_query_len,
+            max_seq_len,
+            num_kv_heads,
+            self._sm_count(device),
+            block_q=block_q,
+            tile_size=tile_size,
         )

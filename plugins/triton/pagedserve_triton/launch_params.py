@@ -44,6 +44,10 @@ class AttentionLaunchConfig:
     num_stages: int
     tile_size: int  # keys per step of the KV loop (power of two, >= 16)
     block_m: int  # query rows per tile: tokens x grouped query heads (power of two, >= 16)
+    kv_cache_modifier: str = ""  # cache_modifier of the K/V loads: "" or ".cg"
+    # Launch options of one Triton backend only (AMD's waves_per_eu, ...), already checked against
+    # the backend the launch targets: (name, value) pairs passed beside num_warps and num_stages.
+    backend_options: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

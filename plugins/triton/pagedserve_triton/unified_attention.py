@@ -149,6 +149,7 @@ def _attend_kv_tiles(
     USE_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    KV_CACHE_MODIFIER: tl.constexpr,
 ):
     """Online softmax over KV tiles [kv_tile_start, kv_tile_end) of one request and KV head.
     `q_pos` [BLOCK_M] is each row's absolute position. Returns the updated (acc, m_i, l_i), where
@@ -170,8 +171,19 @@ def _attend_kv_tiles(
             block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
             kv_mask = d_mask[None, :]
         kv_off = block * stride_kv_block + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
-        k = tl.load(kv_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        # KV_CACHE_MODIFIER ("" or ".cg"): a streaming hint where no other program re-reads the tile.
+        k = tl.load(
+            kv_ptr + kv_off[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+            cache_modifier=KV_CACHE_MODIFIER,
+        )
+        v = tl.load(
+            v_ptr + kv_off[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+            cache_modifier=KV_CACHE_MODIFIER,
+        )
 
         p_ty = v.dtype
         if DOT_IN_FP32:
@@ -258,6 +270,7 @@ def _attend_span(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    KV_CACHE_MODIFIER: tl.constexpr,
 ):
     """Tiles [lo, hi) in three runs: masked edge tiles before the interior (window start),
     unmasked interior tiles [full_start, full_end), masked edge tiles after it (causal diagonal)."""
@@ -290,6 +303,7 @@ def _attend_span(
         USE_WINDOW,
         True,
         DOT_IN_FP32,
+        KV_CACHE_MODIFIER,
     )
     acc, m_i, l_i = _attend_kv_tiles(
         q,
@@ -318,6 +332,7 @@ def _attend_span(
         USE_WINDOW,
         False,
         DOT_IN_FP32,
+        KV_CACHE_MODIFIER,
     )
     acc, m_i, l_i = _attend_kv_tiles(
         q,
@@ -346,6 +361,7 @@ def _attend_span(
         USE_WINDOW,
         True,
         DOT_IN_FP32,
+        KV_CACHE_MODIFIER,
     )
     return acc, m_i, l_i
 
@@ -403,6 +419,7 @@ def unified_attention_2d_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
     NUM_GRID_GROUPS: tl.constexpr,
+    KV_CACHE_MODIFIER: tl.constexpr,  # cache_modifier of the K/V loads: "" (default policy) or ".cg"
 ):
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     kv_head = tile // num_q_blocks
@@ -464,6 +481,7 @@ def unified_attention_2d_kernel(
         USE_SOFTCAP,
         USE_WINDOW,
         DOT_IN_FP32,
+        KV_CACHE_MODIFIER,
     )
 
     # Every valid row sees at least its own key, so l_i > 0 there; masked rows are not stored.
@@ -512,6 +530,7 @@ def unified_attention_3d_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
     NUM_GRID_GROUPS: tl.constexpr,
+    KV_CACHE_MODIFIER: tl.constexpr,  # cache_modifier of the K/V loads: "" (default policy) or ".cg"
 ):
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     split = tile % NUM_SPLITS
@@ -580,6 +599,7 @@ def unified_attention_3d_kernel(
         USE_SOFTCAP,
         USE_WINDOW,
         DOT_IN_FP32,
+        KV_CACHE_MODIFIER,
     )
 
     segm = ((q_start + tok).to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split

@@ -1,0 +1,237 @@
+"""On a multi-GPU host: tensor parallelism with Llama-3.1-8B and Llama-3.1-70B shapes (dummy bfloat16
+weights), TP=N against TP=1, started by the engine itself (no torchrun).
+
+For each (shape, tensor_parallel_size) it builds one engine and measures:
+  * single stream: one `--prompt-len` prompt, `--output-len` tokens out; TTFT is the first step,
+    TPOT the median of the others (each step ends in a device -> host copy of the samples);
+  * collectives: a torch-profiler trace of `--profile-steps` decode steps of `--batch` requests
+    on every rank; rank 0's NCCL kernel time (all-reduce, all-gather) per step;
+  * throughput (`--workload FILE`): `pagedserve bench throughput`'s loop on the workload file.
+Then, without an engine, the bus bandwidth NCCL reaches between the GPUs (all-reduce of
+`--bw-mib` MiB, nccl-tests' busbw = 2 (n - 1) / n * bytes / time), to compare with the per-step
+collective time above. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set).
+
+    python benchmarks/tp_gpu.py --shape 8b --tp 1,2 --workload sharegpt_like_256.json --json tp8b.json
+    python benchmarks/tp_gpu.py --shape 70b --tp 2 --workload sharegpt_like_256.json --json tp70b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from transformers import LlamaConfig
+
+from pagedserve.bench.datasets import fit_vocab, load_workload
+from pagedserve.bench.throughput import run_throughput
+from pagedserve.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.executor.base import ParallelExecutor
+from pagedserve.executor.launch import NCCL_DEFAULTS
+from pagedserve.sampling.sampling_params import SamplingParams
+
+_SHAPES: dict[str, dict[str, int]] = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
+}
+
+
+def llama_config(shape: str) -> LlamaConfig:
+    """Llama-3.1-8B or -70B shapes and rope (the weights are random)."""
+    return LlamaConfig(
+        **_SHAPES[shape],
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 128000, (length,), generator=gen).tolist()
+
+
+def single_stream(engine: LLMEngine, prompt_len: int, output_len: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0, detokenize=False)
+    for name, seed in (("warm", 1), ("timed", 2)):
+        engine.add_request(name, _prompt(prompt_len, seed), params)
+        steps = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()  # ends with the samples copied to the host: the step's device work is done
+            steps.append(time.perf_counter() - start)
+    decode = steps[1:]
+    return {
+        "ttft_ms": steps[0] * 1e3,
+        "tpot_median_ms": statistics.median(decode) * 1e3,
+        "tpot_p90_ms": sorted(decode)[int(0.9 * len(decode))] * 1e3,
+        "decode_steps": len(decode),
+    }
+
+
+def collective_profile(engine: LLMEngine, batch: int, steps: int, context: int) -> dict[str, Any]:
+    """NCCL kernel time per decode step on rank 0, `batch` requests of `context`-token prompts."""
+    executor = engine.core.runner
+    if not isinstance(executor, ParallelExecutor):
+        return {"skipped": "tensor_parallel_size=1 has no collectives"}
+    params = SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True, temperature=0, detokenize=False)
+    for i in range(batch):
+        engine.add_request(f"prof-{i}", _prompt(context, 100 + i), params)
+    decoding: set[str] = set()
+    while len(decoding) < batch:
+        decoding.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    executor.start_profile()
+    for _ in range(steps):
+        engine.step()
+    kernels = executor.stop_profile()
+    while engine.has_unfinished_requests():
+        engine.step()
+    nccl = {k: v for k, v in kernels.items() if "nccl" in k.lower()}
+    all_reduce_us = sum(us for k, (_, us) in nccl.items() if "allreduce" in k.lower())
+    all_gather_us = sum(us for k, (_, us) in nccl.items() if "allgather" in k.lower())
+    return {
+        "batch": batch,
+        "step_ms": step_ms,
+        "all_reduce_ms_per_step": all_reduce_us / steps / 1e3,
+        "all_gather_ms_per_step": all_gather_us / steps / 1e3,
+        "nccl_kernels": {k: {"calls": c, "total_us": us} for k, (c, us) in nccl.items()},
+    }
+
+
+def measure(args: argparse.Namespace, model_dir: str, tp: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    engine = LLMEngine(
+        EngineArgs(
+            model=model_dir,
+            load_format="dummy",
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            max_model_len=4096,
+            max_num_seqs=256,
+            platform=args.platform,
+            tensor_parallel_size=tp,
+            enforce_eager=args.enforce_eager,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+    )
+    out: dict[str, Any] = {"tp": tp, "build_s": time.perf_counter() - start}
+    out["num_kv_blocks"] = engine.setup.num_kv_blocks
+    out["single_stream"] = single_stream(engine, args.prompt_len, args.output_len)
+    print(out, flush=True)
+    out["collectives"] = collective_profile(engine, args.batch, args.profile_steps, 128)
+    print(out["collectives"], flush=True)
+    if args.workload:
+        requests = fit_vocab(load_workload(args.workload), engine.vocab_size, wrap=True)
+        out["throughput"] = run_throughput(engine, requests).to_dict()
+        print(out["throughput"], flush=True)
+    executor = engine.core.runner
+    if isinstance(executor, ParallelExecutor):
+        executor.shutdown()
+    del engine, executor
+    gc.collect()
+    return out
+
+
+def _bandwidth_rank(rank: int, world: int, port: int, mib: int, result: Any) -> None:
+    os.environ.update({k: v for k, v in NCCL_DEFAULTS.items() if k not in os.environ})
+    torch.cuda.set_device(rank)
+    torch.distributed.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    x = torch.ones(mib * 2**20 // 2, dtype=torch.bfloat16, device="cuda")
+    for _ in range(5):
+        torch.distributed.all_reduce(x)
+    torch.cuda.synchronize()
+    iters = 20
+    start = time.perf_counter()
+    for _ in range(iters):
+        torch.distributed.all_reduce(x)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / iters
+    if rank == 0:
+        nbytes = x.numel() * x.element_size()
+        result.put(
+            {
+                "bytes": nbytes,
+                "time_ms": seconds * 1e3,
+                "busbw_GBps": 2 * (world - 1) / world * nbytes / seconds / 1e9,
+            }
+        )
+    torch.distributed.destroy_process_group()
+
+
+def nccl_bandwidth(world: int, mib: int) -> dict[str, float]:
+    """nccl-tests' all-reduce bus bandwidth between `world` local GPUs, from torch.distributed."""
+    from pagedserve.executor.multiproc import free_port
+
+    ctx = mp.get_context("spawn")
+    result = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_bandwidth_rank, args=(r, world, port, mib, result)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return dict(result.get())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(_SHAPES), default="8b")
+    parser.add_argument("--tp", default="1,2", help="comma-separated tensor_parallel_size values")
+    parser.add_argument("--platform", default="cuda")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=64, help="running requests of the profiled decode steps")
+    parser.add_argument("--profile-steps", type=int, default=16)
+    parser.add_argument("--workload", help="workload JSON of the throughput run")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--bw-mib", type=int, default=256, help="all-reduce size of the bandwidth test")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "args": vars(args), "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        llama_config(args.shape).save_pretrained(tmp)
+        for tp in (int(t) for t in args.tp.split(",")):
+            results["runs"].append(measure(args, tmp, tp))
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2))
+    world = max(int(t) for t in args.tp.split(","))
+    if world > 1:
+        results["nccl_all_reduce"] = nccl_bandwidth(world, args.bw_mib)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

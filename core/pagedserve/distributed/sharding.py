@@ -1,0 +1,190 @@
+"""Sharding a native decoder over a tensor-parallel group: which rows and columns each rank holds,
+the module swap that gives a meta-built model its rank's shapes, and reading only those rows and
+columns from a checkpoint.
+
+Layout (Megatron): q/k/v and gate/up are split by output rows (whole heads; whole intermediate
+columns), o_proj and down_proj by input columns, the embedding and the LM head by vocabulary rows.
+With more ranks than KV heads, each KV head is replicated on `world_size / num_kv_heads` ranks
+(rank r holds KV head `r * num_kv_heads // world_size`, the one its query heads attend with).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagedserve.distributed.group import TensorParallelGroup
+from pagedserve.distributed.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLogits
+from pagedserve.models.decoder import DecoderForCausalLM, DecoderLayer, head_size_of
+from pagedserve.models.layers import MergedLinear
+from pagedserve.models.weights import safetensors_files
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """Which part of every sharded tensor one rank holds. Built by `for_config`, which validates."""
+
+    rank: int
+    world_size: int
+    num_q_heads: int  # of the whole model
+    num_kv_heads: int  # of the whole model
+    head_size: int
+    intermediate_size: int  # of the whole model
+    vocab_size: int  # of the whole model
+
+    @classmethod
+    def for_config(cls, config: Any, group: TensorParallelGroup) -> ShardLayout:
+        """The layout of `group.rank`; raises `ValueError` naming the dimension that does not split."""
+        tp = group.world_size
+        hq, hkv = int(config.num_attention_heads), int(config.num_key_value_heads)
+        inter = int(config.intermediate_size)
+        problems = []
+        if hq % tp:
+            problems.append(f"num_attention_heads={hq} is not a multiple of it")
+        if hkv % tp and tp % hkv:
+            problems.append(f"num_key_value_heads={hkv} neither divides it nor is a multiple of it")
+        if inter % tp:
+            problems.append(f"intermediate_size={inter} is not a multiple of it")
+        if problems:
+            raise ValueError(
+                f"tensor_parallel_size={tp} cannot shard this model: "
+                + "; ".join(problems)
+                + ". Choose a tensor_parallel_size that divides the attention heads and intermediate size"
+            )
+        return cls(group.rank, tp, hq, hkv, head_size_of(config), inter, int(config.vocab_size))
+
+    @property
+    def local_q_heads(self) -> int:
+        return self.num_q_heads // self.world_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.world_size)
+
+    @property
+    def first_kv_head(self) -> int:
+        return self.rank * self.num_kv_heads // self.world_size
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.intermediate_size // self.world_size
+
+    @property
+    def vocab_per_rank(self) -> int:
+        """Rows of every rank's embedding / head (the last rank's real ones may be fewer)."""
+        return -(-self.vocab_size // self.world_size)
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        """[start, end) of the vocabulary ids this rank holds."""
+        start = min(self.rank * self.vocab_per_rank, self.vocab_size)
+        return start, min(start + self.vocab_per_rank, self.vocab_size)
+
+    def slice_of(self, name: str) -> TensorSlice | None:
+        """The part of checkpoint tensor `name` this rank holds; None: the whole (replicated) tensor."""
+        module_path, _, param = name.rpartition(".")
+        proj = module_path.rpartition(".")[2]
+        hs = self.head_size
+        if proj == "q_proj":
+            return TensorSlice(0, self.rank * self.local_q_heads * hs, self.local_q_heads * hs)
+        if proj in ("k_proj", "v_proj"):
+            return TensorSlice(0, self.first_kv_head * hs, self.local_kv_heads * hs)
+        if proj in ("gate_proj", "up_proj"):
+            return TensorSlice(0, self.rank * self.local_intermediate, self.local_intermediate)
+        if proj == "o_proj" and param == "weight":
+            return TensorSlice(1, self.rank * self.local_q_heads * hs, self.local_q_heads * hs)
+        if proj == "down_proj" and param == "weight":
+            return TensorSlice(1, self.rank * self.local_intermediate, self.local_intermediate)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start, end = self.vocab_range
+            return TensorSlice(0, start, end - start, padded=self.vocab_per_rank)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlice:
+    """`length` rows (dim 0) or columns (dim 1) from `start`, zero-padded to `padded` along `dim`."""
+
+    dim: int
+    start: int
+    length: int
+    padded: int | None = None  # None: no padding
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This slice of a whole tensor (a copy). Does not mutate `tensor`."""
+        return self._pad(tensor.narrow(self.dim, self.start, self.length).clone())
+
+    def read(self, lazy: Any) -> torch.Tensor:
+        """This slice read from a safetensors slice handle, without reading the rest of the tensor."""
+        end = self.start + self.length
+        part = lazy[self.start : end] if self.dim == 0 else lazy[:, self.start : end]
+        return self._pad(part)
+
+    def _pad(self, part: torch.Tensor) -> torch.Tensor:
+        if self.padded is None or self.padded == self.length:
+            return part
+        shape = list(part.shape)
+        shape[self.dim] = self.padded - self.length
+        return torch.cat([part, part.new_zeros(shape)], dim=self.dim)
+
+
+def shard_model(model: DecoderForCausalLM, layout: ShardLayout, group: TensorParallelGroup) -> None:
+    """Give a freshly built (meta-device) native model this rank's shapes: swap its projections,
+    embedding and head for their sharded forms and its spec for the local head counts. Call under
+    the device the model was built on, before materializing and loading it. Mutates `model`."""
+    config = model.config
+    hidden = int(config.hidden_size)
+    hs = layout.head_size
+    q_size, kv_size = layout.local_q_heads * hs, layout.local_kv_heads * hs
+    for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer)
+        attn = layer.self_attn
+        attn.qkv_proj = MergedLinear(
+            hidden,
+            {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+            bias=attn.qkv_proj.bias is not None,
+        )
+        attn.o_proj = RowParallelLinear(q_size, hidden, attn.o_proj.bias is not None, group)
+        attn.num_heads, attn.num_kv_heads = layout.local_q_heads, layout.local_kv_heads
+        attn.q_size, attn.kv_size = q_size, kv_size
+        attn.attn.num_heads, attn.attn.num_kv_heads = layout.local_q_heads, layout.local_kv_heads
+        mlp = layer.mlp
+        inter = layout.local_intermediate
+        mlp_bias = mlp.down_proj.bias is not None
+        mlp.gate_up_proj = MergedLinear(hidden, {"gate_proj": inter, "up_proj": inter}, bias=mlp_bias)
+        mlp.down_proj = RowParallelLinear(inter, hidden, mlp_bias, group)
+        mlp.intermediate_size = inter
+    start, end = layout.vocab_range
+    model.model.embed_tokens = VocabParallelEmbedding(layout.vocab_per_rank, hidden, start, end, group)
+    if model.lm_head is not None:
+        model.lm_head = nn.Linear(hidden, layout.vocab_per_rank, bias=False)
+    model.vocab_parallel = VocabParallelLogits(layout.vocab_size, group)
+    model.spec = dataclasses.replace(
+        model.spec, num_q_heads=layout.local_q_heads, num_kv_heads=layout.local_kv_heads
+    )
+
+
+def shard_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], layout: ShardLayout
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Cut whole checkpoint tensors down to this rank's part (for formats read whole, e.g. GGUF)."""
+    for name, tensor in weights:
+        part = layout.slice_of(name)
+        yield name, tensor if part is None else part.take(tensor)
+
+
+def iter_safetensors_shard(directory: Path, layout: ShardLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield this rank's part of every tensor of a safetensors checkpoint, reading only that part
+    from disk: a rank never holds the whole checkpoint."""
+    for path in safetensors_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                part = layout.slice_of(name)
+                yield name, f.get_tensor(name) if part is None else part.read(f.get_slice(name))

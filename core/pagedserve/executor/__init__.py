@@ -1,0 +1,1 @@
+"""Executors: the ranks of a tensor-parallel engine as worker processes (`mp`) or Ray actors (`ray`)."""

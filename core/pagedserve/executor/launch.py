@@ -1,0 +1,67 @@
+"""Starting the ranks of a tensor-parallel engine: the environment every rank gets, the executor
+`distributed_executor_backend` names, and the loading every rank does before the first step."""
+
+from __future__ import annotations
+
+import os
+
+from pagedserve.config import EngineArgs
+from pagedserve.executor.base import ParallelExecutor, WorkerReport
+from pagedserve.platforms.loaded_platform import LoadedPlatform
+
+# NVLink SHARP (multicast) collectives are left off unless the user chose otherwise: on hosts
+# whose fabric manager does not support them NCCL fails at the first collective.
+NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0"}
+
+
+def worker_environment(device_type: str) -> dict[str, str]:
+    """Variables added to every rank's environment (the user's own settings win)."""
+    if device_type != "cuda":
+        return {}
+    return {key: value for key, value in NCCL_DEFAULTS.items() if key not in os.environ}
+
+
+def visible_devices(world_size: int) -> list[str]:
+    """The GPU each local rank sees as its device 0: the first `world_size` of
+    CUDA_VISIBLE_DEVICES (or of all GPUs). Raises `ValueError` when there are too few."""
+    import torch
+
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = (
+        [d.strip() for d in listed.split(",") if d.strip()]
+        if listed is not None
+        else [str(i) for i in range(torch.cuda.device_count())]
+    )
+    if len(devices) < world_size:
+        raise ValueError(
+            f"tensor_parallel_size={world_size} needs {world_size} GPUs on this host but "
+            f"{len(devices)} are visible: lower tensor_parallel_size, or use "
+            "distributed_executor_backend='ray' to span several hosts"
+        )
+    return devices[:world_size]
+
+
+def start_executor(args: EngineArgs, platform: LoadedPlatform) -> tuple[ParallelExecutor, list[WorkerReport]]:
+    """Start `tensor_parallel_size` ranks with the chosen backend and have each load its shard.
+    On any failure every started rank is stopped before the error propagates."""
+    device_type = platform.info.device_type
+    env = worker_environment(device_type)
+    executor: ParallelExecutor
+    if args.distributed_executor_backend == "ray":
+        from pagedserve.executor.ray_executor import RayExecutor
+
+        executor = RayExecutor(args, env, use_gpus=device_type == "cuda")
+    else:
+        from pagedserve.executor.multiproc import MultiprocExecutor
+
+        world = args.tensor_parallel_size
+        if device_type == "cuda":
+            rank_env = [{**env, "CUDA_VISIBLE_DEVICES": d} for d in visible_devices(world)]
+        else:
+            rank_env = [dict(env) for _ in range(world)]
+        executor = MultiprocExecutor(args, rank_env)
+    try:
+        return executor, executor.load()
+    except BaseException:
+        executor.shutdown()
+        raise

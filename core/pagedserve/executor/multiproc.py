@@ -1,0 +1,200 @@
+"""The `mp` executor: one spawned process per rank on this host, driven over pipes.
+
+Each step's `SchedulerOutput` is pickled once and written to every rank's pipe; the driver then
+waits on the pipes and on the processes' sentinels together, so a rank that dies is noticed at
+once (not after a collective timeout), and a rank that stays silent past `distributed_timeout_s`
+fails the engine. Either way every other rank is terminated before the error is raised: no rank
+outlives a failure, and none outlives the driver (see `mp_worker`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import socket
+import time
+import weakref
+from collections.abc import Iterator
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from pagedserve.config import EngineArgs
+from pagedserve.executor.base import ParallelExecutor, RankFailedError
+from pagedserve.executor.mp_worker import run_worker
+
+logger = logging.getLogger(__name__)
+
+# A rank re-imports the main module of the program (the "spawn" start method, the only one safe
+# with CUDA and threads); a script that builds the engine at import time builds it again there.
+_SPAWN_HINT = (
+    " before joining its group (its log says why; a script that starts a tensor-parallel engine "
+    "must do so under `if __name__ == '__main__':`)"
+)
+
+TERMINATE_GRACE_S = 2.0
+"""How long a rank may take to exit after SIGTERM before it is killed."""
+
+PEER_EXIT_WAIT_S = 1.0
+"""How long a failed step waits for a peer's death to show, to report the cause, not the symptom."""
+
+
+class MultiprocExecutor(ParallelExecutor):
+    """`tensor_parallel_size` ranks as local processes. Not thread-safe."""
+
+    def __init__(self, args: EngineArgs, rank_env: list[dict[str, str]]) -> None:
+        """Spawn the ranks (rank `r` with `rank_env[r]` added to its environment) and wait until
+        every one has joined the process group."""
+        ctx = multiprocessing.get_context("spawn")
+        world_size = args.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.timeout_s = args.distributed_timeout_s
+        self.procs: list[BaseProcess] = []
+        self.conns: list[Connection] = []
+        self._failure: str | None = None
+        args_json = args.model_dump_json()
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=run_worker,
+                args=(args_json, rank, world_size, init_method, child_conn, os.getpid()),
+                name=f"pagedserve-rank{rank}",
+                daemon=True,
+            )
+            with _environment(rank_env[rank]):  # spawn copies the environment at start
+                proc.start()
+            child_conn.close()
+            self.procs.append(proc)
+            self.conns.append(parent_conn)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        self._gather(first_message=True, timeout_s=self.timeout_s + 30.0)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Process id of every rank, in rank order."""
+        return [p.pid for p in self.procs]
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        if self._failure is not None:
+            raise RankFailedError(f"the engine's ranks were shut down earlier: {self._failure}")
+        data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)  # once for all ranks
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._fail(f"rank {rank} is gone: {self._exit_status(rank)}")
+        # Loading a 70B shard takes minutes; only steps are held to the timeout.
+        return self._gather(first_message=False, timeout_s=self.timeout_s if method == "execute" else None)
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(pickle.dumps(("shutdown", ())))
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._finalizer()  # terminates whatever did not exit, closes the pipes
+
+    def _gather(self, *, first_message: bool, timeout_s: float | None) -> list[Any]:
+        """Every rank's answer, in rank order; `RankFailedError` on the first death, error or timeout."""
+        results: list[Any] = [None] * len(self.procs)
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                ranks = sorted(pending.values())
+                self._fail(f"rank(s) {ranks} did not answer within distributed_timeout_s={self.timeout_s}s")
+            ready = wait([*pending, *sentinels], remaining)
+            for item in ready:
+                if isinstance(item, Connection):
+                    rank = pending.pop(item)
+                    results[rank] = self._receive(rank, first_message)
+                elif isinstance(item, int) and sentinels[item] in pending.values():
+                    rank = sentinels[item]
+                    conn = self.conns[rank]
+                    if conn.poll():  # it answered, then exited: take the answer
+                        del pending[conn]
+                        results[rank] = self._receive(rank, first_message)
+                    else:
+                        hint = _SPAWN_HINT if first_message else ""
+                        self._fail(f"rank {rank} died: {self._exit_status(rank)}{hint}")
+        return results
+
+    def _receive(self, rank: int, first_message: bool) -> Any:
+        try:
+            status, payload = self.conns[rank].recv()
+        except (EOFError, OSError):
+            self._fail(f"rank {rank} died: {self._exit_status(rank)}")
+        expected = "ready" if first_message else "ok"
+        if status != expected:
+            self._fail(self._root_cause(rank, f"rank {rank} failed: {payload}"))
+        return payload
+
+    def _root_cause(self, rank: int, reason: str) -> str:
+        """A rank whose peer died usually reports the broken collective before the driver sees the
+        death: name the dead peer as the cause when there is one (waiting briefly for its exit)."""
+        others = [p.sentinel for r, p in enumerate(self.procs) if r != rank]
+        wait(others, PEER_EXIT_WAIT_S)
+        for other, proc in enumerate(self.procs):
+            if other != rank and proc.exitcode is not None:
+                first_line = reason.splitlines()[0]
+                return f"rank {other} died: {self._exit_status(other)} (then {first_line})"
+        return reason
+
+    def _exit_status(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(0.5)
+        code = proc.exitcode
+        if code is None:
+            return f"process {proc.pid} stopped answering"
+        if code < 0:
+            return f"process {proc.pid} was killed by signal {-code}"
+        return f"process {proc.pid} exited with status {code}"
+
+    def _fail(self, reason: str) -> Any:
+        """Stop every rank, remember why, raise. Never returns."""
+        self._failure = reason
+        logger.error("tensor parallelism: %s; stopping every rank", reason)
+        self._finalizer()
+        raise RankFailedError(f"tensor-parallel engine failed: {reason}")
+
+
+def _stop(procs: list[BaseProcess], conns: list[Connection]) -> None:
+    """Terminate, then kill, every rank still running; close the pipes."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+    for conn in conns:
+        conn.close()
+
+
+@contextlib.contextmanager
+def _environment(extra: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

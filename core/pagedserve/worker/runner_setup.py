@@ -1,0 +1,224 @@
+"""Building one device's model runner from `EngineArgs`: its model (one rank's shard under tensor
+parallelism), attention backend, KV-cache size, swap pool, CUDA graphs or compiled forward.
+
+The in-process engine calls these once; under tensor parallelism every rank's worker process calls
+the same functions, so a rank is set up exactly as a single device would be.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.config import EngineArgs
+from pagedserve.distributed.group import TensorParallelGroup
+from pagedserve.models.loader import LoadedModel, load_model
+from pagedserve.models.spec import ModelSpec
+from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
+from pagedserve.platforms.loaded_platform import LoadedPlatform
+from pagedserve.worker.cpu_compile import compile_reason
+from pagedserve.worker.gpu_compile import configure_compile_caches
+from pagedserve.worker.graph_modes import plan_graphs
+from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.profile import profile_activation_bytes
+from pagedserve.worker.warmup import prepare_runner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceModel:
+    """A model loaded on one device, with what was chosen for it."""
+
+    platform: LoadedPlatform
+    loaded: LoadedModel  # under tensor parallelism: this rank's shard (its spec has local head counts)
+    backend: AttentionBackend
+    cache_ops: CacheOps
+    max_model_len: int
+    max_num_batched_tokens: int
+
+
+def resolve_dtype(name: str, platform: LoadedPlatform, quantization: str | None = None) -> torch.dtype:
+    """`"auto"` is float32 on CPU platforms (CPUs are slow at half precision) and bfloat16 on
+    accelerators, and with packed 4-bit weights (whose kernels take bfloat16); an explicit dtype
+    must be one the platform supports."""
+    supported = platform.info.supported_dtypes
+    if name == "auto":
+        cpu = platform.info.device_type == "cpu"
+        dtype = torch.float32 if cpu and quantization is None else torch.bfloat16
+    else:
+        dtype = _DTYPES[name]
+    if dtype not in supported:
+        raise ValueError(
+            f"dtype {name!r} is not supported by platform {platform.name!r}; it supports "
+            f"{', '.join(str(d).removeprefix('torch.') for d in supported)}"
+        )
+    return dtype
+
+
+def choose_backend(platform: LoadedPlatform, spec: ModelSpec, block_size: int) -> AttentionBackend:
+    """The platform's first attention backend that declares support for this model's shapes."""
+    reasons = []
+    for cls in platform.attention_backends():
+        backend = cls()
+        try:
+            backend.check_supported(
+                head_size=spec.head_size,
+                dtype=spec.dtype,
+                block_size=block_size,
+                # Any sliding layer needs window support, even if other layers attend fully.
+                sliding_window=next((w for w in spec.sliding_windows if w is not None), None),
+                logit_softcap=spec.logit_softcap,
+            )
+        except UnsupportedCase as exc:
+            reasons.append(str(exc))
+            continue
+        return backend
+    raise ValueError(
+        f"no attention backend of platform {platform.name!r} supports this model "
+        f"(head_size={spec.head_size}, dtype={spec.dtype}, block_size={block_size}): " + "; ".join(reasons)
+    )
+
+
+def load_device_model(
+    args: EngineArgs,
+    platform: LoadedPlatform,
+    device: torch.device,
+    tp: TensorParallelGroup | None = None,
+) -> DeviceModel:
+    """Load the model (this rank's shard when `tp` has several ranks) on `device` and pick its
+    attention backend. Slow (reads weights)."""
+    dtype = resolve_dtype(args.dtype, platform, args.quantization)
+    logger.info("platform %s (%s), dtype %s", platform.name, platform.availability.reason, dtype)
+    if device.type == "cuda":
+        configure_compile_caches()  # before anything JIT-compiles, so every kernel lands on disk
+    load_start = time.perf_counter()
+    loaded = load_model(
+        args.model,
+        gguf_file=args.gguf_file,
+        dtype=dtype,
+        device=device,
+        load_format=args.load_format,  # type: ignore[arg-type]  # validated by EngineArgs' pattern
+        seed=args.seed,
+        quantization=args.quantization,
+        tp=tp,
+    )
+    logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
+    max_model_len = _max_model_len(args, loaded.spec)
+    backend = choose_backend(platform, loaded.spec, args.block_size)
+    max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
+    if not args.enable_chunked_prefill:
+        max_batched = max(max_batched, max_model_len)
+    return DeviceModel(platform, loaded, backend, platform.cache_ops(), max_model_len, max_batched)
+
+
+def fit_kv_blocks(dm: DeviceModel, args: EngineArgs, device: torch.device) -> int:
+    """How many KV blocks fit on this device (on a GPU: after profiling the largest step)."""
+    return num_kv_blocks_for(
+        dm.loaded.spec,
+        args,
+        device=device,
+        max_model_len=dm.max_model_len,
+        profile_activation_bytes=lambda: profile_activation_bytes(
+            dm.loaded.model,
+            dm.backend,
+            dm.cache_ops,
+            num_tokens=dm.max_num_batched_tokens,
+            num_reqs=min(args.max_num_seqs, max(1, dm.max_num_batched_tokens // 256)),
+            block_size=args.block_size,
+            device=device,
+        ),
+    )
+
+
+def swap_space_blocks(spec: ModelSpec, args: EngineArgs) -> int:
+    """Blocks of the CPU swap pool `swap_space_gib` holds (per rank under tensor parallelism)."""
+    return int(args.swap_space_gib * 2**30 // kv_block_bytes(spec, args.block_size))
+
+
+def build_runner(
+    dm: DeviceModel,
+    args: EngineArgs,
+    device: torch.device,
+    *,
+    num_kv_blocks: int,
+    eos_token_ids: frozenset[int],
+    tensor_parallel: bool = False,
+) -> ModelRunner:
+    """The model runner of this device: KV cache, swap pool, and CUDA graphs or a compiled forward
+    where they apply. Slow (allocates the cache, captures graphs)."""
+    spec = dm.loaded.spec
+    runner = ModelRunner(
+        dm.loaded.model,
+        dm.backend,
+        dm.cache_ops,
+        num_kv_blocks=num_kv_blocks,
+        block_size=args.block_size,
+        max_num_reqs=args.max_num_seqs,
+        max_model_len=dm.max_model_len,
+        eos_token_ids=eos_token_ids,
+        device=device,
+        seed=args.seed,
+    )
+    swap_blocks = swap_space_blocks(spec, args)
+    if swap_blocks:
+        runner.allocate_swap_space(swap_blocks)
+    graph_plan = plan_graphs(
+        args.cudagraph_mode,
+        enforce_eager=args.enforce_eager,
+        # The row-parallel layers call torch.distributed's in-place collectives, which inductor
+        # would have to trace as functional ones; ranks run their forward uncompiled for now.
+        gpu_compile=args.gpu_compile and not tensor_parallel,
+        device=device,
+        spec=spec,
+        backend_supports_full=dm.backend.supports_full_cuda_graph,
+        cache_ops_skip_padding=dm.cache_ops.skips_negative_slots,
+    )
+    if device.type == "cuda":
+        runner.startup_times = prepare_runner(
+            runner,
+            graph_plan,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=dm.max_num_batched_tokens,
+            max_model_len=dm.max_model_len,
+            cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        )
+    else:
+        logger.info("no CUDA graphs: %s", graph_plan.describe())
+    not_compiled_why = compile_reason(device, spec, args.cpu_compile, args.enforce_eager)
+    if not_compiled_why is None and tensor_parallel:
+        # The row-parallel layers call torch.distributed's in-place collectives, which inductor
+        # would have to trace as functional ones; compiled steps are not built for that yet.
+        not_compiled_why = "tensor_parallel_size > 1 runs eagerly on CPUs"
+    if not_compiled_why is None:
+        runner.compile_forward()
+    elif args.cpu_compile:
+        logger.warning("cpu_compile=True has no effect: %s", not_compiled_why)
+    return runner
+
+
+def _max_model_len(args: EngineArgs, spec: ModelSpec) -> int:
+    trained = spec.max_position_embeddings
+    if args.max_model_len is None:
+        return min(trained or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+    if trained is not None and args.max_model_len > trained:
+        logger.warning(
+            "max_model_len=%d is longer than the model's trained context (%d): quality may degrade",
+            args.max_model_len,
+            trained,
+        )
+    return args.max_model_len

@@ -125,3 +125,8 @@ class EngineArgs(_Config):
         gt=0.0,
         description="a rank that does not answer (or a collective that waits) this long fails the engine",
     )
+    async_scheduling: bool | None = Field(
+        None,
+        description="schedule and prepare step N+1 while step N runs on the device; None: on for "
+        "accelerator platforms, off on CPU platforms (where nothing runs beside the host)",
+    )

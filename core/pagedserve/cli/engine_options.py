@@ -50,6 +50,8 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--cpu-compile": ("cpu_compile", True, "CPU: torch.compile steps of up to 32 tokens (slow first start)"),
     "--no-gpu-compile": ("gpu_compile", False, "GPU: run the forward's dense parts uncompiled"),
     "--skip-tokenizer-init": ("skip_tokenizer_init", True, "no tokenizer: token-id prompts only"),
+    "--async-scheduling": ("async_scheduling", True, "schedule step N+1 while step N runs (default on GPUs)"),
+    "--no-async-scheduling": ("async_scheduling", False, "every step synchronous (for debugging)"),
 }
 
 

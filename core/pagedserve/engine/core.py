@@ -10,11 +10,14 @@ from collections.abc import Iterable
 
 from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from pagedserve.engine.step_pipeline import StepPipeline
 from pagedserve.executor.base import StepRunner
 from pagedserve.outputs import FinishReason
+from pagedserve.scheduler.output import RequestUpdate
 from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.types import RequestId
+from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -33,12 +36,22 @@ class EngineCore:
         *,
         max_model_len: int,
         proposer: NgramProposer | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.max_model_len = max_model_len
         self.proposer = proposer
         self._pending_aborts: list[EngineCoreOutput] = []
+        # Asynchronous scheduling (see step_pipeline); None: every step is synchronous.
+        self.pipeline = None
+        if async_scheduling:
+            if not isinstance(runner, ModelRunner):
+                raise ValueError(
+                    "async_scheduling needs the in-process ModelRunner; tensor-parallel executors run "
+                    "every step synchronously: set async_scheduling=False"
+                )
+            self.pipeline = StepPipeline(scheduler, runner, proposer)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a sequence. Raises `RequestRejected` (a ValueError) if it can never run."""
@@ -74,11 +87,17 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_aborts)
+        busy = self.pipeline is not None and self.pipeline.busy
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_aborts) or busy
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule one step, run it and apply its samples; return what changed."""
+        """Schedule one step, run it and apply its samples; return what changed. With
+        asynchronous scheduling a call launches the next step and applies the previous one."""
         outputs, self._pending_aborts = self._pending_aborts, []
+        if self.pipeline is not None:
+            for done in self.pipeline.step():
+                self._report(done.updates, done.output, outputs)
+            return outputs
         if not self.scheduler.has_unfinished_requests():
             return outputs
         if self.proposer is not None:
@@ -86,6 +105,14 @@ class EngineCore:
         so = self.scheduler.schedule()
         result = self.runner.execute(so)
         updates = self.scheduler.update_from_output(so, result.sampled)
+        self._report(updates, result, outputs)
+        return outputs
+
+    @staticmethod
+    def _report(
+        updates: list[RequestUpdate], result: ModelRunnerOutput, outputs: list[EngineCoreOutput]
+    ) -> None:
+        """Append one output per update to `outputs`. Mutates outputs."""
         # One output per running sequence per step: locals, lookups only when logprobs exist, and
         # positional construction, EngineCoreOutput(req_id, new_token_ids, finish_reason,
         # stop_token_id, logprobs, prompt_logprobs, num_cached_tokens).
@@ -110,4 +137,3 @@ class EngineCore:
                     update.num_cached_tokens,
                 )
             )
-        return outputs

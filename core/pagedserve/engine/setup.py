@@ -80,7 +80,14 @@ def build_engine(args: EngineArgs) -> EngineSetup:
     runner = build_runner(dm, args, device, num_kv_blocks=num_blocks, eos_token_ids=eos)
     scheduler = _scheduler(args, spec, num_blocks, dm.max_model_len, dm.max_num_batched_tokens)
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
-    core = EngineCore(scheduler, runner, max_model_len=dm.max_model_len, proposer=proposer)
+    async_scheduling = async_scheduling_choice(args.async_scheduling, platform, proposer is not None)
+    core = EngineCore(
+        scheduler,
+        runner,
+        max_model_len=dm.max_model_len,
+        proposer=proposer,
+        async_scheduling=async_scheduling,
+    )
     return EngineSetup(
         platform, spec, dm.loaded, dm.backend, tokenizer, eos, dm.max_model_len, num_blocks, core
     )
@@ -113,6 +120,11 @@ def _build_parallel_engine(args: EngineArgs, platform: LoadedPlatform) -> Engine
         args, first.local_spec, num_blocks, first.max_model_len, first.max_num_batched_tokens
     )
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
+    if args.async_scheduling:
+        logger.warning(
+            "async_scheduling=True has no effect with tensor_parallel_size > 1: the ranks run every "
+            "step synchronously"
+        )
     core = EngineCore(scheduler, executor, max_model_len=first.max_model_len, proposer=proposer)
     backend = choose_backend(platform, first.local_spec, args.block_size)
     spec = _whole_model_spec(first)
@@ -164,6 +176,22 @@ def _scheduler(
         swap_space_blocks=swap_space_blocks(spec, args),
     )
     return Scheduler(sched_config, cache_config, num_blocks)
+
+
+def async_scheduling_choice(requested: bool | None, platform: LoadedPlatform, drafts: bool) -> bool:
+    """Whether the engine schedules ahead (see `engine.step_pipeline`): as requested, else on for
+    accelerator platforms. Logs the choice."""
+    on = requested if requested is not None else platform.info.device_type != "cpu"
+    if not on:
+        logger.info("asynchronous scheduling off: every step is scheduled after the previous one's samples")
+    elif drafts:
+        logger.info(
+            "asynchronous scheduling on, but every step runs synchronously: n-gram drafts are "
+            "proposed from each step's sampled tokens"
+        )
+    else:
+        logger.info("asynchronous scheduling on: step N+1 is scheduled while step N runs")
+    return on
 
 
 def eos_token_ids(hf_config: object, tokenizer_eos: int | None) -> frozenset[int]:

@@ -61,6 +61,10 @@ class Request:
         all_token_ids:  [ prompt ............ | outputs ...... ]
                         [ computed ................. | pending ]   pending: usually the one
                                                                   just-sampled token
+
+    With asynchronous scheduling a request may also have `num_output_placeholders` outputs that a
+    step in flight is sampling: they count as known for scheduling (the next step computes them,
+    its input read from the device), but are not in `all_token_ids` until their step's update.
     """
 
     __slots__ = (
@@ -71,6 +75,7 @@ class Request:
         "id",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "output_token_ids",
         "priority",
@@ -102,6 +107,10 @@ class Request:
         self.output_token_ids: list[int] = []  # appended by the scheduler from sampled tokens
         self.all_token_ids = list(self.prompt_token_ids)  # prompt + outputs, kept in step with both
         self.num_computed_tokens = 0
+        # Outputs being sampled by steps in flight (asynchronous scheduling schedules the next step
+        # before they are known): 0 between a synchronous step's update and the next schedule, at
+        # most 2 while a step is scheduled ahead of the previous one's update.
+        self.num_output_placeholders = 0
         # Tokens found in the cache when first scheduled (prefix hits or a fork's shared prompt);
         # set once by the scheduler, kept across preemption.
         self.num_cached_tokens = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pagedserve.config import CacheConfig, PreemptionMode, SchedulerConfig
@@ -83,6 +83,9 @@ class Scheduler:
         self._finished_since_step: set[RequestId] = set()
         # Requests whose row lost blocks to a draft rollback: their next diff sends the whole row.
         self._rows_shrunk: set[RequestId] = set()
+        # The token counts (req_id -> num tokens) of steps scheduled but not yet updated, oldest
+        # first: one in synchronous operation, two while asynchronous scheduling runs ahead.
+        self._steps_in_flight: deque[dict[RequestId, int]] = deque()
         self._arrivals = itertools.count()
         self.num_preemptions = 0
 
@@ -169,6 +172,7 @@ class Scheduler:
             self._schedule_waiting(budget, step)
         finished = frozenset(self._finished_since_step)
         self._finished_since_step.clear()
+        self._steps_in_flight.append(step.num_scheduled)
         return step.build(finished)
 
     def _schedule_running(self, budget: TokenBudget, step: _StepBuilder) -> None:
@@ -187,8 +191,14 @@ class Scheduler:
         while i < len(running) and tokens_left > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - num_computed
-            if num_new > tokens_left:
+            # Outputs a step in flight is sampling count as known: this step computes them.
+            pending = request.num_output_placeholders
+            if pending and len(request.output_token_ids) + pending >= request.stop.max_tokens:
+                i += 1  # its last output is being sampled: its update will finish it
+                continue
+            num_new = len(request.all_token_ids) + pending - num_computed
+            samples = num_new <= tokens_left  # the chunk reaches the last known token
+            if not samples:
                 num_new = tokens_left
             drafts = self._drafts_to_score(request, num_new, tokens_left) if request.spec_token_ids else None
             if drafts:
@@ -199,6 +209,8 @@ class Scheduler:
                 if alloc is None:  # the request itself was preempted and left `running`
                     continue
             request.num_computed_tokens = num_computed + num_new
+            if samples:
+                request.num_output_placeholders = pending + 1
             tokens_left -= num_new
             req_id = request.id
             num_scheduled[req_id] = num_new
@@ -334,6 +346,8 @@ class Scheduler:
             return False
         step.copies.extend(alloc.copies)
         request.num_computed_tokens = num_computed + num_new
+        if num_new == wanted:
+            request.num_output_placeholders += 1
         budget.take(num_new)
         resumed = request.status is RequestStatus.PREEMPTED
         if not resumed:
@@ -389,7 +403,13 @@ class Scheduler:
         its accepted drafts plus one bonus token; the rest are rolled back (computed tokens
         reduced, surplus blocks freed). A request whose chunk ended inside its prompt gets no
         token. Checks token-level stop rules, caches newly full blocks, releases finished requests.
-        Returns one update per request that got tokens or finished. Mutates."""
+        Returns one update per request that got tokens or finished. Mutates.
+
+        Outputs must be applied in the order they were scheduled. With asynchronous scheduling
+        the next step is already scheduled (and running) when this one's tokens arrive: requests
+        preempted by it still get their tokens (they were computed), and tokens of requests that
+        finished meanwhile are dropped."""
+        later = self._step_done(scheduler_output)
         updates: list[RequestUpdate] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
         # Locals for the per-request loop, the other hot loop of a decode-heavy engine.
@@ -399,13 +419,19 @@ class Scheduler:
         new_tuple = tuple.__new__
         running = RequestStatus.RUNNING
         kv = self.kv
-        kv.in_flight = NONE_IN_FLIGHT  # the step's KV is written now
+        kv.in_flight = later  # the step's KV is written now; a later step's may not be
         caching = kv.enable_caching
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
-            if request is None or request.status is not running:
+            if request is None:
                 continue  # aborted or finished during the step
             tokens = sampled.get(req_id)
+            if request.status is not running:
+                if tokens and request.status is RequestStatus.PREEMPTED:
+                    append_update(self._append_to_preempted(request, tokens))
+                continue
+            if tokens:
+                request.num_output_placeholders -= 1
             if spec and req_id in spec:
                 self._roll_back_rejected(request, spec[req_id], tokens)
                 if caching:
@@ -418,7 +444,7 @@ class Scheduler:
                 kv.defer_computed_blocks(request)
             known = request.all_token_ids
             if not tokens:
-                if request.num_computed_tokens >= len(known):
+                if request.num_computed_tokens - later.get(req_id, 0) >= len(known):
                     raise ValueError(
                         f"request {req_id!r} computed all its known tokens but got no sampled token: "
                         "the worker must sample for every request whose chunk reaches its last token"
@@ -456,6 +482,36 @@ class Scheduler:
                 unsent[req_id] = update.new_token_ids
             append_update(update)
         return updates
+
+    def _step_done(self, scheduler_output: SchedulerOutput) -> Mapping[RequestId, int]:
+        """Retire the oldest step in flight, which must be `scheduler_output`'s; return the token
+        counts of the steps still in flight after it (req_id -> num tokens). Mutates."""
+        steps = self._steps_in_flight
+        if not steps or steps[0] is not scheduler_output.num_scheduled_tokens:
+            raise ValueError(
+                "update_from_output got a step that is not the oldest scheduled one: apply every "
+                "schedule()'s output exactly once, in the order they were scheduled"
+            )
+        steps.popleft()
+        if not steps:
+            return NONE_IN_FLIGHT
+        if len(steps) == 1:
+            return steps[0]
+        merged: dict[RequestId, int] = {}
+        for later in steps:
+            for req_id, num in later.items():
+                merged[req_id] = merged.get(req_id, 0) + num
+        return merged
+
+    def _append_to_preempted(self, request: Request, tokens: list[int]) -> RequestUpdate:
+        """Tokens of a step that ran before the request was preempted by a step scheduled ahead:
+        they were computed, so they are kept (with the stop rules) and its resumption re-prefills
+        them with the rest. Mutates."""
+        request.num_output_placeholders -= 1
+        update = self._append_tokens(request, tokens)
+        if update.status is not RequestStatus.RUNNING:
+            self._finish(request, update.status)
+        return update
 
     def _roll_back_rejected(self, request: Request, drafts: list[int], tokens: list[int] | None) -> None:
         num_accepted = len(tokens) - 1 if tokens else 0

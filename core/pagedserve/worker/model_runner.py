@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,34 +21,26 @@ import torch
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import PagedCausalLM
-from pagedserve.outputs import Logprob
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 from pagedserve.sampling.logprobs import compute_prompt_logprobs, logprobs_to_dicts
-from pagedserve.sampling.rows import TokenHistories
+from pagedserve.sampling.rows import SamplingRows, TokenHistories
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import CachedRequestData, SchedulerOutput
 from pagedserve.types import RequestId
+from pagedserve.worker.async_output import (
+    LogprobRequests,
+    ModelRunnerOutput,
+    PendingOutput,
+    TokenLogprobs,
+    upload,
+)
 from pagedserve.worker.cpu_compile import CompiledForward
 from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs
 from pagedserve.worker.full_cuda_graphs import FullDecodeGraphs
 from pagedserve.worker.gpu_compile import GpuCompiledForward
 from pagedserve.worker.input_batch import InputBatch, RowState
 from pagedserve.worker.warmup import StartupTimes
-
-TokenLogprobs = dict[int, Logprob]  # token id -> logprob, for one position
-
-
-@dataclass(frozen=True, slots=True)
-class ModelRunnerOutput:
-    """What one step produced. Requests in the middle of a chunked prefill sample nothing."""
-
-    # req_id -> sampled tokens: one, or accepted drafts plus one when drafts were scored
-    sampled: dict[RequestId, list[int]]
-    # req_id -> one dict per sampled token; only requests whose params asked for logprobs
-    logprobs: dict[RequestId, list[TokenLogprobs]] = field(default_factory=dict)
-    # req_id -> logprobs of prompt tokens 1..P-1, once the whole prompt has been computed
-    prompt_logprobs: dict[RequestId, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +54,9 @@ class _StepPlan:
     positions: np.ndarray  # [num_tokens] absolute position of every scheduled token
     drafts: dict[RequestId, list[int]]  # req_id -> draft tokens scored this step
     num_drafts: np.ndarray  # [num_sched_reqs] len(drafts[req_id]); 0 for requests without drafts
+    # [num_sched_reqs] 1 where the request's first token is an output the previous step is still
+    # sampling (asynchronous scheduling): its input comes from that step's device tensor
+    pending: np.ndarray
 
 
 class ModelRunner:
@@ -107,6 +102,9 @@ class ModelRunner:
         self.cuda_graphs: PiecewiseCudaGraphs | None = None
         self.compiled: CompiledForward | GpuCompiledForward | None = None
         self.startup_times: StartupTimes | None = None  # set by `warmup.prepare_runner`
+        # The last launched step's output: its device tokens are the next step's placeholder inputs.
+        self._last: PendingOutput | None = None
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool (one tensor per layer) used by swap-mode preemption."""
@@ -122,14 +120,23 @@ class ModelRunner:
         self.compiled = compiled
 
     # ----------------------------------------------------------------------------- one step
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Mutates the persistent batch and the KV caches."""
+        """Run one step and wait for its output. Mutates the persistent batch and the KV caches."""
+        return self.launch(so).result()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> PendingOutput:
+        """Queue one step on the device and return without waiting for it; its output comes
+        with `result()`. Outputs the previous step is still sampling may be scheduled as this
+        step's inputs (asynchronous scheduling): they are read on the device. Mutates the
+        persistent batch and the KV caches."""
         self._apply_diff(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(sampled={})
+            return PendingOutput([], {}, None, first_position=np.zeros(0, dtype=np.int64))
         plan = self._plan(so)
         metadata, input_ids, positions = self._build_inputs(plan)
+        if plan.pending.any():
+            self._read_placeholders(plan, input_ids)
         ctx = ForwardContext(metadata, self.kv_caches, self.backend, self.cache_ops)
         full, graphs, compiled = self.full_graphs, self.cuda_graphs, self.compiled
         if full is not None and full.covers(metadata):
@@ -140,7 +147,35 @@ class ModelRunner:
             forward = compiled if compiled is not None and compiled.fits(input_ids.shape[0]) else self.model
             with forward_context(ctx):
                 hidden = forward(input_ids, positions)
-        return self._sample(plan, hidden)
+        out = self._sample(plan, hidden)
+        self._last = out
+        return out
+
+    def _read_placeholders(self, plan: _StepPlan, input_ids: torch.Tensor) -> None:
+        """Copy, on the device, the previous step's sampled token of every request whose first
+        input is one (`plan.pending`) into `input_ids`. Mutates input_ids."""
+        last = self._last
+        which = np.nonzero(plan.pending)[0]
+        if last is None or last.token_ids is None:
+            raise RuntimeError(
+                f"request {plan.req_ids[int(which[0])]!r} was scheduled on an output no step sampled"
+            )
+        src = last.positions_of([plan.req_ids[i] for i in which.tolist()])
+        dst = plan.query_start[which]
+        device = input_ids.device
+        input_ids[upload(dst, device)] = last.token_ids[upload(src, device)]
+
+    def _fill_pending_history(self, plan: _StepPlan) -> None:
+        """Write the previous step's sampled tokens into the rows of this step's pending requests,
+        just past their known tokens, so that penalties see them in the histories. Waits for the
+        previous step (not this one). Mutates the batch's token array only."""
+        assert self._last is not None  # _read_placeholders checked
+        which = np.nonzero(plan.pending)[0]
+        tokens = np.array(self._last.host_tokens(), dtype=np.int64)
+        rows = plan.rows[which]
+        self.batch.token_ids[rows, self.batch.num_tokens[rows]] = tokens[
+            self._last.positions_of([plan.req_ids[i] for i in which.tolist()])
+        ]
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         batch = self.batch
@@ -234,8 +269,12 @@ class ModelRunner:
         total = int(query_start[-1])
         req_of_token = np.repeat(np.arange(n), num_sched)
         offsets = np.arange(total) - query_start[:-1][req_of_token]
-        positions = batch.num_computed_tokens[rows][req_of_token] + offsets
-        return _StepPlan(rows, req_ids, num_sched, query_start, positions, dict(drafts), num_drafts)
+        computed = batch.num_computed_tokens[rows]
+        positions = computed[req_of_token] + offsets
+        # The row holds the outputs the scheduler confirmed; one computed past them is an output
+        # of the previous step that the scheduler scheduled before it was known.
+        pending = (computed >= batch.num_tokens[rows]).astype(np.int64)
+        return _StepPlan(rows, req_ids, num_sched, query_start, positions, dict(drafts), num_drafts, pending)
 
     def _build_inputs(self, plan: _StepPlan) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         batch = self.batch
@@ -249,7 +288,7 @@ class ModelRunner:
         if num_reqs == batch.num_reqs:  # every row scheduled: the persistent table is the table
             block_table = batch.block_table.to_device(num_reqs)
         else:
-            block_table = torch.from_numpy(batch.block_table.np[plan.rows]).to(self.device)
+            block_table = upload(batch.block_table.np[plan.rows], self.device)
         # Two transfers for the five per-step arrays (one per dtype), then mark them for the
         # next step's writes (`wait_for_uploads`).
         (ids_dev, _), (pos_dev, _), (slots_dev, _) = batch.upload_i64.upload(input_ids, plan.positions, slots)
@@ -272,10 +311,11 @@ class ModelRunner:
         return metadata, ids_dev, pos_dev
 
     # ----------------------------------------------------------------------------- sampling
-    def _sample(self, plan: _StepPlan, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(self, plan: _StepPlan, hidden: torch.Tensor) -> PendingOutput:
         """Sample every request whose chunk reached its last known token: one position, plus one
         per draft scored. Per-row sampling inputs come from the persistent `SamplingRows`; the
-        only Python loops run over requests with drafts, logprobs or prompt logprobs."""
+        only Python loops run over requests with drafts, logprobs or prompt logprobs. The sampled
+        ids stay on the device; the host reads them through the returned `PendingOutput`."""
         batch = self.batch
         sampling = batch.sampling
         prompt_lp: dict[RequestId, list[TokenLogprobs]] = {}
@@ -286,12 +326,14 @@ class ModelRunner:
                 batch.rows[row], hidden, start, int(batch.num_computed_tokens[row]), n, prompt_lp
             )
         # A chunked prefill that has not reached the end of its prompt samples nothing.
-        known = batch.num_tokens[plan.rows]
+        known = batch.num_tokens[plan.rows] + plan.pending
         samples = batch.num_computed_tokens[plan.rows] + plan.num_sched - plan.num_drafts >= known
         per_req = np.where(samples, plan.num_drafts + 1, 0)  # sampled positions per request
         total = int(per_req.sum())
         if total == 0:
-            return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_lp)
+            return PendingOutput(
+                [], {}, None, first_position=np.zeros(0, dtype=np.int64), prompt_logprobs=prompt_lp
+            )
         first = np.cumsum(per_req) - per_req  # index of each request's first sampled position
         owner = np.repeat(np.arange(len(per_req)), per_req)  # scheduled request of each position
         draft_index = np.arange(total) - first[owner]  # j: the position after j drafts
@@ -301,11 +343,16 @@ class ModelRunner:
         if total == num_tokens:  # every token is sampled (pure decode): no gather needed
             selected = hidden[:num_tokens]
         else:
-            selected = hidden.index_select(0, torch.from_numpy(token_index).to(hidden.device))
+            selected = hidden.index_select(0, upload(token_index, hidden.device))
         logits = self.model.compute_logits(selected)
         rows = plan.rows[owner]
+        if plan.pending.any() and _any_penalty(sampling, plan.rows[plan.pending > 0]):
+            self._fill_pending_history(plan)
         histories = TokenHistories(
-            batch.token_ids, rows, batch.num_prompt_tokens[rows], batch.num_tokens[rows] + draft_index
+            batch.token_ids,
+            rows,
+            batch.num_prompt_tokens[rows],
+            batch.num_tokens[rows] + plan.pending[owner] + draft_index,
         )
         meta = sampling.metadata(
             histories,
@@ -315,46 +362,29 @@ class ModelRunner:
             generator=self.generator,
         )
         out = self.sampler(logits, meta)
-        tokens = out.sampled_token_ids.tolist()  # the step's one device -> host sync
         sampling_reqs = np.nonzero(samples)[0]
         if len(sampling_reqs) == len(plan.req_ids):
             req_ids = plan.req_ids
         else:  # some requests are mid-prefill (rarely many): pick the sampling ones
             req_ids = [plan.req_ids[i] for i in sampling_reqs.tolist()]
-        sampled = self._accept(req_ids, tokens, plan.drafts)
-        logprobs: dict[RequestId, list[TokenLogprobs]] = {}
+        starts = first[sampling_reqs]
+        logprobs = None
         if out.logprobs is not None:
-            lp_dicts = logprobs_to_dicts(out.logprobs.to_cpu(), sampling.num_logprobs[rows].tolist())
-            starts = first[sampling_reqs]
-            for k in np.nonzero(sampling.wants_logprobs[plan.rows[sampling_reqs]])[0].tolist():
-                req_id, start = req_ids[k], int(starts[k])
-                logprobs[req_id] = lp_dicts[start : start + len(sampled[req_id])]
-        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_lp)
-
-    @staticmethod
-    def _accept(
-        req_ids: list[RequestId], tokens: list[int], drafts: dict[RequestId, list[int]]
-    ) -> dict[RequestId, list[int]]:
-        """req_id -> its accepted tokens, from the sampled tokens (each request's positions in
-        order: one per draft, then one more). Does not mutate its arguments."""
-        if not drafts:
-            return {req_id: [token] for req_id, token in zip(req_ids, tokens, strict=True)}
-        sampled: dict[RequestId, list[int]] = {}
-        pos = 0
-        for req_id in req_ids:
-            draft = drafts.get(req_id, [])
-            accepted: list[int] = []
-            for j in range(len(draft) + 1):
-                accepted.append(tokens[pos + j])
-                # Sampling from the target and keeping the draft only when the sample equals it is
-                # exact rejection sampling for deterministic (one-hot) drafts.
-                if j < len(draft) and tokens[pos + j] != draft[j]:
-                    break
-            sampled[req_id] = accepted
-            pos += len(draft) + 1
-        if pos != len(tokens):
-            raise RuntimeError(f"sampled {len(tokens)} tokens for {pos} positions")
-        return sampled
+            wanted = np.nonzero(sampling.wants_logprobs[plan.rows[sampling_reqs]])[0].tolist()
+            logprobs = LogprobRequests(
+                out.logprobs,
+                sampling.num_logprobs[rows].tolist(),
+                [(req_ids[k], int(starts[k])) for k in wanted],
+            )
+        return PendingOutput(
+            req_ids,
+            plan.drafts,
+            out.sampled_token_ids,
+            first_position=starts,
+            copy_stream=self._copy_stream,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lp,
+        )
 
     def _prompt_logprobs(
         self,
@@ -384,6 +414,16 @@ class ModelRunner:
         if computed + n >= prompt_len:
             out[state.req_id] = list(state.prompt_logprobs)
             state.prompt_logprobs_sent = True
+
+
+def _any_penalty(sampling: SamplingRows, rows: np.ndarray) -> bool:
+    """Whether any of these rows has a presence, frequency or repetition penalty (the sampler
+    then reads their token histories). Does not mutate."""
+    return bool(
+        (sampling.presence[rows] != 0).any()
+        or (sampling.frequency[rows] != 0).any()
+        or (sampling.repetition[rows] != 1).any()
+    )
 
 
 def _sample_index(req_id: RequestId) -> int:

@@ -1,0 +1,156 @@
+"""On a GPU: what asynchronous scheduling buys, Llama-3.1-8B shapes, dummy bfloat16 weights.
+
+For each mode (`--modes async,sync`: `async_scheduling` on, then off), one engine is built and
+measured without any synchronisation between steps (a per-step synchronisation would drain the
+step in flight and hide exactly what is measured):
+  * single stream: one prompt of `--prompt-len` tokens, `--output-len` tokens out; TTFT and TPOT
+    from the wall times at which the engine hands out each token;
+  * decode step at `--batch` running requests (128-token prompts): the mean wall time of
+    `--steps` decode steps, synchronised only before the first and after the last;
+  * GPU idle at 1 and at `--batch` running requests: a torch-profiler trace of `--steps` decode
+    steps; idle = 1 - union of kernel and copy intervals / span (`gpu_latency._gpu_busy`);
+  * throughput (`--workload FILE`): `pagedserve bench throughput`'s loop on the workload.
+
+    python benchmarks/gpu_async_scheduling.py --platform cuda --json async.json
+    python benchmarks/gpu_async_scheduling.py --platform cuda --workload sharegpt_like_256.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpu_latency import _gpu_busy, _prompt, llama_8b_config
+
+from pagedserve.bench.datasets import fit_vocab, load_workload
+from pagedserve.bench.throughput import run_throughput
+from pagedserve.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.sampling.sampling_params import SamplingParams
+
+
+def _run_to_end(engine: LLMEngine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def single_stream(engine: LLMEngine, prompt_len: int, output_len: int) -> dict[str, float]:
+    """TTFT and TPOT from token arrival times (with asynchronous scheduling a token is handed
+    out one engine step after it was sampled, which these times include)."""
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0, detokenize=False)
+    engine.add_request("warm", _prompt(prompt_len, 1), params)
+    _run_to_end(engine)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.add_request("timed", _prompt(prompt_len, 2), params)
+    arrivals: list[float] = []
+    seen = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            count = len(out.outputs[0].token_ids)
+            arrivals.extend([time.perf_counter()] * (count - seen))
+            seen = count
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    return {
+        "ttft_ms": (arrivals[0] - start) * 1e3,
+        "tpot_median_ms": statistics.median(gaps) * 1e3,
+        "tpot_mean_ms": statistics.fmean(gaps) * 1e3,
+        "tpot_p90_ms": sorted(gaps)[int(0.9 * len(gaps))] * 1e3,
+        "tokens": len(arrivals),
+    }
+
+
+def decode(engine: LLMEngine, batch: int, steps: int) -> dict[str, Any]:
+    """`batch` requests decode: the mean step time over `steps` steps, then a profile of as many."""
+    params = SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True, temperature=0, detokenize=False)
+    for i in range(batch):
+        engine.add_request(f"dec-{batch}-{i}", _prompt(128, 100 + i), params)
+    for _ in range(8):  # the prefills, and the first decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    _run_to_end(engine)
+    return {"batch": batch, "step_mean_ms": step_ms, **_gpu_busy(prof)}
+
+
+def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) -> dict[str, Any]:
+    engine = LLMEngine(
+        EngineArgs(
+            model=model_dir,
+            load_format="dummy",
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            max_model_len=4096,
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=256,
+            platform=args.platform,
+            async_scheduling=async_scheduling,
+        )
+    )
+    out: dict[str, Any] = {"single_stream": single_stream(engine, args.prompt_len, args.output_len)}
+    print(out, flush=True)
+    out["decode_b1"] = decode(engine, 1, args.steps)
+    print(out["decode_b1"], flush=True)
+    out["decode_batch"] = decode(engine, args.batch, args.steps)
+    print(out["decode_batch"], flush=True)
+    if args.workload:
+        requests = fit_vocab(load_workload(args.workload), engine.vocab_size, wrap=True)
+        warm = requests[: args.warmup_requests]
+        if warm:
+            run_throughput(engine, warm)
+        out["throughput"] = run_throughput(engine, requests).to_dict()
+        print(out["throughput"], flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--platform", default="cuda")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--num-kv-blocks", type=int, default=8192)
+    parser.add_argument("--workload", help="workload JSON for the throughput run")
+    parser.add_argument("--warmup-requests", type=int, default=16)
+    parser.add_argument("--modes", default="async,sync")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "args": vars(args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        llama_8b_config().save_pretrained(tmp)
+        for mode in args.modes.split(","):
+            if mode not in ("async", "sync"):
+                parser.error(f"unknown mode {mode!r}: async or sync")
+            results[mode] = measure(args, tmp, async_scheduling=mode == "async")
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -45,10 +45,10 @@ def _stages() -> dict[str, Any]:
         },
         "latency": {
             "result": {
-                "full_and_piecewise": {
+                "async": {
                     "single_stream": {"tpot_median_ms": 5.9, "ttft_ms": 16.0},
                     "decode_b1": {"idle_fraction": 0.04},
-                    "decode_batch": {"idle_fraction": 0.2, "step_median_ms": 11.0},
+                    "decode_batch": {"idle_fraction": 0.2, "step_mean_ms": 11.0},
                 }
             }
         },

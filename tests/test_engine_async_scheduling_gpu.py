@@ -33,12 +33,12 @@ PROMPTS = random_prompts(VOCAB, [5, 17, 30, 3, 9, 22, 40, 11], seed=3)
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
+        hidden_size=128,
+        intermediate_size=192,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,  # the smallest head size the cuda platform's decode kernels take
         max_position_embeddings=256,
         tie_word_embeddings=False,
         eos_token_id=3,

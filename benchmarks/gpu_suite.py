@@ -117,7 +117,7 @@ def read_json(path: Path) -> Any:
 # Stages: each returns what goes into stage_NAME.json.
 
 
-def stage_env(suite: Suite) -> dict[str, Any]:
+def stage_env(suite: Suite, revision: str | None) -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {
@@ -138,7 +138,7 @@ def stage_env(suite: Suite) -> dict[str, Any]:
         query = [smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
         info["nvidia_smi"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    info["pagedserve_revision"] = rev.stdout.strip() or None
+    info["pagedserve_revision"] = revision or rev.stdout.strip() or None
     return info
 
 
@@ -450,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
     parser.add_argument("--workloads", default="256,1000", help="of 256, 1000, or paths to workload files")
     parser.add_argument("--report", action="store_true", help="only rewrite suite.json and suite.md")
+    parser.add_argument(
+        "--revision", help="the pagedserve revision to record (default: `git rev-parse` of the checkout)"
+    )
     args = parser.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = sorted(set(stages) - set(STAGES))
@@ -465,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         suite = Suite(out=args.out.resolve(), peers=None if args.peers is None else args.peers.resolve())
         runners: dict[str, Callable[[], dict[str, Any]]] = {
-            "env": lambda: stage_env(suite),
+            "env": lambda: stage_env(suite, args.revision),
             "tests": lambda: stage_tests(suite),
             "conformance": lambda: stage_conformance(suite),
             "engine": lambda: stage_engine(suite),

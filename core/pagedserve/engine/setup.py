@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from pagedserve.attention.kv_cache_dtype import DEFAULT_KV_SCALES, is_fp8, resolve_kv_cache_dtype
 from pagedserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.ngram_proposer import NgramProposer
@@ -72,12 +73,21 @@ def resolve_dtype(name: str, platform: LoadedPlatform, quantization: str | None 
     return dtype
 
 
-def choose_backend(platform: LoadedPlatform, spec: ModelSpec, block_size: int) -> AttentionBackend:
-    """The platform's first attention backend that declares support for this model's shapes."""
+def choose_backend(
+    platform: LoadedPlatform, spec: ModelSpec, block_size: int, kv_cache_dtype: str = "auto"
+) -> tuple[AttentionBackend, torch.dtype]:
+    """The platform's first attention backend that declares support for this model's shapes and
+    the requested KV-cache dtype, with the cache dtype that name means for it."""
     reasons = []
     for cls in platform.attention_backends():
         backend = cls()
         try:
+            cache_dtype = resolve_kv_cache_dtype(
+                kv_cache_dtype,
+                spec.dtype,
+                backend.capabilities.kv_cache_dtypes,
+                where=f"platform {platform.name!r}, attention backend {backend.name!r}",
+            )
             backend.check_supported(
                 head_size=spec.head_size,
                 dtype=spec.dtype,
@@ -85,14 +95,16 @@ def choose_backend(platform: LoadedPlatform, spec: ModelSpec, block_size: int) -
                 # Any sliding layer needs window support, even if other layers attend fully.
                 sliding_window=next((w for w in spec.sliding_windows if w is not None), None),
                 logit_softcap=spec.logit_softcap,
+                kv_cache_dtype=cache_dtype,
             )
-        except UnsupportedCase as exc:
+        except (UnsupportedCase, ValueError) as exc:
             reasons.append(str(exc))
             continue
-        return backend
+        return backend, cache_dtype
     raise ValueError(
         f"no attention backend of platform {platform.name!r} supports this model "
-        f"(head_size={spec.head_size}, dtype={spec.dtype}, block_size={block_size}): " + "; ".join(reasons)
+        f"(head_size={spec.head_size}, dtype={spec.dtype}, block_size={block_size}, "
+        f"kv_cache_dtype={kv_cache_dtype!r}): " + "; ".join(reasons)
     )
 
 
@@ -113,7 +125,8 @@ def build_engine(args: EngineArgs) -> EngineSetup:
     )
     spec = loaded.spec
     max_model_len = _max_model_len(args, spec)
-    backend = choose_backend(platform, spec, args.block_size)
+    backend, kv_dtype = choose_backend(platform, spec, args.block_size, args.kv_cache_dtype)
+    kv_scales = [DEFAULT_KV_SCALES] * spec.num_layers if is_fp8(kv_dtype) else None
     cache_ops = platform.cache_ops()
     max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     if not args.enable_chunked_prefill:
@@ -132,6 +145,7 @@ def build_engine(args: EngineArgs) -> EngineSetup:
             block_size=args.block_size,
             device=device,
         ),
+        kv_cache_dtype=kv_dtype,
     )
     min_blocks = -(-max_model_len // args.block_size)
     if num_blocks < min_blocks and args.num_kv_blocks is None:
@@ -140,11 +154,12 @@ def build_engine(args: EngineArgs) -> EngineSetup:
             f"needs {min_blocks}: lower max_model_len or free memory"
         )
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), attention backend %s",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s), attention backend %s",
         num_blocks,
         args.block_size,
         num_blocks * args.block_size,
-        num_blocks * kv_block_bytes(spec, args.block_size) / 2**20,
+        num_blocks * kv_block_bytes(spec, args.block_size, kv_dtype) / 2**20,
+        str(kv_dtype).removeprefix("torch."),
         backend.name,
     )
     sched_config = SchedulerConfig(
@@ -155,7 +170,7 @@ def build_engine(args: EngineArgs) -> EngineSetup:
         preemption_mode=args.preemption_mode,
         num_speculative_tokens=args.num_speculative_tokens,
     )
-    swap_blocks = int(args.swap_space_gib * 2**30 // kv_block_bytes(spec, args.block_size))
+    swap_blocks = int(args.swap_space_gib * 2**30 // kv_block_bytes(spec, args.block_size, kv_dtype))
     cache_config = CacheConfig(
         block_size=args.block_size,
         num_kv_blocks=num_blocks,
@@ -174,6 +189,8 @@ def build_engine(args: EngineArgs) -> EngineSetup:
         max_model_len=max_model_len,
         eos_token_ids=eos,
         device=device,
+        kv_cache_dtype=kv_dtype,
+        kv_scales=kv_scales,
         seed=args.seed,
     )
     if swap_blocks:

@@ -22,7 +22,7 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.outputs import Logprob
-from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.sampling.logprobs import compute_prompt_logprobs, logprobs_to_dicts
 from pagedserve.sampling.rows import TokenHistories
 from pagedserve.sampling.sampler import Sampler
@@ -77,6 +77,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         device: torch.device,
         kv_cache_dtype: torch.dtype | None = None,
+        kv_scales: list[KVCacheScales] | None = None,  # layer_idx -> scales; exactly for an FP8 cache
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -92,6 +93,7 @@ class ModelRunner:
         # Zeroed, not empty: a backend may multiply masked-out (never written) slots by a zero weight,
         # and 0 * NaN garbage would poison the output.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
+        self.kv_scales = kv_scales
         max_blocks_per_req = -(-max_model_len // block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks_per_req, device)
         self.sampler = Sampler()
@@ -132,7 +134,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         plan = self._plan(so)
         metadata, input_ids, positions = self._build_inputs(plan)
-        ctx = ForwardContext(metadata, self.kv_caches, self.backend, self.cache_ops)
+        ctx = ForwardContext(metadata, self.kv_caches, self.backend, self.cache_ops, kv_scales=self.kv_scales)
         graphs, compiled = self.cuda_graphs, self.compiled
         if graphs is not None and graphs.fits(metadata.num_actual_tokens):
             hidden = graphs.run(ctx, input_ids, positions)

@@ -24,7 +24,7 @@ things make it several times faster on decode batches, and a fourth serves a sin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -121,8 +121,11 @@ class FastCpuAttentionBackend(AttentionBackend):
     calls at once (from two threads)."""
 
     name: ClassVar[str] = "cpu_fast"
-    # It computes exactly what the oracle does, so it promises exactly the oracle's capabilities.
-    capabilities: ClassVar[AttentionCapabilities] = ReferenceAttentionBackend.capabilities
+    # It computes exactly what the oracle does, so it promises the oracle's capabilities, except
+    # FP8 caches: those the engine serves with the oracle itself (the next backend in the list).
+    capabilities: ClassVar[AttentionCapabilities] = replace(
+        ReferenceAttentionBackend.capabilities, kv_cache_dtypes=frozenset()
+    )
 
     def __init__(self, chunk_elements: int = FAST_CHUNK_ELEMENTS) -> None:
         if chunk_elements < 1:
@@ -171,7 +174,7 @@ class FastCpuAttentionBackend(AttentionBackend):
             _check_out(query, out)
         if plan.single is not None and logit_softcap is None and query.shape[0] == 1:
             return self._attend_single(plan.single, query, kv_cache, scale, sliding_window, out)
-        options = _Options(scale, sliding_window, logit_softcap)
+        options = _Options(scale, sliding_window, logit_softcap, kv_scales=None)
         result = out if out is not None else torch.zeros_like(query)
         for group in plan.groups:
             if (

@@ -88,6 +88,8 @@ def choose_backend(
                 backend.capabilities.kv_cache_dtypes,
                 where=f"platform {platform.name!r}, attention backend {backend.name!r}",
             )
+            # Backends of plugin API 1.0 may override check_supported without `kv_cache_dtype`.
+            extra = {"kv_cache_dtype": cache_dtype} if cache_dtype != spec.dtype else {}
             backend.check_supported(
                 head_size=spec.head_size,
                 dtype=spec.dtype,
@@ -95,7 +97,7 @@ def choose_backend(
                 # Any sliding layer needs window support, even if other layers attend fully.
                 sliding_window=next((w for w in spec.sliding_windows if w is not None), None),
                 logit_softcap=spec.logit_softcap,
-                kv_cache_dtype=cache_dtype,
+                **extra,
             )
         except (UnsupportedCase, ValueError) as exc:
             reasons.append(str(exc))

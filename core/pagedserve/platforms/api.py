@@ -179,15 +179,18 @@ class AttentionBackend(ABC):
                 f"{tuple(query.shape)}) and kv_cache [2, num_blocks, block_size, num_kv_heads, head_size] "
                 f"(got {tuple(kv_cache.shape)})"
             )
+        quantized = kv_cache.dtype != query.dtype
+        # The keyword only when it matters: backends of API 1.0 may override check_supported
+        # without it, and they never see a quantized cache.
+        extra = {"kv_cache_dtype": kv_cache.dtype} if quantized else {}
         self.check_supported(
             head_size=query.shape[2],
             dtype=query.dtype,
             block_size=kv_cache.shape[2],
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
-            kv_cache_dtype=kv_cache.dtype,
+            **extra,
         )
-        quantized = kv_cache.dtype != query.dtype
         if quantized and kv_scales is None:
             raise ValueError(
                 f"{self.name}: the KV cache is {kv_cache.dtype} but the query {query.dtype}: a quantized "

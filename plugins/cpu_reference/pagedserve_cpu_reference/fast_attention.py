@@ -31,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities
+from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales
 from pagedserve_cpu_reference.attention import (
     ReferenceAttentionBackend,
     RequestGroup,
@@ -144,6 +144,7 @@ class FastCpuAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+        kv_scales: KVCacheScales | None = None,  # FP8 caches, which this backend refuses
     ) -> torch.Tensor:
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.
@@ -163,10 +164,16 @@ class FastCpuAttentionBackend(AttentionBackend):
             scale,
             sliding_window,
             logit_softcap,
+            kv_scales,
         )
         if plan is None or plan.metadata is not metadata or signature not in plan.checked_calls:
             self.check_call(
-                query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+                query,
+                kv_cache,
+                scale=scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
+                kv_scales=kv_scales,
             )
             plan = self._check_and_plan(query, kv_cache, metadata, out)
             plan.checked_calls.add(signature)

@@ -188,10 +188,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             query.shape[1] % kv_cache.shape[3] == 0,
             f"num_q_heads={query.shape[1]} is not a multiple of num_kv_heads={kv_cache.shape[3]}",
         )
-        _require(
-            kv_cache.dtype == query.dtype or kv_cache.dtype in self.capabilities.kv_cache_dtypes,
-            f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype} (and not a declared FP8 cache)",
-        )
+        # The cache's dtype (the query's, or a declared FP8 one) is a capability: `check_call`.
         _require(
             query.stride(-1) == 1 and kv_cache.stride(-1) == 1,
             "query and kv_cache need a unit-stride last dim",

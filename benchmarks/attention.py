@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.api import KVCacheScales
 from pagedserve.platforms.tuned_configs import TunedConfigFile, TunedConfigs, device_family
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.launch_params import CONFIG_DIR
@@ -73,7 +74,13 @@ class Batch:
     seq_lens: list[int]  # req index -> seq_len
 
 
-def make_batch(shape: Shape, query_lens: list[int], seq_lens: list[int], device: str = "cuda") -> Batch:
+def make_batch(
+    shape: Shape,
+    query_lens: list[int],
+    seq_lens: list[int],
+    device: str = "cuda",
+    kv_cache_dtype: torch.dtype | None = None,  # an FP8 cache (scales 1: randn fits e4m3/e5m2)
+) -> Batch:
     """Random data in a cache whose blocks are handed out in shuffled order. Does not mutate."""
     gen = torch.Generator(device=device).manual_seed(0)
     need = [-(-s // shape.block_size) for s in seq_lens]
@@ -88,6 +95,8 @@ def make_batch(shape: Shape, query_lens: list[int], seq_lens: list[int], device:
         dtype=shape.dtype,
         generator=gen,
     )
+    if kv_cache_dtype is not None:
+        kv = kv.to(kv_cache_dtype)
     ids = torch.randperm(num_blocks, device=device, generator=gen).int()
     table = torch.zeros(len(need), max(need), dtype=torch.int32, device=device)
     used = 0
@@ -99,6 +108,13 @@ def make_batch(shape: Shape, query_lens: list[int], seq_lens: list[int], device:
         md.num_actual_tokens, shape.q_heads, shape.head_size, device=device, dtype=shape.dtype, generator=gen
     )
     return Batch(q, kv, md, query_lens, seq_lens)
+
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {  # --kv-cache-dtype -> cache dtype (None: --dtype)
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def time_graph(fn: Callable[[], object], iters: int = 50) -> float:
@@ -128,8 +144,12 @@ def triton_time(batch: Batch, num_splits: int | None, configs: TunedConfigs | No
     backend = BACKEND[0](num_splits=num_splits, tuned_configs=configs)
     out = torch.empty_like(batch.query)
     scale = batch.query.shape[-1] ** -0.5
+    # An FP8 cache (made by make_batch with scales 1) reads with its scales; otherwise none.
+    kv_scales = KVCacheScales(1.0, 1.0) if batch.kv_cache.dtype != batch.query.dtype else None
     return time_graph(
-        lambda: backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=scale, out=out)
+        lambda: backend.forward(
+            batch.query, batch.kv_cache, batch.metadata, scale=scale, out=out, kv_scales=kv_scales
+        )
     )
 
 
@@ -188,14 +208,16 @@ def run_grid(shape: Shape, cases: list[tuple[str, list[int], list[int]]], args: 
     )
     head += f"{'GB/s':>8}{'sdpa us':>9}" + (f"{'flex us':>9}" if args.flex else "")
     print(head)
+    kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
     for name, qlens, slens in cases:
-        batch = make_batch(shape, qlens, slens)
+        batch = make_batch(shape, qlens, slens, kv_cache_dtype=kv_dtype)
         heur = triton_time(batch, None)
         row = f"{name:<28}{plan_of(batch):>7}{heur:>9.1f}{triton_time(batch, 1):>9.1f}"
         can_split = max(qlens) <= 16
         row += "".join(f"{triton_time(batch, s) if can_split else float('nan'):>8.1f}" for s in sweep)
         row += f"{kv_bytes(batch) / heur / 1e3:>8.0f}"
-        row += f"{sdpa_time(batch):>9.1f}" if args.sdpa else f"{'-':>9}"
+        # SDPA reads no FP8: with an FP8 cache its column is left out.
+        row += f"{sdpa_time(batch):>9.1f}" if args.sdpa and kv_dtype is None else f"{'-':>9}"
         if args.flex:
             try:
                 row += f"{flex_time(batch):>9.1f}"
@@ -924,6 +946,12 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="also time prefills and a mixed batch")
     parser.add_argument("--splits-sweep", action="store_true", help="also time forced 3D split counts")
     parser.add_argument("--no-sdpa", dest="sdpa", action="store_false")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=sorted(KV_CACHE_DTYPES),
+        default="auto",
+        help="the grid's cache: auto (= --dtype) or FP8; GB/s then counts FP8 bytes",
+    )
     parser.add_argument(
         "--flex", action="store_true", help="also time torch FlexAttention (compiles per shape)"
     )

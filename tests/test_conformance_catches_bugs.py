@@ -23,6 +23,7 @@ from pagedserve.platforms.api import (
     AttentionCapabilities,
     Availability,
     CacheOps,
+    KVCacheScales,
     PlatformInfo,
 )
 from pagedserve.platforms.hookspecs import hookimpl
@@ -256,7 +257,56 @@ class DeclaresNoWindow(ReferenceAttentionBackend):
     capabilities: ClassVar[AttentionCapabilities] = _NO_WINDOW
 
 
+class _MisreadsKVScales(ReferenceAttentionBackend):
+    """The reference reading an FP8 cache with the wrong scales (`_misread` says which)."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: torch.Tensor | None = None,
+        kv_scales: KVCacheScales | None = None,
+    ) -> torch.Tensor:
+        return super().forward(
+            query,
+            kv_cache,
+            metadata,
+            scale=scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            out=out,
+            kv_scales=None if kv_scales is None else self._misread(kv_scales),
+        )
+
+    def _misread(self, scales: KVCacheScales) -> KVCacheScales:
+        raise NotImplementedError
+
+
+class ForgetsKVScales(_MisreadsKVScales):
+    """Reads FP8 keys and values as if they were stored unscaled."""
+
+    name: ClassVar[str] = "forgets_kv_scales"
+
+    def _misread(self, scales: KVCacheScales) -> KVCacheScales:
+        return KVCacheScales(k_scale=1.0, v_scale=1.0)
+
+
+class SwapsKVScales(_MisreadsKVScales):
+    """Dequantizes keys with the value scale and values with the key scale."""
+
+    name: ClassVar[str] = "swaps_kv_scales"
+
+    def _misread(self, scales: KVCacheScales) -> KVCacheScales:
+        return KVCacheScales(k_scale=scales.v_scale, v_scale=scales.k_scale)
+
+
 DIFFERS = "differs from the float64 reference"
+FP8_DIFFERS = "beyond the float32 + fp8 KV tolerance"
 
 
 @pytest.mark.parametrize(
@@ -272,6 +322,9 @@ DIFFERS = "differs from the float64 reference"
         ),
         # The window cases come late in the suite's order; run only them to keep the test fast.
         pytest.param(WindowIgnored, "sliding_window", "sliding_window", DIFFERS, id="window_ignored"),
+        # FP8 cases come last in the suite's order; run only them.
+        pytest.param(ForgetsKVScales, "fp8_kv_cache", "fp8_kv_cache", FP8_DIFFERS, id="forgets_kv_scales"),
+        pytest.param(SwapsKVScales, "fp8_kv_cache", "fp8_kv_cache", FP8_DIFFERS, id="swaps_kv_scales"),
         pytest.param(
             SilentlyAcceptsUndeclaredWindow,
             "sliding_window",
@@ -321,6 +374,21 @@ class WritesNextSlot(ReferenceCacheOps):
         super().reshape_and_cache(key, value, kv_cache, shifted)
 
 
+class QuantizesWithoutScales(ReferenceCacheOps):
+    """Writes into an FP8 cache as if both scales were 1."""
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scales: KVCacheScales | None = None,
+    ) -> None:
+        unit = None if kv_scales is None else KVCacheScales(k_scale=1.0, v_scale=1.0)
+        super().reshape_and_cache(key, value, kv_cache, slot_mapping, kv_scales=unit)
+
+
 class DropsLastSwap(ReferenceCacheOps):
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
         super().swap_blocks(src, dst, block_mapping[:-1])
@@ -332,20 +400,27 @@ class DropsLastSwap(ReferenceCacheOps):
         (CopiesKeysOnly(), "copy_blocks"),
         (WritesNextSlot(), "reshape_and_cache"),
         (DropsLastSwap(), "swap_blocks_same_device"),
+        (QuantizesWithoutScales(), "reshape_and_cache"),
     ],
-    ids=["copies_keys_only", "writes_next_slot", "drops_last_swap"],
+    ids=["copies_keys_only", "writes_next_slot", "drops_last_swap", "quantizes_without_scales"],
 )
 def test_suite_fails_broken_cache_ops(ops: CacheOps, expected_group: str) -> None:
     failure = _first_failure(_suite(ReferenceAttentionBackend, ops), "cache_ops")
     assert failure is not None, f"the conformance suite passed {type(ops).__name__}"
     assert failure.group == expected_group, failure.summary()
+    if isinstance(ops, QuantizesWithoutScales):
+        assert failure.case.kv_cache_dtype is not None, failure.summary()
 
 
 def test_unmodified_reference_passes_every_case() -> None:
     suite = ConformanceSuite.for_platform("cpu_reference", quick=True)  # the installed entry point
     results = suite.run()
-    assert {r.status for r in results} == {Status.PASSED}, "\n".join(
-        r.summary() for r in results if r.status is not Status.PASSED
+    # cpu_fast declares no FP8 cache (the engine serves FP8 with the oracle): those are its refusals.
+    refused = [r for r in results if r.component == "cpu_fast" and r.group == "fp8_kv_cache"]
+    assert refused and {r.status for r in refused} == {Status.UNSUPPORTED}
+    rest = [r for r in results if r not in refused]
+    assert {r.status for r in rest} == {Status.PASSED}, "\n".join(
+        r.summary() for r in rest if r.status is not Status.PASSED
     )
     compared = [r for r in results if r.errors is not None]
     assert compared and all(r.errors is not None and r.errors.worst_ratio <= 1.0 for r in compared)

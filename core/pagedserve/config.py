@@ -89,8 +89,13 @@ class EngineArgs(_Config):
     swap_space_gib: float = Field(0.0, ge=0.0, description="CPU swap pool for preemption_mode='swap'")
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     load_format: str = Field("auto", pattern=r"^(auto|safetensors|gguf|dummy)$")
-    quantization: Literal["gguf"] | None = Field(
-        None, description="'gguf': keep a GGUF file's Q4_1/Q8_0 blocks packed (CPU, bfloat16)"
+    quantization: Literal["gguf", "fp8"] | None = Field(
+        None,
+        description="'gguf': keep a GGUF file's Q4_1/Q8_0 blocks packed (CPU, bfloat16); 'fp8': "
+        "linear weights quantized to FP8 at load time, per output channel (GPUs with sm_89+)",
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="'auto': the model's dtype; 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2': an FP8 KV cache"
     )
     seed: int = Field(0, ge=0)
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation")

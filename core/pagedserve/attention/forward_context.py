@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 
 
 class AttentionHook(Protocol):
@@ -56,6 +56,8 @@ class ForwardContext:
     cache_ops: CacheOps
     # None: attention runs on the backend. Set only while the model runner captures CUDA graphs.
     attention_hook: AttentionHook | None = None
+    # layer_idx -> scales of an FP8 KV cache; None: the caches have the model's dtype.
+    kv_scales: list[KVCacheScales] | None = None
 
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("pagedserve_forward_context", default=None)

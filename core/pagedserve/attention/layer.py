@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
+from pagedserve.platforms.api import KVCacheScales
 
 
 def paged_attention(
@@ -134,6 +135,19 @@ def attend(
     replay runs attention between graphs, outside any model code). Mutates the layer's KV cache and
     `out`."""
     kv_cache = ctx.kv_caches[layer_idx]
+    if ctx.kv_scales is not None:
+        return _attend_quantized(
+            ctx,
+            ctx.kv_scales[layer_idx],
+            query,
+            key,
+            value,
+            kv_cache,
+            scale=scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            out=out,
+        )
     ctx.cache_ops.reshape_and_cache(key, value, kv_cache, ctx.metadata.slot_mapping)
     return ctx.backend.forward(
         query,
@@ -143,6 +157,34 @@ def attend(
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
         out=out,
+    )
+
+
+def _attend_quantized(
+    ctx: ForwardContext,
+    kv_scales: KVCacheScales,
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], FP8
+    *,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    out: torch.Tensor | None,  # [num_tokens, num_q_heads, head_size]
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size]
+    """`attend` into an FP8 cache. Apart, so that plugins written for API 1.0 (which never declare
+    an FP8 cache) are never passed the `kv_scales` keyword. Mutates the cache and `out`."""
+    ctx.cache_ops.reshape_and_cache(key, value, kv_cache, ctx.metadata.slot_mapping, kv_scales=kv_scales)
+    return ctx.backend.forward(
+        query,
+        kv_cache,
+        ctx.metadata,
+        scale=scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        out=out,
+        kv_scales=kv_scales,
     )
 
 

@@ -22,7 +22,12 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
     "--gpu-memory-utilization": ("gpu_memory_utilization", float, "share of GPU memory to use"),
     "--cpu-kv-cache-gib": ("cpu_kv_cache_gib", float, "KV budget on CPU platforms, GiB"),
     "--load-format": ("load_format", str, "auto, safetensors, gguf or dummy (random weights)"),
-    "--quantization": ("quantization", str, "gguf: keep a GGUF's Q4_1/Q8_0 blocks packed (CPU, bfloat16)"),
+    "--quantization": (
+        "quantization",
+        str,
+        "gguf: keep a GGUF's Q4_1/Q8_0 blocks packed (CPU, bfloat16); fp8: FP8 weights (sm_89+ GPUs)",
+    ),
+    "--kv-cache-dtype": ("kv_cache_dtype", str, "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2"),
     "--cuda-graph-max-tokens": ("cuda_graph_max_tokens", int, "largest step replayed as CUDA graphs"),
     "--cudagraph-mode": (
         "cudagraph_mode",

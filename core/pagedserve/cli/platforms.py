@@ -230,6 +230,7 @@ def _describe_backend(backend: type[AttentionBackend]) -> dict[str, Any]:
         "kv_cache_layout": caps.kv_cache_layout.value,
         "features": features,
         "max_query_len": caps.max_query_len,
+        "kv_cache_dtypes": _dtype_names(caps.kv_cache_dtypes),
     }
 
 
@@ -314,6 +315,7 @@ def format_text(report: dict[str, Any]) -> str:
                 f"    dtypes: {', '.join(b['dtypes'])}   block sizes: {_ranges(b['block_sizes'])}",
                 f"    layout: {b['kv_cache_layout']}   features: {', '.join(b['features']) or 'none'}"
                 f"   max query len: {b['max_query_len'] if b['max_query_len'] is not None else 'any'}",
+                f"    quantized KV caches: {', '.join(b['kv_cache_dtypes']) or 'none'}",
             ]
         lines.append("")
     if report["load_errors"]:

@@ -17,7 +17,13 @@ the query must be bit-for-bit unchanged; the real output rows must be finite and
 tolerance of cpu_reference computed in float64 on the same (rounded) inputs. Rows past
 `num_actual_tokens` are unspecified by the contract and not checked.
 
-An undeclared case is instead called once and must raise `UnsupportedCase`.
+FP8 cases (`case.kv_cache_dtype`) write the keys and values through the oracle's quantizing
+`reshape_and_cache` with `FP8_KV_SCALES`, pass the scales to the backend, and compare with the
+oracle reading the same FP8 bits (dequantized exactly) in float64: the quantization error itself
+is not the backend's and is measured end to end elsewhere (docs/fp8.md).
+
+An undeclared case is instead called once and must raise `UnsupportedCase`; an undeclared FP8 case
+is called without `kv_scales`, as the engine would never pass them to such a backend.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.conformance.cases import AttentionCase, dtype_name
+from pagedserve.conformance.cases import FP8_KV_SCALES, AttentionCase, dtype_name
 from pagedserve.conformance.guards import POISON, GuardedTensor, count_changed
 from pagedserve.conformance.oracle import Oracle
 from pagedserve.conformance.results import CaseResult, ErrorStats, Status
@@ -84,9 +90,12 @@ def _build_inputs(case: AttentionCase, device: torch.device, oracle: Oracle) -> 
     total = int(slots.shape[0])
     keys = torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype)
     values = torch.randn(total, hkv, d, generator=gen, dtype=torch.float64).to(dtype)
-    cache_cpu = torch.full((2, num_blocks, b, hkv, d), POISON, dtype=dtype)
-    oracle.cache_ops.reshape_and_cache(keys, values, cache_cpu, slots)
-    kv_cache = GuardedTensor(tuple(cache_cpu.shape), dtype, device, margin=b * hkv * d)
+    cache_cpu = torch.full((2, num_blocks, b, hkv, d), POISON, dtype=case.cache_dtype)
+    if case.kv_cache_dtype is None:
+        oracle.cache_ops.reshape_and_cache(keys, values, cache_cpu, slots)
+    else:
+        oracle.cache_ops.reshape_and_cache(keys, values, cache_cpu, slots, kv_scales=FP8_KV_SCALES)
+    kv_cache = GuardedTensor(tuple(cache_cpu.shape), case.cache_dtype, device, margin=b * hkv * d)
     kv_cache.tensor.copy_(cache_cpu)
 
     num_tokens = sum(g.query_lens)
@@ -109,19 +118,32 @@ def _build_inputs(case: AttentionCase, device: torch.device, oracle: Oracle) -> 
 
 def _reference(case: AttentionCase, inputs: _Inputs, oracle: Oracle, scale: float) -> torch.Tensor:
     """cpu_reference's output in float64 on the rounded inputs: [num_tokens, num_q_heads, head_size]."""
+    fp8 = case.kv_cache_dtype is not None
     result = oracle.attention.forward(
         inputs.query_cpu.double(),
-        inputs.cache_cpu.double(),
+        inputs.cache_cpu if fp8 else inputs.cache_cpu.double(),  # FP8: dequantized in float64
         inputs.metadata_cpu,
         scale=scale,
         sliding_window=case.sliding_window,
         logit_softcap=case.logit_softcap,
+        kv_scales=FP8_KV_SCALES if fp8 else None,
     )
     return result[: inputs.metadata_cpu.num_actual_tokens]
 
 
 def _call(backend: AttentionBackend, case: AttentionCase, inputs: _Inputs, scale: float) -> torch.Tensor:
     with torch.no_grad():
+        if case.kv_cache_dtype in backend.capabilities.kv_cache_dtypes:
+            return backend.forward(
+                inputs.query,
+                inputs.kv_cache.tensor,
+                inputs.metadata,
+                scale=scale,
+                sliding_window=case.sliding_window,
+                logit_softcap=case.logit_softcap,
+                out=inputs.out.tensor if case.pass_out else None,
+                kv_scales=FP8_KV_SCALES,
+            )
         return backend.forward(
             inputs.query,
             inputs.kv_cache.tensor,
@@ -133,8 +155,13 @@ def _call(backend: AttentionBackend, case: AttentionCase, inputs: _Inputs, scale
         )
 
 
+def tolerance_name(case: AttentionCase) -> str:
+    """The tolerance row a case is judged by, as people read it ("bfloat16", "bfloat16 + fp8 KV")."""
+    return dtype_name(case.dtype) + (" + fp8 KV" if case.kv_cache_dtype is not None else "")
+
+
 def _error_stats(output: torch.Tensor, reference: torch.Tensor, case: AttentionCase) -> ErrorStats:
-    tolerance = tolerance_for(case.dtype)
+    tolerance = tolerance_for(case.dtype, case.kv_cache_dtype)
     err = (output - reference).abs()
     return ErrorStats(
         max_abs_err=float(err.max()) if err.numel() else 0.0,
@@ -210,7 +237,7 @@ def _compare(
     errors = _error_stats(torch.where(bad, torch.zeros_like(actual), actual), reference, case)
     if errors.worst_ratio > 1.0:
         problems.append(
-            f"output differs from the float64 reference beyond the {dtype_name(case.dtype)} tolerance "
+            f"output differs from the float64 reference beyond the {tolerance_name(case)} tolerance "
             f"(max abs err {errors.max_abs_err:.3g}, err/tol {errors.worst_ratio:.3g})"
         )
     return errors

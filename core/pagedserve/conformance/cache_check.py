@@ -6,6 +6,10 @@ bit, what cpu_reference's cache ops produce from the same inputs. Destinations s
 unwritten, or a write past either end of a cache is reported. Inputs (keys, values, source caches)
 must come back unchanged.
 
+FP8 caches (`case.kv_cache_dtype`): `reshape_and_cache` quantizes with the suite's `FP8_KV_SCALES`
+and must write exactly the reference's bits (`kv_cache_dtype.quantize`); copies and swaps move FP8
+blocks as they are.
+
 The cases mirror how the engine calls the ops: `reshape_and_cache` into shuffled slots that leave
 blocks partly filled, with key/value possibly slices of a fused qkv tensor and with more rows than
 slots; `copy_blocks` over several layers with a source block copied to two destinations (two
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.conformance.cases import CacheOp, CacheOpCase
+from pagedserve.conformance.cases import FP8_KV_SCALES, CacheOp, CacheOpCase
 from pagedserve.conformance.guards import POISON, GuardedTensor, count_changed
 from pagedserve.conformance.oracle import Oracle
 from pagedserve.conformance.results import CaseResult, Status
@@ -26,8 +30,17 @@ COMPONENT = "cache_ops"
 EXTRA_ROWS = 2  # key/value rows past len(slot_mapping), which must not be written
 
 
-def _random(shape: tuple[int, ...], case: CacheOpCase, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float64).to(case.dtype)
+def _random(
+    shape: tuple[int, ...], case: CacheOpCase, gen: torch.Generator, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype or case.dtype)
+
+
+def _cache_random(shape: tuple[int, ...], case: CacheOpCase, gen: torch.Generator) -> torch.Tensor:
+    """Cache contents for copies and swaps, in the cache's dtype (an FP8 cache holds scaled data)."""
+    if case.kv_cache_dtype is None:
+        return _random(shape, case, gen)
+    return (torch.randn(shape, generator=gen) * 64).to(case.kv_cache_dtype)
 
 
 def _cache_shape(case: CacheOpCase, num_blocks: int) -> tuple[int, ...]:
@@ -77,11 +90,17 @@ def _reshape_and_cache(
         key_cpu = _random((rows, case.num_kv_heads, case.head_size), case, gen)
         value_cpu = _random((rows, case.num_kv_heads, case.head_size), case, gen)
         key, value = key_cpu.to(device), value_cpu.to(device)
-    cache = GuardedTensor(_cache_shape(case, num_blocks), case.dtype, device, _margin(case))
-    expected = torch.full(_cache_shape(case, num_blocks), POISON, dtype=case.dtype)
-    oracle.cache_ops.reshape_and_cache(key_cpu.contiguous(), value_cpu.contiguous(), expected, slots)
-
-    ops.reshape_and_cache(key, value, cache.tensor, slots.to(device))
+    cache = GuardedTensor(_cache_shape(case, num_blocks), case.cache_dtype, device, _margin(case))
+    expected = torch.full(_cache_shape(case, num_blocks), POISON, dtype=case.cache_dtype)
+    if case.kv_cache_dtype is None:
+        oracle.cache_ops.reshape_and_cache(key_cpu.contiguous(), value_cpu.contiguous(), expected, slots)
+        ops.reshape_and_cache(key, value, cache.tensor, slots.to(device))
+    else:
+        scales = FP8_KV_SCALES
+        oracle.cache_ops.reshape_and_cache(
+            key_cpu.contiguous(), value_cpu.contiguous(), expected, slots, kv_scales=scales
+        )
+        ops.reshape_and_cache(key, value, cache.tensor, slots.to(device), kv_scales=scales)
     check.guards(cache, "kv_cache")
     check.unchanged(expected, cache.tensor, "kv_cache")
     check.unchanged(key_cpu, key, "key (an input)")
@@ -103,10 +122,10 @@ def _copy_blocks(
     if n >= 3:
         src[-1] = src[0]  # one block forked twice
     mapping = torch.stack((src, dst), dim=1)
-    expected = [_random(_cache_shape(case, num_blocks), case, gen) for _ in range(case.num_layers)]
+    expected = [_cache_random(_cache_shape(case, num_blocks), case, gen) for _ in range(case.num_layers)]
     caches = []
     for layer in expected:
-        guarded = GuardedTensor(tuple(layer.shape), case.dtype, device, _margin(case))
+        guarded = GuardedTensor(tuple(layer.shape), case.cache_dtype, device, _margin(case))
         guarded.tensor.copy_(layer)
         caches.append(guarded)
     oracle.cache_ops.copy_blocks(expected, mapping)
@@ -136,10 +155,10 @@ def _swap_blocks(
     src_ids = torch.randperm(num_src, generator=gen)[:n].long()
     dst_ids = torch.randperm(num_dst, generator=gen)[:n].long()
     mapping = torch.stack((src_ids, dst_ids), dim=1)  # on the CPU, as the contract asks
-    src_cpu = _random(_cache_shape(case, num_src), case, gen)
+    src_cpu = _cache_random(_cache_shape(case, num_src), case, gen)
     src = src_cpu.to(src_device)
-    dst = GuardedTensor(_cache_shape(case, num_dst), case.dtype, dst_device, _margin(case))
-    expected = torch.full(_cache_shape(case, num_dst), POISON, dtype=case.dtype)
+    dst = GuardedTensor(_cache_shape(case, num_dst), case.cache_dtype, dst_device, _margin(case))
+    expected = torch.full(_cache_shape(case, num_dst), POISON, dtype=case.cache_dtype)
     oracle.cache_ops.swap_blocks(src_cpu, expected, mapping)
 
     ops.swap_blocks(src, dst.tensor, mapping)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from pagedserve.conformance.tolerances import TOLERANCES
-from pagedserve.platforms.api import AttentionCapabilities
+from pagedserve.platforms.api import AttentionCapabilities, KVCacheScales
 
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
 QUICK_HEAD_SIZES = (64, 80)  # a power of two and one a kernel must pad
@@ -44,6 +44,15 @@ QUICK_SLIDING_WINDOWS = (5,)
 SOFTCAPS = (2.0, 30.0)
 QUICK_SOFTCAPS = (2.0,)
 MAX_DECLARED_VALUES = 16  # a declared set at most this large is run in full (e.g. block sizes)
+# FP8 caches the suite knows (the OCP encodings and AMD's fnuz ones); a backend runs the declared
+# ones and must refuse the others.
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+FP8_GROUPS = ("decode", "mixed", "chunked_prefill")  # geometries run with each declared FP8 cache
+QUICK_FP8_GROUPS = ("mixed",)  # decodes, a prefill, a chunked prefill and a speculative query
+# Scales of every FP8 case: not powers of two (so quantizing rounds), different for keys and values
+# (so a swapped scale shows), and small enough that standard-normal data spans most of the FP8
+# range: a backend that forgets, swaps or inverts a scale moves every output far past tolerance.
+FP8_KV_SCALES = KVCacheScales(k_scale=0.0117, v_scale=0.0213)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -93,6 +102,11 @@ class AttentionCase:
     logit_softcap: float | None  # None: no softcap
     pass_out: bool  # False: forward gets no `out=` and its return value is checked instead
     seed: int  # every tensor of the case is drawn from a generator seeded with this
+    kv_cache_dtype: torch.dtype | None = None  # an FP8 cache (scales FP8_KV_SCALES); None: `dtype`
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def case_id(self) -> str:
@@ -109,6 +123,8 @@ class AttentionCase:
             options.append(f"softcap={self.logit_softcap}")
         if not self.pass_out:
             options.append("out=None")
+        if self.kv_cache_dtype is not None:
+            options.append(f"kv_cache={dtype_name(self.kv_cache_dtype)}")
         return (
             f"query_lens={list(g.query_lens)} seq_lens={list(g.seq_lens)} heads={self.num_q_heads}/"
             f"{self.num_kv_heads} head_size={self.head_size} block_size={self.block_size} "
@@ -127,6 +143,8 @@ class AttentionCase:
             return "sliding window is not declared"
         if self.logit_softcap is not None and not caps.logit_softcap:
             return "logit softcap is not declared"
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in caps.kv_cache_dtypes:
+            return f"kv_cache_dtype={dtype_name(self.kv_cache_dtype)} is not declared"
         longest = max(self.geometry.query_lens)
         if caps.max_query_len is not None and longest > caps.max_query_len:
             return f"query_len={longest} exceeds the declared max_query_len={caps.max_query_len}"
@@ -226,6 +244,12 @@ def attention_cases(caps: AttentionCapabilities, *, quick: bool, seed: int = 0) 
     if not quick:
         add("softcap", "2.0_window5", mixed, logit_softcap=2.0, sliding_window=5)
     add("no_out", dtype_name(dtype), mixed, pass_out=False)
+    geometries = _geometries(block_size, quick)
+    for kv in FP8_KV_DTYPES:
+        # Declared encodings run on several geometries; undeclared ones are one probe each.
+        groups = (QUICK_FP8_GROUPS if quick else FP8_GROUPS) if kv in caps.kv_cache_dtypes else FP8_GROUPS[:1]
+        for group in groups:
+            add("fp8_kv_cache", f"{dtype_name(kv)}_{group}", geometries[group], kv_cache_dtype=kv)
     return cases
 
 
@@ -253,6 +277,11 @@ class CacheOpCase:
     num_layers: int  # caches passed to copy_blocks; 1 otherwise
     strided_inputs: bool  # reshape_and_cache: key/value are slices of a fused qkv tensor
     seed: int
+    kv_cache_dtype: torch.dtype | None = None  # an FP8 cache (scales FP8_KV_SCALES); None: `dtype`
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def group(self) -> str:
@@ -268,14 +297,20 @@ class CacheOpCase:
             f"{self.op.value}: items={self.num_items} layers={self.num_layers} kv_heads={self.num_kv_heads} "
             f"head_size={self.head_size} block_size={self.block_size} {dtype_name(self.dtype)}"
             + (" strided key/value" if self.strided_inputs else "")
+            + (f" kv_cache={dtype_name(self.kv_cache_dtype)}" if self.kv_cache_dtype is not None else "")
         )
 
 
 def cache_op_cases(
-    dtypes: Iterable[torch.dtype], block_sizes: Iterable[int], *, quick: bool, seed: int = 0
+    dtypes: Iterable[torch.dtype],
+    block_sizes: Iterable[int],
+    *,
+    quick: bool,
+    seed: int = 0,
+    kv_cache_dtypes: Iterable[torch.dtype] = (),  # FP8 caches the platform's backends declare
 ) -> list[CacheOpCase]:
-    """Cache-op cases for a platform computing in `dtypes` whose backends use `block_sizes`. Cache ops
-    declare no capabilities, so every case must pass. Pure."""
+    """Cache-op cases for a platform computing in `dtypes` whose backends use `block_sizes` and
+    read `kv_cache_dtypes`. Cache ops declare no capabilities, so every case must pass. Pure."""
     dtype_list = sorted({d for d in dtypes if d in TOLERANCES}, key=dtype_name)
     sizes = sorted({b for b in block_sizes if b in BLOCK_SIZES}) or [16]
     base_block = 16 if 16 in sizes else sizes[0]
@@ -328,4 +363,27 @@ def cache_op_cases(
                     num_items=7,
                     num_layers=3,
                 )
+    fp8_sources = [d for d in (torch.bfloat16, torch.float16, torch.float32) if d in dtype_list]
+    for kv in sorted(set(kv_cache_dtypes), key=dtype_name):
+        kv_name = dtype_name(kv)
+        d = fp8_sources[0] if fp8_sources else torch.float32
+        for source in [d] if quick else fp8_sources:  # quantizing writes from each model dtype
+            add(
+                CacheOp.RESHAPE_AND_CACHE,
+                f"{kv_name}_from_{dtype_name(source)}",
+                dtype=source,
+                kv_cache_dtype=kv,
+            )
+        add(
+            CacheOp.RESHAPE_AND_CACHE,
+            f"{kv_name}_from_{dtype_name(d)}_h80_strided",
+            dtype=d,
+            kv_cache_dtype=kv,
+            head_size=80,
+            strided_inputs=True,
+        )
+        add(CacheOp.COPY_BLOCKS, kv_name, dtype=d, kv_cache_dtype=kv, num_items=5, num_layers=2)
+        swaps = (CacheOp.SWAP_SAME_DEVICE, CacheOp.SWAP_TO_HOST, CacheOp.SWAP_FROM_HOST)
+        for op in swaps[2:] if quick else swaps:
+            add(op, kv_name, dtype=d, kv_cache_dtype=kv, num_items=4)
     return cases

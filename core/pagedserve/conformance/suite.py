@@ -117,10 +117,17 @@ class ConformanceSuite:
         block_sizes = {
             b for backend in self._backend_classes.values() for b in backend.capabilities.block_sizes
         }
+        kv_cache_dtypes = {
+            d for backend in self._backend_classes.values() for d in backend.capabilities.kv_cache_dtypes
+        }
         found += [
             SuiteItem(CACHE_COMPONENT, c)
             for c in cache_op_cases(
-                self.platform.info.supported_dtypes, block_sizes, quick=self.quick, seed=self.seed
+                self.platform.info.supported_dtypes,
+                block_sizes,
+                quick=self.quick,
+                seed=self.seed,
+                kv_cache_dtypes=kv_cache_dtypes,
             )
         ]
         return found

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import CacheConfig, EngineArgs, SchedulerConfig
@@ -74,11 +75,13 @@ def build_engine(args: EngineArgs) -> EngineSetup:
     spec = dm.loaded.spec
     num_blocks = args.num_kv_blocks or fit_kv_blocks(dm, args, device)
     _check_num_blocks(args, num_blocks, dm.max_model_len)
-    _log_kv_cache(args, spec, num_blocks, dm.backend.name)
+    _log_kv_cache(args, spec, num_blocks, dm.backend.name, dm.kv_cache_dtype)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or dm.loaded.source)
     eos = eos_token_ids(dm.loaded.hf_config, tokenizer.eos_token_id if tokenizer is not None else None)
     runner = build_runner(dm, args, device, num_kv_blocks=num_blocks, eos_token_ids=eos)
-    scheduler = _scheduler(args, spec, num_blocks, dm.max_model_len, dm.max_num_batched_tokens)
+    scheduler = _scheduler(
+        args, spec, num_blocks, dm.max_model_len, dm.max_num_batched_tokens, dm.kv_cache_dtype
+    )
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
     async_scheduling = async_scheduling_choice(args.async_scheduling, platform, proposer is not None)
     core = EngineCore(
@@ -106,10 +109,11 @@ def _build_parallel_engine(args: EngineArgs, platform: LoadedPlatform) -> Engine
     executor, reports = start_executor(args, platform)
     try:
         first = reports[0]
+        backend, kv_dtype = choose_backend(platform, first.local_spec, args.block_size, args.kv_cache_dtype)
         # Every rank sized its cache from its own free memory; all must hold the same block ids.
         num_blocks = args.num_kv_blocks or min(r.num_kv_blocks for r in reports)
         _check_num_blocks(args, num_blocks, first.max_model_len)
-        _log_kv_cache(args, first.local_spec, num_blocks, first.backend_name)
+        _log_kv_cache(args, first.local_spec, num_blocks, first.backend_name, kv_dtype)
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or source)
         eos = eos_token_ids(config, tokenizer.eos_token_id if tokenizer is not None else None)
         executor.init_cache(num_blocks, eos)
@@ -117,7 +121,7 @@ def _build_parallel_engine(args: EngineArgs, platform: LoadedPlatform) -> Engine
         executor.shutdown()
         raise
     scheduler = _scheduler(
-        args, first.local_spec, num_blocks, first.max_model_len, first.max_num_batched_tokens
+        args, first.local_spec, num_blocks, first.max_model_len, first.max_num_batched_tokens, kv_dtype
     )
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
     if args.async_scheduling:
@@ -126,7 +130,6 @@ def _build_parallel_engine(args: EngineArgs, platform: LoadedPlatform) -> Engine
             "step synchronously"
         )
     core = EngineCore(scheduler, executor, max_model_len=first.max_model_len, proposer=proposer)
-    backend = choose_backend(platform, first.local_spec, args.block_size)
     spec = _whole_model_spec(first)
     return EngineSetup(platform, spec, None, backend, tokenizer, eos, first.max_model_len, num_blocks, core)
 
@@ -146,20 +149,28 @@ def _check_num_blocks(args: EngineArgs, num_blocks: int, max_model_len: int) -> 
         )
 
 
-def _log_kv_cache(args: EngineArgs, spec: ModelSpec, num_blocks: int, backend_name: str) -> None:
+def _log_kv_cache(
+    args: EngineArgs, spec: ModelSpec, num_blocks: int, backend_name: str, kv_dtype: torch.dtype
+) -> None:
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s), attention backend %s",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s, %s), attention backend %s",
         num_blocks,
         args.block_size,
         num_blocks * args.block_size,
-        num_blocks * kv_block_bytes(spec, args.block_size) / 2**20,
+        num_blocks * kv_block_bytes(spec, args.block_size, kv_dtype) / 2**20,
         " per rank" if args.tensor_parallel_size > 1 else "",
+        str(kv_dtype).removeprefix("torch."),
         backend_name,
     )
 
 
 def _scheduler(
-    args: EngineArgs, spec: ModelSpec, num_blocks: int, max_model_len: int, max_batched: int
+    args: EngineArgs,
+    spec: ModelSpec,
+    num_blocks: int,
+    max_model_len: int,
+    max_batched: int,
+    kv_dtype: torch.dtype,
 ) -> Scheduler:
     sched_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
@@ -173,7 +184,7 @@ def _scheduler(
         block_size=args.block_size,
         num_kv_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
-        swap_space_blocks=swap_space_blocks(spec, args),
+        swap_space_blocks=swap_space_blocks(spec, args, kv_dtype),
     )
     return Scheduler(sched_config, cache_config, num_blocks)
 

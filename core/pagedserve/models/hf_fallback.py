@@ -31,7 +31,7 @@ from pagedserve.attention.layer import paged_attention
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.decoder import layer_sliding_windows
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
-from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, CacheOps
+from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, CacheOps, KVCacheScales
 
 ATTN_IMPLEMENTATION = "pagedserve"
 
@@ -134,7 +134,12 @@ class _Probe(AttentionBackend, CacheOps):
         self.calls: list[_LayerCall] = []  # in call order
 
     def reshape_and_cache(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scales: KVCacheScales | None = None,
     ) -> None:
         """Records the key's head count (mutates `self.kv_heads`, never the cache)."""
         self.kv_heads[_layer_of(kv_cache)] = key.shape[1]
@@ -149,6 +154,7 @@ class _Probe(AttentionBackend, CacheOps):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,
+        kv_scales: KVCacheScales | None = None,
     ) -> torch.Tensor:
         """Appends to `self.calls`; returns zeros shaped like `query`."""
         layer_idx = _layer_of(kv_cache)

@@ -24,7 +24,7 @@ from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.models.weights import fill_dummy_weights, iter_gguf, iter_safetensors
 
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
-Quantization = Literal["gguf"]
+Quantization = Literal["gguf", "fp8"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,8 @@ def load_model(
     """Build the model `model` names, on `device` in `dtype`, with weights from its checkpoint
     (or random ones for `load_format="dummy"`, seeded by `seed`). Native implementation when
     there is one, the transformers fallback otherwise (unless `allow_fallback=False`).
-    `quantization="gguf"` keeps a GGUF file's Q4_1/Q8_0 blocks packed (`packed_int4`).
+    `quantization="gguf"` keeps a GGUF file's Q4_1/Q8_0 blocks packed (`packed_int4`);
+    `quantization="fp8"` quantizes the decoder's linear layers to FP8 after loading (`fp8`).
     With a `tp` group of more than one rank, builds and loads only that rank's shard
     (`distributed.sharding`)."""
     source = resolve_model_source(model, gguf_file)
@@ -195,15 +196,22 @@ def load_model(
             native.load_weights(iter_gguf(source.gguf_path, config))
         else:
             native.load_weights(iter_safetensors(source.directory))
+        if quantization == "fp8":
+            _quantize_fp8(native)
         built = native
     built.eval()
     return LoadedModel(model=built, hf_config=config, spec=built.spec, source=source)
 
 
 def _check_quantization(quantization: str, fmt: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, with what to change, the combinations `quantization="gguf"` cannot run."""
+    """Refuse, with what to change, the combinations `quantization` cannot run."""
+    if quantization == "fp8":
+        from pagedserve.models.fp8 import check_fp8_support
+
+        check_fp8_support(device, dtype)
+        return
     if quantization != "gguf":
-        raise ValueError(f"unknown quantization={quantization!r}; the only one is 'gguf' (or None)")
+        raise ValueError(f"unknown quantization={quantization!r}; use 'gguf', 'fp8' or None")
     if fmt != "gguf":
         raise ValueError(
             f"quantization='gguf' keeps a GGUF file's quantized blocks, but load_format is {fmt!r}"
@@ -213,6 +221,18 @@ def _check_quantization(quantization: str, fmt: str, dtype: torch.dtype, device:
             "quantization='gguf' runs torch's CPU 4-bit kernels with bfloat16 activations: use a CPU "
             f"platform and dtype='bfloat16' (got dtype {str(dtype).removeprefix('torch.')} on {device.type})"
         )
+
+
+def _quantize_fp8(model: PagedCausalLM) -> None:
+    """Swap the decoder's linear layers for FP8 ones (the embedding and LM head stay). Mutates
+    `model`."""
+    from pagedserve.models.decoder import DecoderForCausalLM
+    from pagedserve.models.fp8 import quantize_linear_layers
+
+    if not isinstance(model, DecoderForCausalLM):
+        raise ValueError(f"quantization='fp8' is not available for {type(model).__name__}")
+    replaced = quantize_linear_layers(model.model)
+    logger.info("quantization='fp8': %d linear layers quantized per output channel", replaced)
 
 
 def _load_gguf_packed(model: PagedCausalLM, gguf_path: Path, config: Any) -> None:

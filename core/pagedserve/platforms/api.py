@@ -11,6 +11,14 @@ KV-cache layout (the only one in API 1.x, `KVCacheLayout.NHD`): each attention l
 where index 0 holds keys and index 1 holds values. Token `t` of a request lives in physical block
 `block_table[req, t // block_size]` at offset `t % block_size`; its *slot* is
 `block_id * block_size + offset`.
+
+FP8 KV caches (API 1.1): the cache tensor may have an FP8 dtype (`torch.float8_e4m3fn`,
+`torch.float8_e5m2`, or the `fnuz` variants of AMD GPUs) while the model computes in its own
+dtype. Each layer then has `KVCacheScales`: `reshape_and_cache` stores `fp8(clamp(x / scale))`
+(keys with `k_scale`, values with `v_scale`, round to nearest even, clamped to the dtype's finite
+range) and attention reads `stored * scale`. A backend opts in by listing the FP8 dtypes it reads
+in `AttentionCapabilities.kv_cache_dtypes`; the core passes `kv_scales=` only for FP8 caches, so
+a plugin written for API 1.0 is never called with it.
 """
 
 from __future__ import annotations
@@ -30,6 +38,20 @@ PLUGIN_API_VERSION = "1.1"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
 against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.1"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheScales:
+    """Dequantization scales of one layer's FP8 KV cache (one per tensor): a stored key `s` means
+    `s * k_scale`, a stored value `s * v_scale`. Both positive and finite."""
+
+    k_scale: float
+    v_scale: float
+
+    def __post_init__(self) -> None:
+        for name, value in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"KVCacheScales.{name} must be positive and finite, got {value}")
 
 
 class KVCacheLayout(enum.Enum):
@@ -70,6 +92,9 @@ class AttentionCapabilities:
     sliding_window: bool = False
     logit_softcap: bool = False
     max_query_len: int | None = None  # None: any number of new tokens per request (prefill included)
+    # FP8 dtypes the backend reads as a quantized KV cache (with `KVCacheScales`), besides caches in
+    # the query's dtype. Empty: the cache must have the query's dtype. (API 1.1)
+    kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
 
 
 class UnsupportedCase(ValueError):
@@ -111,6 +136,7 @@ class AttentionBackend(ABC):
         block_size: int,
         sliding_window: int | None,
         logit_softcap: float | None,
+        kv_cache_dtype: torch.dtype | None = None,  # None: the cache has `dtype`
     ) -> None:
         """Raise `UnsupportedCase` naming the first undeclared property. Does not mutate."""
         caps = self.capabilities
@@ -131,6 +157,16 @@ class AttentionBackend(ABC):
             raise UnsupportedCase(f"{self.name}: sliding window attention is not supported")
         if logit_softcap is not None and not caps.logit_softcap:
             raise UnsupportedCase(f"{self.name}: logit softcap is not supported")
+        if (
+            kv_cache_dtype is not None
+            and kv_cache_dtype != dtype
+            and kv_cache_dtype not in caps.kv_cache_dtypes
+        ):
+            readable = sorted(map(str, caps.kv_cache_dtypes)) or "none"
+            raise UnsupportedCase(
+                f"{self.name}: kv_cache dtype {kv_cache_dtype} is not supported with {dtype} queries; "
+                f"quantized KV-cache dtypes it reads: {readable}"
+            )
 
     def check_call(
         self,
@@ -140,23 +176,40 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        kv_scales: KVCacheScales | None = None,
     ) -> None:
         """The checks every `forward` starts with, whatever the hardware: tensor ranks (`ValueError`),
-        the declared capabilities (`UnsupportedCase`) and the options' values (`ValueError`).
-        Reads only tensor metadata (no device sync). Does not mutate."""
+        the declared capabilities (`UnsupportedCase`), the options' values and the presence of
+        `kv_scales` exactly for a quantized cache (`ValueError`). Reads only tensor metadata (no
+        device sync). Does not mutate."""
         if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
             raise ValueError(
                 f"{self.name}: query must be [num_tokens, num_q_heads, head_size] (got shape "
                 f"{tuple(query.shape)}) and kv_cache [2, num_blocks, block_size, num_kv_heads, head_size] "
                 f"(got {tuple(kv_cache.shape)})"
             )
+        quantized = kv_cache.dtype != query.dtype
+        # The keyword only when it matters: backends of API 1.0 may override check_supported
+        # without it, and they never see a quantized cache.
+        extra = {"kv_cache_dtype": kv_cache.dtype} if quantized else {}
         self.check_supported(
             head_size=query.shape[2],
             dtype=query.dtype,
             block_size=kv_cache.shape[2],
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
+            **extra,
         )
+        if quantized and kv_scales is None:
+            raise ValueError(
+                f"{self.name}: the KV cache is {kv_cache.dtype} but the query {query.dtype}: a quantized "
+                "cache needs kv_scales=KVCacheScales(k_scale, v_scale)"
+            )
+        if not quantized and kv_scales is not None:
+            raise ValueError(
+                f"{self.name}: kv_scales given for a {kv_cache.dtype} cache that is not quantized "
+                "(it has the query's dtype): pass kv_scales only with an FP8 cache"
+            )
         if not math.isfinite(scale):
             raise ValueError(f"{self.name}: scale must be finite, got scale={scale}")
         if sliding_window is not None and sliding_window < 1:
@@ -180,6 +233,7 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,  # None: attend to the whole context
         logit_softcap: float | None = None,  # None: no softcap; else scores = c * tanh(scores / c)
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]; written if given
+        kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
     ) -> torch.Tensor:
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype.
 
@@ -201,11 +255,13 @@ class CacheOps(ABC):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         slot_mapping: torch.Tensor,  # [num_tokens] int64; slot = block_id * block_size + offset
+        kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
     ) -> None:
         """Write each token's key and value into its slot. Only the first `len(slot_mapping)` rows
         of key/value are written; slots must be distinct. `key` and `value` may be strided views
-        (e.g. slices of a fused qkv projection): only their last dimension is unit-stride.
-        Mutates `kv_cache`."""
+        (e.g. slices of a fused qkv projection): only their last dimension is unit-stride. Into an
+        FP8 cache (the platform's backends declare it in `kv_cache_dtypes`) each element is stored
+        quantized, as the module docstring says. Mutates `kv_cache`."""
 
     @abstractmethod
     def copy_blocks(

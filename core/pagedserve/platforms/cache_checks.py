@@ -12,6 +12,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pagedserve.attention.kv_cache_dtype import is_fp8
+from pagedserve.platforms.api import KVCacheScales
+
 
 def _require(ok: bool, owner: str, message: str) -> None:
     if not ok:
@@ -60,16 +63,46 @@ def check_layer_caches(
     return first
 
 
+def check_kv_scales(
+    input_dtype: torch.dtype, cache_dtype: torch.dtype, kv_scales: KVCacheScales | None, owner: str
+) -> None:
+    """Raise `ValueError` unless scales come exactly with an FP8 cache, written from a floating
+    non-FP8 dtype. Does not mutate."""
+    if is_fp8(cache_dtype):
+        _require(
+            kv_scales is not None,
+            owner,
+            f"kv_cache is {cache_dtype}: writing into an FP8 cache needs "
+            "kv_scales=KVCacheScales(k_scale, v_scale)",
+        )
+        _require(
+            input_dtype.is_floating_point and not is_fp8(input_dtype),
+            owner,
+            f"keys and values quantized into {cache_dtype} must be float16/bfloat16/float32/float64, "
+            f"got {input_dtype}",
+        )
+    else:
+        _require(
+            kv_scales is None,
+            owner,
+            f"kv_scales given for a {cache_dtype} cache; scales belong only to FP8 caches",
+        )
+
+
 def check_reshape_and_cache_args(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
     owner: str,
+    kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
 ) -> int:
     """Check a `reshape_and_cache` call; return its number of tokens. Raises `ValueError` naming
     the offending tensor. Does not mutate."""
     check_block_contiguous_cache(kv_cache, "kv_cache", owner)
+    check_kv_scales(key.dtype, kv_cache.dtype, kv_scales, owner)
+    # Into an FP8 cache keys and values come in the model's dtype, one dtype for both.
+    input_dtype = key.dtype if kv_scales is not None else kv_cache.dtype
     _, _, _, num_kv_heads, head_size = kv_cache.shape
     for name, t in (("key", key), ("value", value)):
         _require(
@@ -79,7 +112,7 @@ def check_reshape_and_cache_args(
             f"got {tuple(t.shape)} strides {t.stride()}",
         )
         _require(
-            t.dtype == kv_cache.dtype and t.device == kv_cache.device,
+            t.dtype == input_dtype and t.device == kv_cache.device,
             owner,
             f"{name} is {t.dtype} on {t.device}; kv_cache is {kv_cache.dtype} on {kv_cache.device}",
         )

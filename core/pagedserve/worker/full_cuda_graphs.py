@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.worker.cuda_graphs import padded_size
 from pagedserve.worker.graph_modes import step_path
 
@@ -153,6 +153,7 @@ class FullDecodeGraphs:
         *,
         max_blocks_per_req: int,
         max_seq_len: int,
+        kv_scales: list[KVCacheScales] | None = None,  # layer_idx -> scales, exactly for an FP8 cache
     ) -> None:
         """`forward` is the model (or its compiled form); `max_seq_len` bounds every sequence a
         replay may see (the engine's max_model_len). Allocates the buffers; captures nothing."""
@@ -164,6 +165,7 @@ class FullDecodeGraphs:
         self.device = device
         self.sizes = tuple(sorted(set(sizes)))  # ascending
         self.max_seq_len = max_seq_len
+        self.kv_scales = kv_scales
         self.buffers = DecodeGraphBuffers(self.sizes[-1], max_blocks_per_req, device)
         self._pool = torch.cuda.graph_pool_handle()
         self._by_size: dict[int, _SizeGraph] = {}  # padded num_reqs -> its graph
@@ -225,7 +227,11 @@ class FullDecodeGraphs:
 
         def context() -> ForwardContext:
             return ForwardContext(
-                self.buffers.metadata(size, self.max_seq_len), kv_caches, backend, cache_ops
+                self.buffers.metadata(size, self.max_seq_len),
+                kv_caches,
+                backend,
+                cache_ops,
+                kv_scales=self.kv_scales,
             )
 
         # Warm-up: lazy initialisation (workspaces, kernels compiled on first use) must happen

@@ -20,9 +20,11 @@ from pagedserve.models.spec import ModelSpec
 logger = logging.getLogger(__name__)
 
 
-def kv_block_bytes(spec: ModelSpec, block_size: int) -> int:
-    """Bytes of one block across all layers (keys and values)."""
-    per_layer = 2 * block_size * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
+def kv_block_bytes(spec: ModelSpec, block_size: int, kv_cache_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one block across all layers (keys and values), in `kv_cache_dtype` (None: the
+    model's dtype; an FP8 cache's blocks are half a bfloat16 cache's)."""
+    itemsize = (kv_cache_dtype or spec.dtype).itemsize
+    per_layer = 2 * block_size * spec.num_kv_heads * spec.head_size * itemsize
     return per_layer * spec.num_layers
 
 
@@ -45,10 +47,11 @@ def num_kv_blocks_for(
     device: torch.device,
     max_model_len: int,
     profile_activation_bytes: Callable[[], int],
+    kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype
 ) -> int:
     """Blocks that fit on `device` under the configured budget. On a GPU this calls
     `profile_activation_bytes` (which runs the model's largest step) first."""
-    per_block = kv_block_bytes(spec, args.block_size)
+    per_block = kv_block_bytes(spec, args.block_size, kv_cache_dtype)
     if device.type == "cpu":
         budget = min(int(args.cpu_kv_cache_gib * 2**30), available_host_bytes() // 2)
         # No point holding more blocks than max_num_seqs full-length requests can use.

@@ -21,7 +21,7 @@ import torch
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import PagedCausalLM
-from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.sampling.logprobs import compute_prompt_logprobs, logprobs_to_dicts
 from pagedserve.sampling.rows import SamplingRows, TokenHistories
 from pagedserve.sampling.sampler import Sampler
@@ -75,6 +75,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         device: torch.device,
         kv_cache_dtype: torch.dtype | None = None,
+        kv_scales: list[KVCacheScales] | None = None,  # layer_idx -> scales; exactly for an FP8 cache
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -90,6 +91,7 @@ class ModelRunner:
         # Zeroed, not empty: a backend may multiply masked-out (never written) slots by a zero weight,
         # and 0 * NaN garbage would poison the output.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
+        self.kv_scales = kv_scales
         max_blocks_per_req = -(-max_model_len // block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks_per_req, device)
         self.sampler = Sampler()
@@ -137,7 +139,7 @@ class ModelRunner:
         metadata, input_ids, positions = self._build_inputs(plan)
         if plan.pending.any():
             self._read_placeholders(plan, input_ids)
-        ctx = ForwardContext(metadata, self.kv_caches, self.backend, self.cache_ops)
+        ctx = ForwardContext(metadata, self.kv_caches, self.backend, self.cache_ops, kv_scales=self.kv_scales)
         full, graphs, compiled = self.full_graphs, self.cuda_graphs, self.compiled
         if full is not None and full.covers(metadata):
             hidden = full.run(metadata, input_ids, positions)

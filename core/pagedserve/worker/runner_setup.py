@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.attention.kv_cache_dtype import DEFAULT_KV_SCALES, is_fp8, resolve_kv_cache_dtype
 from pagedserve.config import EngineArgs
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.loader import LoadedModel, load_model
@@ -50,6 +51,7 @@ class DeviceModel:
     cache_ops: CacheOps
     max_model_len: int
     max_num_batched_tokens: int
+    kv_cache_dtype: torch.dtype  # the model's dtype, or an FP8 dtype (`kv_cache_dtype` option)
 
 
 def resolve_dtype(name: str, platform: LoadedPlatform, quantization: str | None = None) -> torch.dtype:
@@ -70,12 +72,23 @@ def resolve_dtype(name: str, platform: LoadedPlatform, quantization: str | None 
     return dtype
 
 
-def choose_backend(platform: LoadedPlatform, spec: ModelSpec, block_size: int) -> AttentionBackend:
-    """The platform's first attention backend that declares support for this model's shapes."""
+def choose_backend(
+    platform: LoadedPlatform, spec: ModelSpec, block_size: int, kv_cache_dtype: str = "auto"
+) -> tuple[AttentionBackend, torch.dtype]:
+    """The platform's first attention backend that declares support for this model's shapes and
+    the requested KV-cache dtype, with the cache dtype that name means for it."""
     reasons = []
     for cls in platform.attention_backends():
         backend = cls()
         try:
+            cache_dtype = resolve_kv_cache_dtype(
+                kv_cache_dtype,
+                spec.dtype,
+                backend.capabilities.kv_cache_dtypes,
+                where=f"platform {platform.name!r}, attention backend {backend.name!r}",
+            )
+            # Backends of plugin API 1.0 may override check_supported without `kv_cache_dtype`.
+            extra = {"kv_cache_dtype": cache_dtype} if cache_dtype != spec.dtype else {}
             backend.check_supported(
                 head_size=spec.head_size,
                 dtype=spec.dtype,
@@ -83,14 +96,16 @@ def choose_backend(platform: LoadedPlatform, spec: ModelSpec, block_size: int) -
                 # Any sliding layer needs window support, even if other layers attend fully.
                 sliding_window=next((w for w in spec.sliding_windows if w is not None), None),
                 logit_softcap=spec.logit_softcap,
+                **extra,
             )
-        except UnsupportedCase as exc:
+        except (UnsupportedCase, ValueError) as exc:
             reasons.append(str(exc))
             continue
-        return backend
+        return backend, cache_dtype
     raise ValueError(
         f"no attention backend of platform {platform.name!r} supports this model "
-        f"(head_size={spec.head_size}, dtype={spec.dtype}, block_size={block_size}): " + "; ".join(reasons)
+        f"(head_size={spec.head_size}, dtype={spec.dtype}, block_size={block_size}, "
+        f"kv_cache_dtype={kv_cache_dtype!r}): " + "; ".join(reasons)
     )
 
 
@@ -119,11 +134,11 @@ def load_device_model(
     )
     logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
     max_model_len = _max_model_len(args, loaded.spec)
-    backend = choose_backend(platform, loaded.spec, args.block_size)
+    backend, kv_dtype = choose_backend(platform, loaded.spec, args.block_size, args.kv_cache_dtype)
     max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     if not args.enable_chunked_prefill:
         max_batched = max(max_batched, max_model_len)
-    return DeviceModel(platform, loaded, backend, platform.cache_ops(), max_model_len, max_batched)
+    return DeviceModel(platform, loaded, backend, platform.cache_ops(), max_model_len, max_batched, kv_dtype)
 
 
 def fit_kv_blocks(dm: DeviceModel, args: EngineArgs, device: torch.device) -> int:
@@ -142,12 +157,13 @@ def fit_kv_blocks(dm: DeviceModel, args: EngineArgs, device: torch.device) -> in
             block_size=args.block_size,
             device=device,
         ),
+        kv_cache_dtype=dm.kv_cache_dtype,
     )
 
 
-def swap_space_blocks(spec: ModelSpec, args: EngineArgs) -> int:
+def swap_space_blocks(spec: ModelSpec, args: EngineArgs, kv_dtype: torch.dtype) -> int:
     """Blocks of the CPU swap pool `swap_space_gib` holds (per rank under tensor parallelism)."""
-    return int(args.swap_space_gib * 2**30 // kv_block_bytes(spec, args.block_size))
+    return int(args.swap_space_gib * 2**30 // kv_block_bytes(spec, args.block_size, kv_dtype))
 
 
 def build_runner(
@@ -172,9 +188,11 @@ def build_runner(
         max_model_len=dm.max_model_len,
         eos_token_ids=eos_token_ids,
         device=device,
+        kv_cache_dtype=dm.kv_cache_dtype,
+        kv_scales=[DEFAULT_KV_SCALES] * spec.num_layers if is_fp8(dm.kv_cache_dtype) else None,
         seed=args.seed,
     )
-    swap_blocks = swap_space_blocks(spec, args)
+    swap_blocks = swap_space_blocks(spec, args, dm.kv_cache_dtype)
     if swap_blocks:
         runner.allocate_swap_space(swap_blocks)
     graph_plan = plan_graphs(

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import ModelSpec
-from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs, default_graph_sizes
 from pagedserve.worker.full_cuda_graphs import PADDING_SLOT, FullDecodeGraphs
 from pagedserve.worker.gpu_compile import GpuCompiledForward
@@ -126,6 +126,7 @@ def warm_up_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], one layer's
     spec: ModelSpec,
     batches: Sequence[WarmupBatch],
+    kv_scales: KVCacheScales | None = None,  # the layer's, exactly when the cache is FP8
 ) -> None:
     """Run `backend.forward` once per batch and per distinct (window, softcap) of the model's
     layers, every request's block table pointing at block 0, and the cache write once per token
@@ -134,7 +135,10 @@ def warm_up_attention(
     device = kv_cache.device
     block_size = kv_cache.shape[2]
     max_tokens = max(b.num_tokens for b in batches)
-    query = torch.zeros((max_tokens, spec.num_q_heads, spec.head_size), dtype=kv_cache.dtype, device=device)
+    # Queries, keys and values have the model's dtype; an FP8 cache only stores them narrower.
+    query = torch.zeros((max_tokens, spec.num_q_heads, spec.head_size), dtype=spec.dtype, device=device)
+    # Plugins of API 1.0 never see `kv_scales`: they declare no FP8 cache (`attention.layer`).
+    scales = {} if kv_scales is None else {"kv_scales": kv_scales}
     out = torch.empty_like(query)
     layouts = sorted({(w, spec.logit_softcap) for w in spec.sliding_windows}, key=str)
     scale = spec.head_size**-0.5
@@ -154,14 +158,13 @@ def warm_up_attention(
                 sliding_window=window,
                 logit_softcap=softcap,
                 out=out[:n],
+                **scales,
             )
     if cache_ops.skips_negative_slots:
-        kv = torch.zeros(
-            (max_tokens, 2, spec.num_kv_heads, spec.head_size), dtype=kv_cache.dtype, device=device
-        )
+        kv = torch.zeros((max_tokens, 2, spec.num_kv_heads, spec.head_size), dtype=spec.dtype, device=device)
         for n in sorted({1, 2, 16, 17, max_tokens} & set(range(1, max_tokens + 1))):
             slots = torch.full((n,), PADDING_SLOT, dtype=torch.int64, device=device)
-            cache_ops.reshape_and_cache(kv[:n, 0], kv[:n, 1], kv_cache, slots)
+            cache_ops.reshape_and_cache(kv[:n, 0], kv[:n, 1], kv_cache, slots, **scales)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -201,7 +204,8 @@ def prepare_runner(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         )
-        warm_up_attention(runner.backend, runner.cache_ops, runner.kv_caches[0], runner.spec, batches)
+        scales = None if runner.kv_scales is None else runner.kv_scales[0]
+        warm_up_attention(runner.backend, runner.cache_ops, runner.kv_caches[0], runner.spec, batches, scales)
         kernels_s = time.perf_counter() - start
         num_batches = len(batches)
         logger.info("attention kernels warmed up on %d batch shapes in %.1f s", num_batches, kernels_s)
@@ -246,6 +250,7 @@ def _capture_graphs(
             default_graph_sizes(max_num_seqs, cuda_graph_max_tokens),
             max_blocks_per_req=runner.batch.block_table.np.shape[1],
             max_seq_len=max_model_len,
+            kv_scales=runner.kv_scales,
         )
         full.capture(caches, backend, cache_ops)
         runner.full_graphs = full

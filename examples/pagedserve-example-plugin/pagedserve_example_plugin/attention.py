@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities
+from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales
 
 
 class GatherAttentionBackend(AttentionBackend):
@@ -31,6 +31,7 @@ class GatherAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+        kv_scales: KVCacheScales | None = None,  # FP8 caches only, which this backend does not declare
     ) -> torch.Tensor:
         """Attention for every request of the batch; does not mutate `kv_cache`, writes only `out`."""
         num_q_heads, head_size = query.shape[1], query.shape[2]
@@ -46,6 +47,7 @@ class GatherAttentionBackend(AttentionBackend):
             block_size=block_size,
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
+            kv_cache_dtype=kv_cache.dtype,  # an FP8 cache is refused: none is declared
         )
         if out is None:
             out = torch.empty_like(query)

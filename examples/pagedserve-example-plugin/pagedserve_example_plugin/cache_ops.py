@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.platforms.api import CacheOps
+from pagedserve.platforms.api import CacheOps, KVCacheScales
 
 
 def _check_cache(name: str, cache: torch.Tensor) -> None:
@@ -29,8 +29,11 @@ class TorchCacheOps(CacheOps):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: KVCacheScales | None = None,  # FP8 caches only, which this platform does not offer
     ) -> None:
         """Write key/value row i into slot `slot_mapping[i]`. Mutates `kv_cache`."""
+        if kv_scales is not None:
+            raise ValueError("example_cpu writes no FP8 KV caches; use kv_cache_dtype='auto'")
         _check_cache("kv_cache", kv_cache)
         n = slot_mapping.shape[0]
         if key.shape[0] < n or value.shape[0] < n or key.shape[1:] != kv_cache.shape[3:]:

@@ -20,6 +20,10 @@ requests. Per group, keys and values are gathered block by block into
 matmul batch without a copy), masks come from positions, and the query rows may be split into
 chunks to bound the score tensor; a chunk reads only the keys up to its last position. Arithmetic is
 in float64 when the inputs are float64, else float32; the output is cast to the query's dtype.
+
+An FP8 cache (any of the four torch FP8 dtypes) is dequantized exactly as the contract says:
+gathered keys become `float(stored) * k_scale`, values `float(stored) * v_scale`, in the compute
+dtype, before anything else touches them.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from typing import ClassVar
 
 import torch
 
+from pagedserve.attention.kv_cache_dtype import FP8_DTYPES
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities
+from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 20
 """Default bound on the elements of one group's gathered K/V and of one score tile (4 MiB in
@@ -107,6 +112,7 @@ class _Options:
     scale: float
     sliding_window: int | None  # keys seen per query, its own included
     logit_softcap: float | None
+    kv_scales: KVCacheScales | None  # None: the cache has the query's dtype
 
 
 class _ScratchBuffer:
@@ -149,6 +155,7 @@ class ReferenceAttentionBackend(AttentionBackend):
         block_sizes=frozenset({1, 2, 4, 8, 16, 32, 64, 128}),
         sliding_window=True,
         logit_softcap=True,
+        kv_cache_dtypes=FP8_DTYPES,
     )
 
     def __init__(self, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
@@ -167,14 +174,20 @@ class ReferenceAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+        kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
     ) -> torch.Tensor:
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.
         Does not mutate `kv_cache`; writes only `out` (and the instance's scratch buffer)."""
         self.check_call(
-            query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+            query,
+            kv_cache,
+            scale=scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            kv_scales=kv_scales,
         )
-        options = _Options(scale, sliding_window, logit_softcap)
+        options = _Options(scale, sliding_window, logit_softcap, kv_scales)
         _check_layout(query, kv_cache, metadata, out)
 
         result = out if out is not None else torch.zeros_like(query)
@@ -231,6 +244,10 @@ class ReferenceAttentionBackend(AttentionBackend):
             kv = self._scratch.take(gathered_shape, compute_dtype, device).copy_(kv)
         kv = kv.view(2, num_kv_heads, num_reqs, padded_len, head_size)
         keys, values = kv[0], kv[1]  # [Hkv, R, S, D]
+        if options.kv_scales is not None:
+            # An FP8 cache always took the copy above, so scaling in place leaves the cache alone.
+            keys.mul_(options.kv_scales.k_scale)
+            values.mul_(options.kv_scales.v_scale)
         key_pos = torch.arange(padded_len, device=device)  # [S]
         # Masked probabilities are exactly 0, but 0 * NaN is NaN and unwritten slots hold anything.
         pad_req, pad_pos = torch.nonzero(key_pos[None] >= s_len[:, None], as_tuple=True)
@@ -280,7 +297,7 @@ def _check_layout(
         raise ValueError(f"query head_size {query.shape[2]} != kv_cache head_size {head_size}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if kv_cache.dtype != query.dtype:
+    if kv_cache.dtype != query.dtype and kv_cache.dtype not in FP8_DTYPES:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}; cast one of them")
     if kv_cache.device != query.device:
         raise ValueError(f"kv_cache is on {kv_cache.device} but query on {query.device}")

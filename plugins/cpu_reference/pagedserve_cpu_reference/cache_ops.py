@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.platforms.api import CacheOps
+from pagedserve.attention.kv_cache_dtype import quantize
+from pagedserve.platforms.api import CacheOps, KVCacheScales
+from pagedserve.platforms.cache_checks import check_kv_scales
 
 
 class ReferenceCacheOps(CacheOps):
@@ -30,9 +32,10 @@ class ReferenceCacheOps(CacheOps):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         slot_mapping: torch.Tensor,  # [n <= num_tokens] int64
+        kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
     ) -> None:
         """Write key/value row `i` into slot `slot_mapping[i]` for the first `len(slot_mapping)`
-        rows. Mutates `kv_cache`."""
+        rows, quantized (`kv_cache_dtype.quantize`) into an FP8 cache. Mutates `kv_cache`."""
         signature = (
             key.shape,
             value.shape,
@@ -44,19 +47,26 @@ class ReferenceCacheOps(CacheOps):
             kv_cache.dtype,
             kv_cache.device,
             None if slot_mapping.is_inference() else slot_mapping._version,
+            kv_scales is None,
         )
         if slot_mapping is not self._checked_mapping or signature != self._checked_signature:
-            _check_write(key, value, kv_cache, slot_mapping)
+            _check_write(key, value, kv_cache, slot_mapping, kv_scales)
             self._checked_mapping, self._checked_signature = slot_mapping, signature
         n = slot_mapping.shape[0]
         if n == 0:
             return
+        if kv_scales is not None:
+            key = quantize(key[:n], kv_scales.k_scale, kv_cache.dtype)
+            value = quantize(value[:n], kv_scales.v_scale, kv_cache.dtype)
         _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
         if kv_cache.is_contiguous():
             # A slot is one row of the [2, num_slots, Hkv, D] view: one indexed copy per tensor.
             flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
             if n < key.shape[0]:
                 key, value = key[:n], value[:n]
+            if kv_scales is not None:
+                # torch has no CPU index_copy_ for FP8 dtypes: the quantized bytes move as uint8.
+                flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
             flat[0].index_copy_(0, slot_mapping, key)
             flat[1].index_copy_(0, slot_mapping, value)
             return
@@ -124,11 +134,17 @@ class ReferenceCacheOps(CacheOps):
 
 
 def _check_write(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: KVCacheScales | None,
 ) -> None:
     """Raise ValueError unless `reshape_and_cache` may write these tensors: shapes, dtypes and
-    devices agree, and every slot lies in the cache, none repeated. Does not mutate."""
+    devices agree, scales come exactly with an FP8 cache, and every slot lies in the cache, none
+    repeated. Does not mutate."""
     _check_cache(kv_cache, "kv_cache")
+    check_kv_scales(key.dtype, kv_cache.dtype, kv_scales, "cpu_reference reshape_and_cache")
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
     expected = (num_kv_heads, head_size)
     for label, tensor in (("key", key), ("value", value)):
@@ -137,7 +153,7 @@ def _check_write(
                 f"{label} must be [num_tokens, {num_kv_heads}, {head_size}] to match kv_cache, "
                 f"got {tuple(tensor.shape)}"
             )
-        if tensor.dtype != kv_cache.dtype:
+        if tensor.dtype != key.dtype or (kv_scales is None and tensor.dtype != kv_cache.dtype):
             raise ValueError(f"{label} is {tensor.dtype} but kv_cache is {kv_cache.dtype}; cast first")
         if tensor.device != kv_cache.device:
             raise ValueError(f"{label} is on {tensor.device} but kv_cache on {kv_cache.device}")

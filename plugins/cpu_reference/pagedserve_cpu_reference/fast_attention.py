@@ -24,14 +24,14 @@ things make it several times faster on decode batches, and a fourth serves a sin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
 from torch.nn import functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities
+from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales
 from pagedserve_cpu_reference.attention import (
     ReferenceAttentionBackend,
     RequestGroup,
@@ -121,8 +121,11 @@ class FastCpuAttentionBackend(AttentionBackend):
     calls at once (from two threads)."""
 
     name: ClassVar[str] = "cpu_fast"
-    # It computes exactly what the oracle does, so it promises exactly the oracle's capabilities.
-    capabilities: ClassVar[AttentionCapabilities] = ReferenceAttentionBackend.capabilities
+    # It computes exactly what the oracle does, so it promises the oracle's capabilities, except
+    # FP8 caches: those the engine serves with the oracle itself (the next backend in the list).
+    capabilities: ClassVar[AttentionCapabilities] = replace(
+        ReferenceAttentionBackend.capabilities, kv_cache_dtypes=frozenset()
+    )
 
     def __init__(self, chunk_elements: int = FAST_CHUNK_ELEMENTS) -> None:
         if chunk_elements < 1:
@@ -141,6 +144,7 @@ class FastCpuAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+        kv_scales: KVCacheScales | None = None,  # FP8 caches, which this backend refuses
     ) -> torch.Tensor:
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.
@@ -160,10 +164,16 @@ class FastCpuAttentionBackend(AttentionBackend):
             scale,
             sliding_window,
             logit_softcap,
+            kv_scales,
         )
         if plan is None or plan.metadata is not metadata or signature not in plan.checked_calls:
             self.check_call(
-                query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+                query,
+                kv_cache,
+                scale=scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
+                kv_scales=kv_scales,
             )
             plan = self._check_and_plan(query, kv_cache, metadata, out)
             plan.checked_calls.add(signature)
@@ -171,7 +181,7 @@ class FastCpuAttentionBackend(AttentionBackend):
             _check_out(query, out)
         if plan.single is not None and logit_softcap is None and query.shape[0] == 1:
             return self._attend_single(plan.single, query, kv_cache, scale, sliding_window, out)
-        options = _Options(scale, sliding_window, logit_softcap)
+        options = _Options(scale, sliding_window, logit_softcap, kv_scales=None)
         result = out if out is not None else torch.zeros_like(query)
         for group in plan.groups:
             if (

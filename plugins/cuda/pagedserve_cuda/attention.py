@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, UnsupportedCase
+from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales, UnsupportedCase
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_cuda.compiler import INSTALL_HINT
 from pagedserve_cuda.paged_attention import check_decode_layout, launch_decode, vector_load_problem
@@ -191,11 +191,17 @@ class CudaPagedAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+        kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
     ) -> torch.Tensor:
         """Attention output [num_tokens, num_q_heads, head_size]; rows past num_actual_tokens are left
         as they were in `out` (uninitialised when `out` is None). Writes only `out`."""
         self.check_call(
-            query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+            query,
+            kv_cache,
+            scale=scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            kv_scales=kv_scales,
         )
         _, num_q_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -221,11 +227,11 @@ class CudaPagedAttentionBackend(AttentionBackend):
         if choice.launch is None:
             return self._triton_backend().forward(
                 query, kv_cache, metadata, scale=scale, sliding_window=sliding_window,
-                logit_softcap=logit_softcap, out=out,
+                logit_softcap=logit_softcap, out=out, kv_scales=kv_scales,
             )  # fmt: skip
         self.run_decode(
             choice.launch, out, query, kv_cache, metadata, scale=scale, sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
+            logit_softcap=logit_softcap, kv_scales=kv_scales,
         )  # fmt: skip
         return out
 
@@ -240,6 +246,7 @@ class CudaPagedAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
     ) -> None:
         """Check the layout (once per layout signature) and launch the CUDA decode kernel `launch`
         describes. Writes `out`; mutates only the set of validated signatures."""
@@ -254,5 +261,5 @@ class CudaPagedAttentionBackend(AttentionBackend):
             self._validated.add(signature)
         launch_decode(
             *args, num_seqs=metadata.num_reqs, scale=scale, sliding_window=sliding_window,
-            logit_softcap=logit_softcap, launch=launch,
+            logit_softcap=logit_softcap, launch=launch, kv_scales=kv_scales,
         )  # fmt: skip

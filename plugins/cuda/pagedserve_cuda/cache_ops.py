@@ -1,5 +1,6 @@
 """`CudaCacheOps`: the thin host wrapper of `kernels/cache_ops.cu` (reshape_and_cache, copy_blocks)
-plus swap_blocks through the copy engines. Every method checks the NHD layout contract on tensor
+and `kernels/reshape_and_cache_fp8.cu` (writes into FP8 caches), plus swap_blocks through the copy
+engines. Every method checks the NHD layout contract on tensor
 metadata before any CUDA call.
 
 Why swap_blocks uses torch copies and no kernel: a swap moves whole blocks over PCIe between the
@@ -16,7 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from pagedserve.platforms.api import CacheOps
+from pagedserve.attention.kv_cache_dtype import inverse_scale
+from pagedserve.platforms.api import CacheOps, KVCacheScales
 from pagedserve.platforms.cache_checks import (
     check_block_contiguous_cache,
     check_block_mapping,
@@ -25,6 +27,7 @@ from pagedserve.platforms.cache_checks import (
 )
 from pagedserve_cuda.compiler import KernelSource
 from pagedserve_cuda.launcher import LOADER, KernelLoader
+from pagedserve_cuda.paged_attention import FP8_KV_KIND, SCALAR_KIND
 
 CACHE_THREADS = 128  # reshape_and_cache: one CTA per token
 COPY_THREADS = 256  # copy_blocks: one CTA per (pair, layer, key/value)
@@ -32,6 +35,7 @@ MAX_DIRECT_RUNS = 4  # swaps with more contiguous runs than this gather into one
 MAX_GRID_X = 2**31 - 1
 
 RESHAPE_SIGNATURE = "pppp" + "qqqq" + "qqqq" + "iii"
+RESHAPE_FP8_SIGNATURE = "pppp" + "qqqq" + "qqqq" + "iii" + "ff"
 COPY_SIGNATURE = "ppp" + "qqq"
 
 
@@ -52,6 +56,20 @@ def _source(unit: int) -> KernelSource:
     return KernelSource("cache_ops.cu", (("UNIT_BYTES", unit),), with_common=False)
 
 
+def fp8_source(dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> KernelSource:
+    """`reshape_and_cache_fp8` for keys/values of `dtype` written into a `kv_cache_dtype` cache. Pure."""
+    return KernelSource(
+        "reshape_and_cache_fp8.cu",
+        (("SCALAR_KIND", SCALAR_KIND[dtype]), ("KV_KIND", FP8_KV_KIND[kv_cache_dtype])),
+    )
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache viewed as bytes (same shape and strides), so torch's indexing copies move it
+    bit for bit; any other cache as it is."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_KV_KIND else cache
+
+
 MAX_VALIDATED_LAYOUTS = 256  # distinct reshape_and_cache layouts remembered; an engine sees few
 
 
@@ -63,9 +81,14 @@ def _layout_of(t: torch.Tensor) -> tuple[object, ...]:
 
 def check_cache(cache: torch.Tensor, what: str) -> None:
     """Raise `ValueError` unless `cache` is an NHD cache whose blocks are each one contiguous run of
-    memory, one after the other, of a 2- or 4-byte dtype. Reads only metadata. Does not mutate."""
+    memory, one after the other, of a 2- or 4-byte dtype or an FP8 dtype the kernels read. Reads
+    only metadata. Does not mutate."""
     check_block_contiguous_cache(cache, what, "CudaCacheOps")
-    _require(cache.element_size() in (2, 4), f"{what} has dtype {cache.dtype}; need a 2- or 4-byte dtype")
+    _require(
+        cache.element_size() in (2, 4) or cache.dtype in FP8_KV_KIND,
+        f"{what} has dtype {cache.dtype}; need a 2- or 4-byte dtype or one of "
+        f"{sorted(map(str, FP8_KV_KIND))}",
+    )
 
 
 def contiguous_runs(block_mapping: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -97,27 +120,44 @@ class CudaCacheOps(CacheOps):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
     ) -> None:
-        """Write each token's key and value into its slot. One launch. Mutates `kv_cache`."""
+        """Write each token's key and value into its slot (quantized into an FP8 cache). One launch.
+        Mutates `kv_cache`."""
         # Every layer of a step passes tensors of the same layout (only the addresses differ), so
         # the contract is checked once per layout signature; the launch itself is ~15 us.
         signature = (
             *(_layout_of(t) for t in (key, value, kv_cache)),
             slot_mapping.shape, slot_mapping.dtype, slot_mapping.device, slot_mapping.is_contiguous(),
+            kv_scales is None,
         )  # fmt: skip
         if signature not in self._validated:
-            self._check_reshape(key, value, kv_cache, slot_mapping)
+            self._check_reshape(key, value, kv_cache, slot_mapping, kv_scales)
             if len(self._validated) >= MAX_VALIDATED_LAYOUTS:
                 self._validated.clear()
             self._validated.add(signature)
-        self._launch_reshape(key, value, kv_cache, slot_mapping)
+        if kv_scales is not None:
+            self._launch_reshape_fp8(key, value, kv_cache, slot_mapping, kv_scales)
+        else:
+            self._launch_reshape(key, value, kv_cache, slot_mapping)
 
     def _check_reshape(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scales: KVCacheScales | None,
     ) -> None:
         """The layout contract of `reshape_and_cache`. Raises ValueError; does not mutate."""
-        check_cache(kv_cache, "kv_cache")  # adds the 2- or 4-byte dtype check
-        num_tokens = check_reshape_and_cache_args(key, value, kv_cache, slot_mapping, "CudaCacheOps")
+        check_cache(kv_cache, "kv_cache")  # adds the dtype check
+        num_tokens = check_reshape_and_cache_args(
+            key, value, kv_cache, slot_mapping, "CudaCacheOps", kv_scales
+        )
+        _require(
+            kv_scales is None or key.dtype in SCALAR_KIND,
+            f"keys/values to quantize must be one of {sorted(map(str, SCALAR_KIND))}, got {key.dtype}",
+        )
         _require(num_tokens <= MAX_GRID_X, f"{num_tokens} tokens exceed one launch")
         _require(kv_cache.device.type == "cuda", f"kv_cache is on {kv_cache.device}; need a CUDA device")
 
@@ -143,6 +183,34 @@ class CudaCacheOps(CacheOps):
             key.stride(0) * size, key.stride(1) * size, value.stride(0) * size, value.stride(1) * size,
             *(s * size for s in kv_cache.stride()[:4]),
             block_size, num_kv_heads, head_size * size,
+        )  # fmt: skip
+
+    def _launch_reshape_fp8(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scales: KVCacheScales,
+    ) -> None:
+        """Launch the checked quantizing `reshape_and_cache_fp8`. Mutates `kv_cache`."""
+        num_tokens = slot_mapping.shape[0]
+        if num_tokens == 0:
+            return
+        _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        kernel = self._loader.kernel(
+            fp8_source(key.dtype, kv_cache.dtype),
+            "reshape_and_cache_fp8",
+            RESHAPE_FP8_SIGNATURE,
+            kv_cache.device,
+        )
+        kernel.launch(
+            (num_tokens, 1, 1), CACHE_THREADS, 0, torch.cuda.current_stream(kv_cache.device).cuda_stream,
+            key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            *kv_cache.stride()[:4],  # bytes: one byte per element
+            block_size, num_kv_heads, head_size,
+            inverse_scale(kv_scales.k_scale), inverse_scale(kv_scales.v_scale),
         )  # fmt: skip
 
     def copy_blocks(
@@ -194,6 +262,7 @@ class CudaCacheOps(CacheOps):
             dst_bases = self._device_bases(dst.device, (dst.data_ptr(),))
             self._launch_copy(src_bases, dst_bases, src, dst, block_mapping, (src.data_ptr(), dst.data_ptr()))
             return
+        src, dst = _raw(src), _raw(dst)
         runs = contiguous_runs(block_mapping)
         non_blocking = src.device.type == "cpu" and src.is_pinned()
         if len(runs) <= MAX_DIRECT_RUNS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.platforms.api import KVCacheScales
 from pagedserve_cuda.compiler import KernelSource
 from pagedserve_cuda.launcher import LOADER, KernelLoader
 from pagedserve_cuda.selection import (
@@ -22,12 +23,14 @@ from pagedserve_cuda.selection import (
 )
 
 SCALAR_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernels' SCALAR_KIND define
+# The kernels' KV_KIND define: what the cache holds (0: the query's dtype).
+FP8_KV_KIND = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 REDUCE_THREADS = 128
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (sequences)
 V1_PARTITION = 1 << 30  # v1 runs one "partition" longer than any context
 
 # Kernel parameter kinds, in the order of the .cu signatures (see launcher._SLOT_FORMAT).
-DECODE_SIGNATURE = "ppppppppp" + "qqqq" + "qqqq" + "q" + "iiii" + "ffi"
+DECODE_SIGNATURE = "ppppppppp" + "qqqq" + "qqqq" + "q" + "iiii" + "fffi"
 REDUCE_SIGNATURE = "pppppp" + "qq" + "iiii"
 
 
@@ -36,12 +39,20 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(f"paged_attention: {message}")
 
 
-def decode_source(dtype: torch.dtype, head_size: int, block_size: int, launch: LaunchShape) -> KernelSource:
+def decode_source(
+    dtype: torch.dtype,
+    head_size: int,
+    block_size: int,
+    launch: LaunchShape,
+    kv_cache_dtype: torch.dtype | None = None,  # None: the query's dtype
+) -> KernelSource:
     """The compile-time specialisation of the decode and reduce kernels. Pure."""
+    kv_kind = 0 if kv_cache_dtype in (None, dtype) else FP8_KV_KIND[kv_cache_dtype]
     return KernelSource(
         "paged_attention.cu",
         (
             ("SCALAR_KIND", SCALAR_KIND[dtype]),
+            ("KV_KIND", kv_kind),
             ("HEAD_SIZE", head_size),
             ("BLOCK_SIZE", block_size),
             ("HEADS_PER_CTA", launch.heads_per_cta),
@@ -97,7 +108,11 @@ def check_decode_layout(
     _, num_q_heads, head_size = query.shape
     _, _, _, num_kv_heads, kv_head_size = kv_cache.shape
     _require(query.dtype in CUDA_DTYPES, f"dtype {query.dtype} is not one of {[str(d) for d in CUDA_DTYPES]}")
-    _require(kv_cache.dtype == query.dtype, f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}")
+    _require(
+        kv_cache.dtype == query.dtype or kv_cache.dtype in FP8_KV_KIND,
+        f"kv_cache dtype {kv_cache.dtype} is neither the query's ({query.dtype}) nor an FP8 dtype of "
+        f"{sorted(map(str, FP8_KV_KIND))}",
+    )
     _require(kv_head_size == head_size, f"head_size differs: query {head_size}, kv_cache {kv_head_size}")
     vec = vector_elems(query.dtype)
     _require(
@@ -179,6 +194,7 @@ def paged_attention_decode(
     logit_softcap: float | None,
     launch: LaunchShape,
     loader: KernelLoader = LOADER,
+    kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
 ) -> None:
     """Decode attention for `num_seqs` sequences of one query token each: v1 when
     `launch.partition_size` is None, else v2 with `launch.num_partitions` partitions (enough for the
@@ -187,9 +203,14 @@ def paged_attention_decode(
     check_decode_layout(out, query, kv_cache, block_table, seq_lens, query_start_loc, num_seqs, launch)
     _require(sliding_window is None or sliding_window >= 1, f"sliding_window={sliding_window} must be >= 1")
     _require(logit_softcap is None or logit_softcap > 0, f"logit_softcap={logit_softcap} must be > 0")
+    _require(
+        (kv_scales is not None) == (kv_cache.dtype != query.dtype),
+        "kv_scales must be given exactly when the cache is FP8",
+    )
     launch_decode(
         out, query, kv_cache, block_table, seq_lens, query_start_loc, num_seqs=num_seqs, scale=scale,
         sliding_window=sliding_window, logit_softcap=logit_softcap, launch=launch, loader=loader,
+        kv_scales=kv_scales,
     )  # fmt: skip
 
 
@@ -207,13 +228,19 @@ def launch_decode(
     logit_softcap: float | None,
     launch: LaunchShape,
     loader: KernelLoader = LOADER,
+    kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
 ) -> None:
     """`paged_attention_decode` without the checks, for a caller that ran `check_decode_layout`
     itself (the backend, once per call). Asynchronous; writes only `out`."""
     _, num_q_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     device = query.device
-    source = decode_source(query.dtype, head_size, block_size, launch)
+    source = decode_source(query.dtype, head_size, block_size, launch, kv_cache.dtype)
+    # An FP8 cache: the key scale folds into the softmax scale, the value scale into the output.
+    if kv_scales is not None:
+        scale, out_scale = scale * kv_scales.k_scale, kv_scales.v_scale
+    else:
+        out_scale = 1.0
     decode = loader.kernel(source, "paged_attention_decode", DECODE_SIGNATURE, device)
     stream = torch.cuda.current_stream(device).cuda_stream
     window = int(sliding_window) if sliding_window is not None else 0
@@ -251,6 +278,7 @@ def launch_decode(
             1,
             V1_PARTITION,
             scale,
+            out_scale,
             softcap,
             window,
         )
@@ -264,7 +292,7 @@ def launch_decode(
     part_sum = part_max + rows * 4
     decode.launch(
         grid, launch.num_threads, 0, stream, 0, part_acc, part_max, part_sum, *common,
-        parts, launch.partition_size, scale, softcap, window,
+        parts, launch.partition_size, scale, out_scale, softcap, window,
     )  # fmt: skip
     reduce = loader.kernel(source, "paged_attention_reduce", REDUCE_SIGNATURE, device)
     reduce.launch(

@@ -22,6 +22,7 @@ from pagedserve.platforms.api import (
     AttentionBackend,
     AttentionCapabilities,
     GridOrder,
+    KVCacheScales,
 )
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
@@ -196,9 +197,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             query.shape[1] % kv_cache.shape[3] == 0,
             f"num_q_heads={query.shape[1]} is not a multiple of num_kv_heads={kv_cache.shape[3]}",
         )
-        _require(
-            kv_cache.dtype == query.dtype, f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}"
-        )
+        # The cache's dtype (the query's, or a declared FP8 one) is a capability: `check_call`.
         _require(
             query.stride(-1) == 1 and kv_cache.stride(-1) == 1,
             "query and kv_cache need a unit-stride last dim",
@@ -240,6 +239,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+        kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
     ) -> torch.Tensor:
         """Attention output [num_tokens, num_q_heads, head_size]; rows past num_actual_tokens are
         left as they were in `out` (uninitialised when `out` is None). Writes only `out` (and the
@@ -264,6 +264,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             scale,
             sliding_window,
             logit_softcap,
+            kv_scales,
         )
         step = self._step
         if step is None or step.metadata is not metadata:
@@ -271,7 +272,9 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             step = self._step = _StepCache(metadata, {})
         layer = step.layers.get(key)
         if layer is None:
-            layer = self._build_layer(query, kv_cache, metadata, out, scale, sliding_window, logit_softcap)
+            layer = self._build_layer(
+                query, kv_cache, metadata, out, scale, sliding_window, logit_softcap, kv_scales
+            )
             if len(step.layers) >= MAX_LAYOUTS_PER_STEP:
                 step.layers.clear()
             step.layers[key] = layer
@@ -301,14 +304,22 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        kv_scales: KVCacheScales | None,
     ) -> _LayerLaunch:
         """Check the whole call and build its launches. Allocates the 3D plan's split buffers;
         mutates only the launch-parameter cache."""
         # The layout first: a wrong layout (an HND cache, say) reads as wrong capabilities otherwise.
         self._check_layout(query, kv_cache, metadata, out)
         self.check_call(
-            query, kv_cache, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+            query,
+            kv_cache,
+            scale=scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            kv_scales=kv_scales,
         )
+        # An FP8 cache's scales: k_scale folds into the softmax scale, v_scale scales the output.
+        k_scale, v_scale = (kv_scales.k_scale, kv_scales.v_scale) if kv_scales is not None else (1.0, 1.0)
         _, num_q_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         num_tokens = metadata.num_actual_tokens
@@ -349,7 +360,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             block_table_ptr=metadata.block_table,
             seq_lens_ptr=metadata.seq_lens,
             query_start_loc_ptr=metadata.query_start_loc,
-            scale_log2=scale * LOG2E,
+            scale_log2=scale * k_scale * LOG2E,
             softcap=float(logit_softcap) if logit_softcap is not None else 1.0,
             window=int(sliding_window) if sliding_window is not None else 0,
             num_reqs=metadata.num_reqs,
@@ -381,7 +392,13 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             attention = CachedLaunch(
                 unified_attention_2d_kernel,
                 (num_programs,),
-                {**common, "out_ptr": None, "stride_o_tok": out_strides[0], "stride_o_head": out_strides[1]},
+                {
+                    **common,
+                    "out_ptr": None,
+                    "out_scale": v_scale,
+                    "stride_o_tok": out_strides[0],
+                    "stride_o_head": out_strides[1],
+                },
                 ("out_ptr", "q_ptr", "kv_ptr"),
                 options,
             )
@@ -416,6 +433,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
                 "segm_acc_ptr": segm_acc,
                 "segm_max_ptr": segm_max,
                 "segm_sum_ptr": segm_sum,
+                "out_scale": v_scale,
                 "num_q_heads": num_q_heads,
                 "stride_o_tok": out_strides[0],
                 "stride_o_head": out_strides[1],

@@ -21,6 +21,30 @@ kernel is decorated, i.e. when this module is imported."""
 
 
 @triton.jit
+def _round_to_fp8_grid(x, min_subnormal, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """Round float32 `x` (within the FP8 range) to the nearest FP8 value, ties to even, staying in
+    float32, so that the cast after it is exact. Why not cast directly: Triton's interpreter rounds
+    float32 -> FP8 half-up and loses the carry into the exponent, and doing the rounding here makes
+    the written bits the same under the interpreter and on every GPU, for every encoding."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    exp = (mag >> 23).to(tl.int32)
+    # float32 mantissa bits below the FP8 grid: 23 - MANT_BITS for normals, more for subnormals.
+    drop = (23 - MANT_BITS) + tl.maximum(MIN_NORMAL_EXP + 127 - exp, 0)
+    drop = tl.minimum(drop, 23).to(tl.uint32)
+    # Ties go to the even multiple of the grid step: the parity is that of the significand with its
+    # implicit leading one (the bit at `drop` is that one itself when drop == 23).
+    lsb = (((mag & 0x7FFFFF) | 0x800000) >> drop) & 1
+    half_minus_one = (tl.full(mag.shape, 1, tl.uint32) << (drop - 1)) - 1
+    rounded = ((mag + half_minus_one + lsb) >> drop) << drop
+    # Below the smallest subnormal the grid is {0, min_subnormal}: more than half of it rounds up.
+    tiny = exp < MIN_NORMAL_EXP + 127 - MANT_BITS
+    tiny_bits = tl.where(tl.abs(x) > min_subnormal * 0.5, min_subnormal, 0.0).to(tl.uint32, bitcast=True)
+    return tl.where(tiny, tiny_bits | sign, rounded | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def reshape_and_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_size]
     value_ptr,  # [num_tokens, num_kv_heads, head_size]
@@ -34,11 +58,20 @@ def reshape_and_cache_kernel(
     stride_kv_block,
     stride_kv_slot,
     stride_kv_head,
+    k_inv_scale,  # float32(1 / k_scale); used only with QUANTIZE
+    v_inv_scale,  # float32(1 / v_scale); used only with QUANTIZE
+    fp8_max,  # the cache dtype's largest finite value; used only with QUANTIZE
+    fp8_min_subnormal,  # its smallest positive value; used only with QUANTIZE
     BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # the cache is FP8 (its encoding is the pointer's element type)
+    MANT_BITS: tl.constexpr,  # the FP8 encoding's mantissa bits (3 for e4m3, 2 for e5m2)
+    MIN_NORMAL_EXP: tl.constexpr,  # its smallest normal value is 2**MIN_NORMAL_EXP
 ):
-    """One program per (token, KV head): write that head's key and value into the token's slot."""
+    """One program per (token, KV head): write that head's key and value into the token's slot,
+    quantized into an FP8 cache exactly as `pagedserve.attention.kv_cache_dtype.quantize` does
+    (float32 multiply by the reciprocal, clamp, round to nearest even)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
@@ -51,6 +84,12 @@ def reshape_and_cache_kernel(
     dst = (
         (slot // BLOCK_SIZE) * stride_kv_block + (slot % BLOCK_SIZE) * stride_kv_slot + head * stride_kv_head
     )
+    if QUANTIZE:
+        cache_ty = kv_ptr.dtype.element_ty
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -fp8_max), fp8_max)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -fp8_max), fp8_max)
+        k = _round_to_fp8_grid(k, fp8_min_subnormal, MANT_BITS, MIN_NORMAL_EXP).to(cache_ty)
+        v = _round_to_fp8_grid(v, fp8_min_subnormal, MANT_BITS, MIN_NORMAL_EXP).to(cache_ty)
     tl.store(kv_ptr + dst + offs_d, k, mask=d_mask)
     tl.store(kv_ptr + stride_kv_kind + dst + offs_d, v, mask=d_mask)
 

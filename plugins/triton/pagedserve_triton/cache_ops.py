@@ -11,7 +11,8 @@ from typing import ClassVar
 import torch
 import triton
 
-from pagedserve.platforms.api import CacheOps
+from pagedserve.attention.kv_cache_dtype import FP8_FORMATS, Fp8Format, inverse_scale, is_fp8
+from pagedserve.platforms.api import CacheOps, KVCacheScales
 from pagedserve.platforms.cache_checks import (
     check_block_contiguous_cache,
     check_block_mapping,
@@ -35,6 +36,11 @@ def _check_cache(cache: torch.Tensor, what: str) -> None:
         f"{what} is on the CPU: Triton kernels need GPU tensors "
         "(or TRITON_INTERPRET=1 set before importing triton)",
     )
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache viewed as bytes (same shape and strides); any other cache as it is."""
+    return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +75,10 @@ class TritonCacheOps(CacheOps):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
     ) -> None:
-        """Write each token's key and value into its slot. Mutates `kv_cache` (and the instance's
-        step cache).
+        """Write each token's key and value into its slot (quantized into an FP8 cache). Mutates
+        `kv_cache` (and the instance's step cache).
 
         Every layer of a step passes the same `slot_mapping` object, so the first call for it and a
         layout checks everything and builds the launch; the other layers with that layout only
@@ -90,6 +97,7 @@ class TritonCacheOps(CacheOps):
             kv_cache.stride(),
             kv_cache.dtype,
             kv_cache.device,
+            kv_scales,
         )
         step = self._step
         if step is None or step.slot_mapping is not slot_mapping:
@@ -97,7 +105,7 @@ class TritonCacheOps(CacheOps):
         if layout in step.layouts:
             launch = step.layouts[layout]
         else:
-            launch = self._build_reshape_and_cache(key, value, kv_cache, slot_mapping)
+            launch = self._build_reshape_and_cache(key, value, kv_cache, slot_mapping, kv_scales)
             if len(step.layouts) >= MAX_LAYOUTS_PER_STEP:
                 step.layouts.clear()
             step.layouts[layout] = launch
@@ -115,10 +123,13 @@ class TritonCacheOps(CacheOps):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        kv_scales: KVCacheScales | None,
     ) -> CachedLaunch | None:
         """Check the whole call; its launch, or None when there are no tokens. Mutates only the
         launch-parameter cache."""
-        num_tokens = check_reshape_and_cache_args(key, value, kv_cache, slot_mapping, "TritonCacheOps")
+        num_tokens = check_reshape_and_cache_args(
+            key, value, kv_cache, slot_mapping, "TritonCacheOps", kv_scales
+        )
         _check_cache(kv_cache, "kv_cache")  # adds Triton's device check
         _, _, block_size, num_kv_heads, head_size = kv_cache.shape
         if num_tokens == 0:
@@ -126,6 +137,8 @@ class TritonCacheOps(CacheOps):
         cfg = self._launch_params.simple(
             "reshape_and_cache", device_name_of(kv_cache.device), head_size=head_size
         )
+        # Placeholders (never read) for a cache in the model's dtype.
+        fp8 = FP8_FORMATS.get(kv_cache.dtype, Fp8Format(0, 0, 1.0))
         return CachedLaunch(
             reshape_and_cache_kernel,
             (num_tokens, num_kv_heads),
@@ -142,9 +155,16 @@ class TritonCacheOps(CacheOps):
                 "stride_kv_block": kv_cache.stride(1),
                 "stride_kv_slot": kv_cache.stride(2),
                 "stride_kv_head": kv_cache.stride(3),
+                "k_inv_scale": inverse_scale(kv_scales.k_scale) if kv_scales is not None else 1.0,
+                "v_inv_scale": inverse_scale(kv_scales.v_scale) if kv_scales is not None else 1.0,
+                "fp8_max": fp8.max,
+                "fp8_min_subnormal": fp8.min_subnormal,
                 "BLOCK_SIZE": block_size,
                 "HEAD_SIZE": head_size,
                 "HEAD_SIZE_PADDED": triton.next_power_of_2(head_size),
+                "QUANTIZE": kv_scales is not None,
+                "MANT_BITS": fp8.mantissa_bits,
+                "MIN_NORMAL_EXP": fp8.min_normal_exp,
             },
             ("key_ptr", "value_ptr", "kv_ptr"),
             {"num_warps": cfg.num_warps},
@@ -195,6 +215,9 @@ class TritonCacheOps(CacheOps):
             bases_dst = torch.tensor([dst.data_ptr()], dtype=torch.int64, device=dst.device)
             self._launch_copy(bases_src, bases_dst, src, dst, block_mapping.to(src.device), 1)
             return
+        # Moved as raw bytes: an FP8 cache is copied bit for bit, whatever torch's indexing kernels
+        # support for FP8 dtypes.
+        src, dst = _raw(src), _raw(dst)
         gathered = src.index_select(1, block_mapping[:, 0].to(src.device))
         if gathered.device.type == "cpu" and dst.device.type == "cuda":
             gathered = gathered.pin_memory()
@@ -215,7 +238,7 @@ class TritonCacheOps(CacheOps):
             "copy_blocks", device_name_of(src_like.device), block_elems=block_elems
         )
         copy_blocks_kernel[(block_mapping.shape[0], num_layers, 2)](
-            src_like,
+            _raw(src_like),  # only its element size matters: FP8 blocks move as bytes
             src_bases,
             dst_bases,
             block_mapping,

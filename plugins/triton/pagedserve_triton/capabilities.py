@@ -18,4 +18,7 @@ UNIFIED_ATTENTION_CAPABILITIES = AttentionCapabilities(
     block_sizes=frozenset({16, 32, 64}),
     sliding_window=True,
     logit_softcap=True,
+    # The kernels take the FP8 encoding from the cache pointer. NVIDIA GPUs need sm_89+ (Ada,
+    # Hopper) for FP8 conversions; a ROCm platform reusing the kernels declares the fnuz variants.
+    kv_cache_dtypes=frozenset({torch.float8_e4m3fn, torch.float8_e5m2}),
 )

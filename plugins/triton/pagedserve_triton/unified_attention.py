@@ -32,6 +32,13 @@ Scores are kept in base 2 (`log2(e)` is folded into the scale) so the softmax us
 use IEEE float32 precision: that changes nothing for 16-bit inputs and keeps float32 inputs from
 being rounded to TF32.
 
+FP8 KV caches: the kernels take the cache's element type from its pointer (e4m3fn/e5m2 on NVIDIA,
+the `fnuz` variants on AMD MI300), so one source serves every encoding. Keys and values are
+widened to the query's dtype right after the load, which is exact (every FP8 value is a float16 and
+a bfloat16 value). The scales never enter the loop: `k_scale` is folded into the softmax scale
+(`s = (q . k_stored) * scale * k_scale`) and `v_scale` multiplies the normalised output once
+(`out_scale`), which is the contract's `stored * scale` up to float32 rounding.
+
 Launch order: the 1-D program id goes through `remap_program_id` (the arithmetic of
 `pagedserve.platforms.api.GridOrder.remap`), then tiles are numbered KV-head-major, so tiles that
 read the same KV data (same head, neighbouring query blocks of one request) are adjacent.
@@ -172,18 +179,19 @@ def _attend_kv_tiles(
             kv_mask = d_mask[None, :]
         kv_off = block * stride_kv_block + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
         # KV_CACHE_MODIFIER ("" or ".cg"): a streaming hint where no other program re-reads the tile.
+        # The cast is a no-op for a cache in the query's dtype and widens an FP8 cache exactly.
         k = tl.load(
             kv_ptr + kv_off[:, None] + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
             cache_modifier=KV_CACHE_MODIFIER,
-        )
+        ).to(q.dtype)
         v = tl.load(
             v_ptr + kv_off[:, None] + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
             cache_modifier=KV_CACHE_MODIFIER,
-        )
+        ).to(q.dtype)
 
         p_ty = v.dtype
         if DOT_IN_FP32:
@@ -393,7 +401,8 @@ def unified_attention_2d_kernel(
     block_table_ptr,  # [num_reqs, max_blocks_per_req] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
+    out_scale,  # v_scale for an FP8 cache, else 1.0
     softcap,  # used only with USE_SOFTCAP
     window,  # used only with USE_WINDOW
     num_reqs,
@@ -485,7 +494,7 @@ def unified_attention_2d_kernel(
     )
 
     # Every valid row sees at least its own key, so l_i > 0 there; masked rows are not stored.
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * out_scale
     out_off = (q_start + tok).to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
     tl.store(
         out_ptr + out_off[:, None] + offs_d[None, :],
@@ -614,6 +623,7 @@ def reduce_segments_kernel(
     segm_acc_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_SIZE_PADDED] float32
     segm_max_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] float32, base 2
     segm_sum_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS] float32
+    out_scale,  # v_scale for an FP8 cache, else 1.0
     num_q_heads,
     stride_o_tok,
     stride_o_head,
@@ -634,7 +644,7 @@ def reduce_segments_kernel(
     weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))
     total = tl.sum(l_s * weight, axis=0)
     acc = tl.load(segm_acc_ptr + segm[:, None] * HEAD_SIZE_PADDED + offs_d[None, :])
-    out = tl.sum(acc * weight[:, None], axis=0) / total
+    out = tl.sum(acc * weight[:, None], axis=0) / total * out_scale
     out_off = tok * stride_o_tok + head.to(tl.int64) * stride_o_head
     tl.store(out_ptr + out_off + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
 

@@ -66,3 +66,60 @@ __device__ __forceinline__ void ps_unpack(const uint4& raw, float* out) {
 #endif
 
 __device__ __forceinline__ uint4 ps_load16(const scalar_t* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// FP8 KV caches. KV_KIND (set by the host with -D; 0 when absent): 0 the cache holds scalar_t,
+// 1 float8_e4m3fn, 2 float8_e5m2. The conversions are integer arithmetic, exact, and the same on
+// every architecture the platform supports (sm_80 has no FP8 conversion instructions).
+#ifndef KV_KIND
+#define KV_KIND 0
+#endif
+
+// e4m3fn -> float: the byte's exponent and mantissa placed at float32's mantissa top, scaled by
+// 2^(127 - 7) (subnormals come out right because the product is computed on a float32 denormal).
+// 0x7f / 0xff are the format's NaNs.
+__device__ __forceinline__ float ps_e4m3_to_float(unsigned int b) {
+    const float mag = __uint_as_float((b & 0x7fu) << 20) * 1.329227995784916e36f;  // 2^120
+    const float v = (b & 0x80u) ? -mag : mag;
+    return ((b & 0x7fu) == 0x7fu) ? __int_as_float(0x7fc00000) : v;
+}
+
+// e5m2 is the upper byte of a float16.
+__device__ __forceinline__ float ps_e5m2_to_float(unsigned int b) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(b << 8)));
+    return f;
+}
+
+// float -> FP8, round to nearest even. `x` must already lie within the format's finite range (the
+// caller clamps); NaN stays NaN. Matches torch's conversion bit for bit.
+__device__ __forceinline__ unsigned char ps_float_to_e4m3(float x) {
+    const unsigned int u = __float_as_uint(x);
+    const unsigned int sign = (u >> 24) & 0x80u;
+    const float a = fabsf(x);
+    if (a != a) return (unsigned char)(sign | 0x7fu);
+    if (a < 0.015625f) return (unsigned char)(sign | (unsigned int)rintf(a * 512.f));  // subnormal: 2^-9 steps
+    unsigned int ua = __float_as_uint(a);
+    ua += 0x7ffffu + ((ua >> 20) & 1u);  // round the 20 dropped mantissa bits to nearest even
+    return (unsigned char)(sign | ((((ua >> 23) - 120u) << 3) | ((ua >> 20) & 7u)));
+}
+
+__device__ __forceinline__ unsigned char ps_float_to_e5m2(float x) {
+    const unsigned int u = __float_as_uint(x);
+    const unsigned int sign = (u >> 24) & 0x80u;
+    const float a = fabsf(x);
+    if (a != a) return (unsigned char)(sign | 0x7fu);
+    if (a < 6.103515625e-05f) return (unsigned char)(sign | (unsigned int)rintf(a * 65536.f));  // 2^-16 steps
+    unsigned int ua = __float_as_uint(a);
+    ua += 0xfffffu + ((ua >> 21) & 1u);  // round the 21 dropped mantissa bits to nearest even
+    return (unsigned char)(sign | ((((ua >> 23) - 112u) << 2) | ((ua >> 21) & 3u)));
+}
+
+#if KV_KIND == 1
+__device__ __forceinline__ float ps_fp8_to_float(unsigned int b) { return ps_e4m3_to_float(b); }
+__device__ __forceinline__ unsigned char ps_float_to_fp8(float x) { return ps_float_to_e4m3(x); }
+#define PS_FP8_MAX 448.f
+#elif KV_KIND == 2
+__device__ __forceinline__ float ps_fp8_to_float(unsigned int b) { return ps_e5m2_to_float(b); }
+__device__ __forceinline__ unsigned char ps_float_to_fp8(float x) { return ps_float_to_e5m2(x); }
+#define PS_FP8_MAX 57344.f
+#endif

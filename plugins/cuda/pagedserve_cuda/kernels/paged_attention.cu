@@ -16,8 +16,41 @@
 // exp-sum l, unnormalised accumulator) for the head dims its lanes own; at the end the groups of a
 // warp merge with shuffles, the warps merge through shared memory.
 //
-// Host-set defines: SCALAR_KIND, HEAD_SIZE, BLOCK_SIZE, HEADS_PER_CTA, NUM_THREADS, TG, ROWS,
-// PARTITIONED (0 or 1), MIN_CTAS (0, or CTAs per SM the register allocation must allow).
+// FP8 caches (KV_KIND 1 or 2): a lane loads the same PS_VEC elements of a head row as for a cache
+// in the query's dtype, now PS_VEC bytes (8 or 4), and widens them exactly to float32. The key
+// scale is folded into `scale` by the host; `out_scale` (the value scale, 1 otherwise) multiplies
+// the normalised output.
+//
+// Host-set defines: SCALAR_KIND, KV_KIND, HEAD_SIZE, BLOCK_SIZE, HEADS_PER_CTA, NUM_THREADS, TG,
+// ROWS, PARTITIONED (0 or 1), MIN_CTAS (0, or CTAs per SM the register allocation must allow).
+
+#if KV_KIND == 0
+typedef scalar_t kv_t;
+typedef uint4 kv_vec_t;  // PS_VEC elements of scalar_t: 16 bytes
+__device__ __forceinline__ kv_vec_t ps_load_kv(const kv_t* p) { return ps_load16(p); }
+__device__ __forceinline__ kv_vec_t ps_zero_kv() { return make_uint4(0u, 0u, 0u, 0u); }
+__device__ __forceinline__ void ps_unpack_kv(const kv_vec_t& raw, float* out) { ps_unpack(raw, out); }
+#else
+typedef unsigned char kv_t;
+__device__ __forceinline__ void ps_unpack_fp8_word(unsigned int w, float* out) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = ps_fp8_to_float((w >> (8 * i)) & 0xffu);
+}
+#if PS_VEC == 8
+typedef uint2 kv_vec_t;  // 8 FP8 elements: 8 bytes
+__device__ __forceinline__ kv_vec_t ps_load_kv(const kv_t* p) { return *reinterpret_cast<const uint2*>(p); }
+__device__ __forceinline__ kv_vec_t ps_zero_kv() { return make_uint2(0u, 0u); }
+__device__ __forceinline__ void ps_unpack_kv(const kv_vec_t& raw, float* out) {
+    ps_unpack_fp8_word(raw.x, out);
+    ps_unpack_fp8_word(raw.y, out + 4);
+}
+#else
+typedef unsigned int kv_vec_t;  // 4 FP8 elements: 4 bytes
+__device__ __forceinline__ kv_vec_t ps_load_kv(const kv_t* p) { return *reinterpret_cast<const unsigned int*>(p); }
+__device__ __forceinline__ kv_vec_t ps_zero_kv() { return 0u; }
+__device__ __forceinline__ void ps_unpack_kv(const kv_vec_t& raw, float* out) { ps_unpack_fp8_word(raw, out); }
+#endif
+#endif
 
 constexpr int NUM_VECS = HEAD_SIZE / PS_VEC;      // 16-byte vectors per head row
 constexpr int VPT = NUM_VECS / TG;                // vectors per lane per head row
@@ -43,7 +76,7 @@ extern "C" __global__ void PS_DECODE_BOUNDS paged_attention_decode(
     float* __restrict__ part_max,        // [num_seqs, num_q_heads, max_parts] (v2)
     float* __restrict__ part_sum,        // [num_seqs, num_q_heads, max_parts] (v2)
     const scalar_t* __restrict__ query,  // [num_tokens, num_q_heads, HEAD_SIZE]
-    const scalar_t* __restrict__ kv_cache,
+    const kv_t* __restrict__ kv_cache,
     const int* __restrict__ block_table,      // [num_seqs, >= max blocks] (row stride stride_bt)
     const int* __restrict__ seq_lens,         // [num_seqs]
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
@@ -52,7 +85,7 @@ extern "C" __global__ void PS_DECODE_BOUNDS paged_attention_decode(
     long long stride_kv_kind, long long stride_kv_block, long long stride_kv_slot, long long stride_kv_head,
     long long stride_bt,
     int num_q_heads, int queries_per_kv, int max_parts, int partition_size,
-    float scale, float softcap, int window) {
+    float scale, float out_scale, float softcap, int window) {
     const int head0 = blockIdx.x * H;
     const int seq = blockIdx.y;
     const int part = blockIdx.z;
@@ -93,12 +126,12 @@ extern "C" __global__ void PS_DECODE_BOUNDS paged_attention_decode(
     }
 
     const int* bt = block_table + (long long)seq * stride_bt;
-    const scalar_t* k_base = kv_cache + (long long)kv_head * stride_kv_head;
-    const scalar_t* v_base = k_base + stride_kv_kind;
+    const kv_t* k_base = kv_cache + (long long)kv_head * stride_kv_head;
+    const kv_t* v_base = k_base + stride_kv_kind;
 
     // The loop bound depends only on the warp, so every lane reaches every shuffle below.
     for (int t0 = p_start + warp * WARP_TOKENS; t0 < p_end; t0 += NUM_WARPS * WARP_TOKENS) {
-        uint4 kr[ROWS][VPT], vr[ROWS][VPT];
+        kv_vec_t kr[ROWS][VPT], vr[ROWS][VPT];
         bool valid[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
@@ -109,15 +142,15 @@ extern "C" __global__ void PS_DECODE_BOUNDS paged_attention_decode(
                     (long long)bt[t / BLOCK_SIZE] * stride_kv_block + (long long)(t % BLOCK_SIZE) * stride_kv_slot;
 #pragma unroll
                 for (int v = 0; v < VPT; ++v) {
-                    kr[r][v] = ps_load16(k_base + off + (j + v * TG) * PS_VEC);
-                    vr[r][v] = ps_load16(v_base + off + (j + v * TG) * PS_VEC);
+                    kr[r][v] = ps_load_kv(k_base + off + (j + v * TG) * PS_VEC);
+                    vr[r][v] = ps_load_kv(v_base + off + (j + v * TG) * PS_VEC);
                 }
             } else {
                 // Never read past the sequence: its slots may hold anything (NaN in the tests).
 #pragma unroll
                 for (int v = 0; v < VPT; ++v) {
-                    kr[r][v] = make_uint4(0u, 0u, 0u, 0u);
-                    vr[r][v] = make_uint4(0u, 0u, 0u, 0u);
+                    kr[r][v] = ps_zero_kv();
+                    vr[r][v] = ps_zero_kv();
                 }
             }
         }
@@ -131,7 +164,7 @@ extern "C" __global__ void PS_DECODE_BOUNDS paged_attention_decode(
 #pragma unroll
             for (int v = 0; v < VPT; ++v) {
                 float k[PS_VEC];
-                ps_unpack(kr[r][v], k);
+                ps_unpack_kv(kr[r][v], k);
 #pragma unroll
                 for (int h = 0; h < H; ++h)
 #pragma unroll
@@ -170,7 +203,7 @@ extern "C" __global__ void PS_DECODE_BOUNDS paged_attention_decode(
 #pragma unroll
             for (int v = 0; v < VPT; ++v) {
                 float val[PS_VEC];
-                ps_unpack(vr[r][v], val);
+                ps_unpack_kv(vr[r][v], val);
 #pragma unroll
                 for (int h = 0; h < H; ++h) {
                     const float p = (m[h] == PS_NEG_INF) ? 0.f : s[r][h];
@@ -232,7 +265,7 @@ extern "C" __global__ void PS_DECODE_BOUNDS paged_attention_decode(
             total += sm_l[w][h] * wt;
             o += sm_acc[w][h][d] * wt;
         }
-        const float res = total > 0.f ? o / total : 0.f;
+        const float res = (total > 0.f ? o / total : 0.f) * out_scale;
 #if PARTITIONED
         const long long pi = ((long long)seq * num_q_heads + head0 + h) * max_parts + part;
         part_acc[pi * HEAD_SIZE + d] = res;

@@ -103,3 +103,6 @@ class EngineArgs(_Config):
         512, ge=1, description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly"
     )
     num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram (prompt lookup) drafts per step")
+    max_logprobs: int = Field(
+        20, ge=0, description="most logprobs / prompt_logprobs a request may ask for (larger: refused)"
+    )

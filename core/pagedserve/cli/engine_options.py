@@ -26,6 +26,7 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
     "--cuda-graph-max-tokens": ("cuda_graph_max_tokens", int, "largest step replayed as CUDA graphs"),
     "--seed": ("seed", int, "engine seed"),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "n-gram draft tokens per step"),
+    "--max-logprobs": ("max_logprobs", int, "most logprobs a request may ask for (default 20)"),
 }
 _SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--no-prefix-caching": ("enable_prefix_caching", False, "turn prefix caching off"),

@@ -21,6 +21,9 @@ from pagedserve.platforms.api import AttentionBackend, UnsupportedCase
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.structured.backend import StructuredOutputBackend
+from pagedserve.structured.checks import backend_available
+from pagedserve.structured.manager import StructuredOutputManager
 from pagedserve.worker.cpu_compile import compile_reason
 from pagedserve.worker.cuda_graphs import default_graph_sizes, eager_reason
 from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
@@ -190,8 +193,34 @@ def build_engine(args: EngineArgs) -> EngineSetup:
         logger.warning("cpu_compile=True has no effect: %s", not_compiled_why)
     scheduler = Scheduler(sched_config, cache_config, num_blocks)
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
-    core = EngineCore(scheduler, runner, max_model_len=max_model_len, proposer=proposer)
+    structured = structured_output_manager(tokenizer, spec.vocab_size, eos, args, device)
+    core = EngineCore(
+        scheduler, runner, max_model_len=max_model_len, proposer=proposer, structured=structured
+    )
     return EngineSetup(platform, loaded, backend, tokenizer, eos, max_model_len, num_blocks, core)
+
+
+def structured_output_manager(
+    tokenizer: PreTrainedTokenizerBase | None,
+    vocab_size: int,
+    eos: frozenset[int],
+    args: EngineArgs,
+    device: torch.device,
+) -> StructuredOutputManager | None:
+    """The structured-output manager, or None without a tokenizer or xgrammar (requests with
+    structured_outputs are then refused with a message saying why). The backend itself is built
+    on the first constrained request, so engines that never see one pay nothing."""
+    if tokenizer is None or not backend_available():
+        return None
+
+    def make_backend() -> StructuredOutputBackend:
+        from pagedserve.structured.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, vocab_size, sorted(eos))
+
+    return StructuredOutputManager(
+        make_backend, max_rollback_tokens=args.num_speculative_tokens, pin_memory=device.type == "cuda"
+    )
 
 
 def _max_model_len(args: EngineArgs, spec: ModelSpec) -> int:

@@ -2,7 +2,8 @@
 
 Pipeline, for all rows at once (all on the logits' device):
   1. raw logprobs (if any row asked): log_softmax of the untouched logits;
-  2. logit bias and min_tokens bans (sparse edits), then repetition/frequency/presence penalties;
+  2. logit bias and min_tokens bans (sparse edits), then repetition/frequency/presence penalties,
+     then the grammar bitmask of structured outputs (one masked fill for the whole batch);
   3. greedy rows: argmax of the processed logits (exactly torch.argmax, ties to the lowest id);
   4. random rows: divide by temperature, then top-k, top-p and min-p (HF's order; min-p commutes
      with the other two), softmax, and draw by the exponential race: argmax(p_i / E_i) with
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.sampling.grammar_mask import apply_token_bitmask
 from pagedserve.sampling.logprobs import LogprobsTensors, gather_logprobs
 from pagedserve.sampling.metadata import SamplingMetadata
 from pagedserve.sampling.noise import seeded_exponential
@@ -117,8 +119,9 @@ class Sampler:
 
     @staticmethod
     def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Logit edits then penalties, on a copy (the caller's logits stay untouched)."""
-        if meta.logit_edits is None and meta.penalties is None:
+        """Logit edits, penalties, then the grammar bitmask, on a copy (the caller's logits stay
+        untouched)."""
+        if meta.logit_edits is None and meta.penalties is None and meta.token_bitmask is None:
             return logits
         out = logits.clone()
         if meta.logit_edits is not None:
@@ -126,6 +129,8 @@ class Sampler:
             out.index_put_((edits.rows, edits.token_ids), edits.values, accumulate=True)
         if meta.penalties is not None:
             apply_penalties(out, meta.penalties)
+        if meta.token_bitmask is not None:
+            apply_token_bitmask(out, meta.token_bitmask)
         return out
 
     @staticmethod

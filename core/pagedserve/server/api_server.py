@@ -2,9 +2,9 @@
 
 Routes: POST /v1/completions (`completions.py`), POST /v1/chat/completions (`chat.py`), both
 streaming as server-sent events ending with `data: [DONE]`; GET /v1/models, /health, /version,
-/metrics. Every error is OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`:
-bad input is 400 naming the field, an unknown model 404, a wrong API key 401, a dead engine 503.
-Bad input never reaches a 500.
+/metrics; POST /tokenize and /detokenize (`tokenization.py`). Every error is OpenAI's JSON shape
+`{"error": {"message", "type", "param", "code"}}`: bad input is 400 naming the field, an unknown
+model 404, a wrong API key 401, a dead engine 503. Bad input never reaches a 500.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pagedserve.server.errors import APIError, error_response, validation_api_er
 from pagedserve.server.handlers import ServerConfig
 from pagedserve.server.metrics import CONTENT_TYPE
 from pagedserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.server.tokenization import DetokenizeRequest, TokenizationHandler, TokenizeRequest
 
 __all__ = ["APIError", "ServerConfig", "build_app"]
 
@@ -37,6 +38,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     created = int(time.time())
     completions_handler = CompletionsHandler(engine, config, created)
     chat_handler = ChatHandler(engine, config, created)
+    tokenization = TokenizationHandler(chat_handler)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -105,5 +107,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat_handler(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return tokenization.detokenize(body)
 
     return app

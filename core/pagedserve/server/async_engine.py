@@ -135,7 +135,9 @@ class AsyncLLMEngine:
         if msg.kind is not MessageType.READY or msg.info is None:
             raise EngineDeadError(f"the engine core sent {msg.kind.name} instead of READY")
         self.info = msg.info
-        self._inputs = InputProcessor(self.tokenizer, vocab_size=msg.info.vocab_size)
+        self._inputs = InputProcessor(
+            self.tokenizer, vocab_size=msg.info.vocab_size, max_logprobs=self.args.max_logprobs
+        )
         self._processor = OutputProcessor(
             self.tokenizer,
             eos_token_id=detokenizer_eos_token_id(self.tokenizer, msg.info.eos_token_ids),

@@ -15,6 +15,7 @@ from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, invalid
 from pagedserve.server.handlers import GenerationHandler, SampleDelta, stream_choices, usage
 from pagedserve.server.openai_protocol import CompletionRequest, to_sampling_params
+from pagedserve.server.structured_fields import structured_outputs_of
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class CompletionsHandler(GenerationHandler):
         prompts = self._prompts(body.prompt)
         if body.logprobs is not None and body.logprobs < 0:
             raise APIError(400, f"logprobs must be >= 0, got {body.logprobs}", param="logprobs")
+        structured, _ = structured_outputs_of(body, has_tokenizer=self.engine.tokenizer is not None)
         try:
             params = to_sampling_params(
                 body,
@@ -39,6 +41,7 @@ class CompletionsHandler(GenerationHandler):
                 logprobs=body.logprobs,
                 prompt_logprobs=None,
                 vocab_size=self.vocab_size(),
+                structured_outputs=structured,
             )
         except ValueError as exc:
             raise invalid(exc) from None

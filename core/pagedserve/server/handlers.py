@@ -36,6 +36,7 @@ Merged = AsyncGenerator[tuple[int, RequestOutput], None]
 class ServerConfig:
     served_model_name: str
     api_key: str | None = None  # None: no authentication
+    tool_call_parser: str | None = None  # parses tool calls from free text (tool_choice="auto")
 
 
 async def merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> Merged:

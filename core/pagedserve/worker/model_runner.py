@@ -11,6 +11,7 @@ One step, in order (the order `SchedulerOutput` documents):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.outputs import Logprob
 from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.logprobs import compute_prompt_logprobs, logprobs_to_dicts
 from pagedserve.sampling.rows import TokenHistories
 from pagedserve.sampling.sampler import Sampler
@@ -125,8 +127,12 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- one step
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Mutates the persistent batch and the KV caches."""
+    def execute(
+        self, so: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step. `grammar_bitmask` (structured outputs) is called once the forward is
+        launched, so its host work overlaps the device's. Mutates the persistent batch and the KV
+        caches."""
         self._apply_diff(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled={})
@@ -140,7 +146,7 @@ class ModelRunner:
             forward = compiled if compiled is not None and compiled.fits(input_ids.shape[0]) else self.model
             with forward_context(ctx):
                 hidden = forward(input_ids, positions)
-        return self._sample(plan, hidden)
+        return self._sample(plan, hidden, grammar_bitmask)
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         batch = self.batch
@@ -272,7 +278,9 @@ class ModelRunner:
         return metadata, ids_dev, pos_dev
 
     # ----------------------------------------------------------------------------- sampling
-    def _sample(self, plan: _StepPlan, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(
+        self, plan: _StepPlan, hidden: torch.Tensor, grammar_bitmask: GrammarBitmaskFn | None
+    ) -> ModelRunnerOutput:
         """Sample every request whose chunk reached its last known token: one position, plus one
         per draft scored. Per-row sampling inputs come from the persistent `SamplingRows`; the
         only Python loops run over requests with drafts, logprobs or prompt logprobs."""
@@ -314,13 +322,16 @@ class ModelRunner:
             device=logits.device,
             generator=self.generator,
         )
-        out = self.sampler(logits, meta)
-        tokens = out.sampled_token_ids.tolist()  # the step's one device -> host sync
         sampling_reqs = np.nonzero(samples)[0]
         if len(sampling_reqs) == len(plan.req_ids):
             req_ids = plan.req_ids
         else:  # some requests are mid-prefill (rarely many): pick the sampling ones
             req_ids = [plan.req_ids[i] for i in sampling_reqs.tolist()]
+        bitmask = grammar_bitmask(req_ids, plan.drafts) if grammar_bitmask is not None else None
+        if bitmask is not None:
+            meta = dataclasses.replace(meta, token_bitmask=bitmask.to(logits.device, non_blocking=True))
+        out = self.sampler(logits, meta)
+        tokens = out.sampled_token_ids.tolist()  # the step's one device -> host sync
         sampled = self._accept(req_ids, tokens, plan.drafts)
         logprobs: dict[RequestId, list[TokenLogprobs]] = {}
         if out.logprobs is not None:

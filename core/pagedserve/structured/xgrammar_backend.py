@@ -20,6 +20,10 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.structured.backend import GrammarMatcher
 from pagedserve.structured.params import StructuredOutputsParams
 
+MAX_WHITESPACE = 20
+"""Longest whitespace run JSON output may hold between tokens: room for pretty-printing, while a
+model can never stall in whitespace until max_tokens (small models otherwise do)."""
+
 _MAX_FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 # xgrammar prefixes its messages with a timestamp and its C++ source location.
@@ -49,17 +53,37 @@ def _schema(params: StructuredOutputsParams) -> Any:
     return schema
 
 
+# xgrammar's character class for strings with a length bound admits raw control characters,
+# which JSON forbids (parsers reject them); the unbounded string rule already excludes them.
+_LOOSE_STRING_CHARS = r"[^\"\\\r\n]"
+_STRICT_STRING_CHARS = r"[^\0-\x1f\"\\\r\n]"
+
+
+def _json_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
+    """JSON matching the schema (`json`) or any JSON object (`json_object`)."""
+    schema = params.spec if params.kind == "json" else '{"type": "object"}'
+    compact = params.disable_any_whitespace
+    grammar = xgr.Grammar.from_json_schema(
+        schema,
+        any_whitespace=not compact,
+        max_whitespace_cnt=None if compact else MAX_WHITESPACE,
+        strict_mode=True,
+    )
+    text = str(grammar)
+    if _LOOSE_STRING_CHARS not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARS, _STRICT_STRING_CHARS))
+
+
 def to_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     """The xgrammar grammar of a constraint. Raises ValueError naming what is wrong."""
     kind = params.kind
     try:
         if kind == "json":
             _schema(params)
-            return xgr.Grammar.from_json_schema(
-                params.spec, any_whitespace=not params.disable_any_whitespace, strict_mode=True
-            )
+            return _json_grammar(params)
         if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+            return _json_grammar(params)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.spec)
         if kind == "choice":
@@ -106,7 +130,8 @@ class XGrammarBackend:
 
     def new_matcher(self, compiled: object, max_rollback_tokens: int) -> GrammarMatcher:
         assert isinstance(compiled, xgr.CompiledGrammar)
-        matcher: GrammarMatcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback_tokens)
+        # Recent xgrammar versions keep unlimited history and deprecate the rollback bound.
+        matcher: GrammarMatcher = xgr.GrammarMatcher(compiled)
         return matcher
 
     def fill_bitmasks(

@@ -13,6 +13,14 @@ from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.structured.checks import check_constraint
 
 
+class ParamError(ValueError):
+    """A ValueError about one SamplingParams field, named in `param`."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class InputProcessor:
     """Tokenizes prompts and checks them against the vocabulary. Does not mutate anything."""
 
@@ -54,12 +62,16 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
-                raise ValueError(
+                raise ParamError(
                     f"{name}={value} exceeds this engine's max_logprobs={self.max_logprobs}: ask for at "
-                    "most that many, or start the engine with a larger --max-logprobs"
+                    "most that many, or start the engine with a larger --max-logprobs",
+                    name,
                 )
         if params.structured_outputs is not None:
-            check_constraint(params.structured_outputs, has_tokenizer=self.tokenizer is not None)
+            try:
+                check_constraint(params.structured_outputs, has_tokenizer=self.tokenizer is not None)
+            except ValueError as exc:
+                raise ParamError(str(exc), "structured_outputs") from None
         if params.stop_strings and not params.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched in the text)")
         if self.tokenizer is None and params.detokenize:

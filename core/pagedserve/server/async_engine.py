@@ -33,7 +33,7 @@ import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
-from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
+from pagedserve.engine.input_processor import InputProcessor, ParamError, detokenizer_eos_token_id
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineCoreRequest
 from pagedserve.models.loader import load_tokenizer, resolve_model_source
@@ -271,6 +271,10 @@ class AsyncLLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         try:
             self._inputs.check_params(params)
+        except ValueError as exc:
+            param = exc.param if isinstance(exc, ParamError) else "prompt"
+            raise InvalidRequest(str(exc), param) from None
+        try:
             ids = self._inputs.tokenize(prompt)
         except ValueError as exc:
             raise InvalidRequest(str(exc), "prompt") from None

@@ -96,11 +96,9 @@ class ChatHandler(GenerationHandler):
             reason: str | None = sample.finish_reason
             if plan is not None and plan.mode != "none":
                 reply = parse_reply(plan, sample.text)
-                message = {
-                    "role": "assistant",
-                    "content": reply.content,
-                    "tool_calls": tool_call_objects(reply.calls),
-                }
+                message = {"role": "assistant", "content": reply.content}
+                if reply.calls:  # as OpenAI's: no tool_calls field on a reply without calls
+                    message["tool_calls"] = tool_call_objects(reply.calls)
                 reason = finish_reason(plan, reply, sample.finish_reason)
             choices.append(
                 {

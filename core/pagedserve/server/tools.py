@@ -3,7 +3,8 @@
 
 `required` and a named function are enforced with a JSON-schema constraint: `required` makes the
 reply a JSON list of `{"name", "parameters"}` objects (one per call, exactly one unless
-`parallel_tool_calls`), a named function makes it the arguments object itself. `auto` lets the
+`parallel_tool_calls`), a named function makes it the arguments object itself, both compact JSON
+(arguments are read by programs, and a model cannot stall in whitespace). `auto` lets the
 model write free text, which the server's tool-call parser splits into content and calls.
 """
 
@@ -62,11 +63,17 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolCallParser | None) -> To
                 param="tool_choice",
             )
         return ToolPlan(
-            "named", tools, StructuredOutputsParams(json=_parameters(tool)), tool.function.name, None
+            "named",
+            tools,
+            StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True),
+            tool.function.name,
+            None,
         )
     if choice == "required":
         schema = _calls_schema(body.tools, body.parallel_tool_calls)
-        return ToolPlan("required", tools, StructuredOutputsParams(json=schema), None, None)
+        return ToolPlan(
+            "required", tools, StructuredOutputsParams(json=schema, disable_any_whitespace=True), None, None
+        )
     if parser is None:
         raise APIError(
             400,

@@ -60,7 +60,7 @@ def bitmask_cost(batches: list[int], steps: int) -> None:
     tokenizer = load_tokenizer(None)
     vocab = len(tokenizer)
     answer_ids = tokenizer.encode(json.dumps(ANSWER, separators=(",", ":")), add_special_tokens=False)
-    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = StructuredOutputsParams(json=SCHEMA)
     eos = [tokenizer.eos_token_id]
     print(f"vocab {vocab}, answer {len(answer_ids)} tokens; mean / median over {steps} steps")
     header = ("requests", "fill", "bitmask ms", "median ms", "us/request", "mask apply ms")

@@ -63,7 +63,9 @@ def test_json_schema_20_seeds_validate(llm: LLM) -> None:
     for out in outs:
         sample = out.outputs[0]
         assert sample.finish_reason == "stop", sample.text
-        jsonschema.validate(json.loads(sample.text), SCHEMA)
+        value = json.loads(sample.text)
+        jsonschema.validate(value, SCHEMA)
+        assert list(value) == list(SCHEMA["properties"])  # the schema's property order is kept
 
 
 def test_regex_choice_and_forced_grammar(llm: LLM) -> None:

@@ -27,7 +27,7 @@ class StructuredOutputsParams:
     choice: Sequence[str] | None = None  # the output is exactly one of these strings; stored as a tuple
     grammar: str | None = None  # an EBNF / GBNF grammar whose start rule is `root`
     json_object: bool | None = None  # True: any JSON object
-    # True: JSON output has no whitespace between tokens (more compact; some models prefer it).
+    # True: compact JSON, separators ", " and ": " and no other whitespace (some models prefer it).
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -41,7 +41,8 @@ class StructuredOutputsParams:
                 raise ValueError(
                     f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}"
                 )
-            object.__setattr__(self, "json", jsonlib.dumps(self.json, sort_keys=True))
+            # Key order is kept: JSON output follows the schema's property order.
+            object.__setattr__(self, "json", jsonlib.dumps(self.json))
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError(f"structured_outputs.regex must be a str, got {self.regex!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):

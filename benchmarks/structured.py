@@ -13,7 +13,7 @@ every other request constrained to the schema, `--max-tokens` each, all added at
 tokens per second of each run. `--model` defaults to the embedded SmolLM2-135M (GGUF).
 
 Usage: .venv/bin/python benchmarks/structured.py [--batches 64,256] [--steps 50]
-       [--requests 32] [--max-tokens 64] [--model PATH] [--skip-throughput]
+       [--requests 32] [--max-tokens 64] [--model PATH] [--skip-throughput] [--bounded-strings]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any, cast
 
 import torch
 
@@ -35,10 +36,12 @@ from pagedserve.types import RequestId
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 24},
+        # No maxLength: xgrammar's masks for length-bounded strings cost milliseconds per token (a
+        # slow path of the library, measured with --bounded-strings).
+        "name": {"type": "string"},
         "kind": {"enum": ["cat", "dog", "bird", "fish"]},
         "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
         "owner": {
             "type": "object",
             "properties": {"city": {"type": "string"}, "zip": {"type": "integer"}},
@@ -56,11 +59,19 @@ ANSWER = {
 }
 
 
-def bitmask_cost(batches: list[int], steps: int) -> None:
+def bounded(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with every string bounded to 24 characters (xgrammar's slow path)."""
+    out = json.loads(json.dumps(schema))
+    out["properties"]["name"]["maxLength"] = 24
+    out["properties"]["tags"]["items"]["maxLength"] = 24
+    return cast(dict[str, Any], out)
+
+
+def bitmask_cost(batches: list[int], steps: int, schema: dict[str, Any]) -> None:
     tokenizer = load_tokenizer(None)
     vocab = len(tokenizer)
     answer_ids = tokenizer.encode(json.dumps(ANSWER, separators=(",", ":")), add_special_tokens=False)
-    params = StructuredOutputsParams(json=SCHEMA)
+    params = StructuredOutputsParams(json=schema)
     eos = [tokenizer.eos_token_id]
     print(f"vocab {vocab}, answer {len(answer_ids)} tokens; mean / median over {steps} steps")
     header = ("requests", "fill", "bitmask ms", "median ms", "us/request", "mask apply ms")
@@ -135,9 +146,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default=None)
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--bounded-strings", action="store_true", help="strings with maxLength 24")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    bitmask_cost([int(b) for b in args.batches.split(",")], args.steps)
+    schema = bounded(SCHEMA) if args.bounded_strings else SCHEMA
+    bitmask_cost([int(b) for b in args.batches.split(",")], args.steps, schema)
     if not args.skip_throughput:
         throughput(args.model, args.requests, args.max_tokens)
 

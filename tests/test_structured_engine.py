@@ -143,7 +143,10 @@ def test_apply_token_bitmask_matches_bits() -> None:
             word = int(bitmask[row, t // 32]) | (1 << (t % 32))
             bitmask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
     masked = logits.clone()
-    apply_token_bitmask(masked, bitmask)
+    apply_token_bitmask(masked, bitmask, fused=False)
+    fused = logits.clone()
+    apply_token_bitmask(fused, bitmask)  # xgrammar's kernel: the same logits
+    assert torch.equal(fused, masked)
     for row, tokens in enumerate(allowed):
         keep = torch.zeros(vocab, dtype=torch.bool)
         keep[tokens] = True

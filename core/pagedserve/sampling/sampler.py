@@ -90,6 +90,11 @@ def exponential_noise(shape: tuple[int, int], meta: SamplingMetadata, device: to
 class Sampler:
     """Stateless; `forward` does not mutate the logits it is given."""
 
+    def __init__(self, fused_grammar_mask: bool = True) -> None:
+        # False: grammar bitmasks are applied with plain tensor ops instead of xgrammar's kernel
+        # (for debugging; both give the same logits).
+        self.fused_grammar_mask = fused_grammar_mask
+
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row. logits: [num_reqs, vocab_size], float32 (other float dtypes are
         converted first)."""
@@ -102,7 +107,7 @@ class Sampler:
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = self._process(logits, meta)
+        processed = self._process(logits, meta, self.fused_grammar_mask)
         if meta.all_greedy:
             sampled = processed.argmax(dim=-1)
         elif meta.all_random:
@@ -118,7 +123,7 @@ class Sampler:
     __call__ = forward
 
     @staticmethod
-    def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def _process(logits: torch.Tensor, meta: SamplingMetadata, fused_mask: bool) -> torch.Tensor:
         """Logit edits, penalties, then the grammar bitmask, on a copy (the caller's logits stay
         untouched)."""
         if meta.logit_edits is None and meta.penalties is None and meta.token_bitmask is None:
@@ -130,7 +135,7 @@ class Sampler:
         if meta.penalties is not None:
             apply_penalties(out, meta.penalties)
         if meta.token_bitmask is not None:
-            apply_token_bitmask(out, meta.token_bitmask)
+            apply_token_bitmask(out, meta.token_bitmask, fused=fused_mask)
         return out
 
     @staticmethod

@@ -167,7 +167,12 @@ class EngineCore:
         so = self.scheduler.schedule()
         structured = self.structured
         constrained = structured is not None and structured.active
-        result = self.runner.execute(so, structured.bitmask if constrained and structured else None)
+        # Unconstrained steps call the runner exactly as before structured outputs existed.
+        result = (
+            self.runner.execute(so, structured.bitmask)
+            if constrained and structured
+            else self.runner.execute(so)
+        )
         updates = self.scheduler.update_from_output(so, result.sampled)
         if constrained:
             self._advance_matchers(updates)

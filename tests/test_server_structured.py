@@ -308,3 +308,37 @@ def test_tokenize_detokenize(server: ServerProcess) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     both = httpx.post(f"{server.base_url}/tokenize", json={}, timeout=30)
     assert both.status_code == 400
+
+
+HERMES_REPLY = (
+    'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>'
+)
+
+
+def test_auto_parses_hermes_calls_streamed_and_not(client: openai.OpenAI, server: ServerProcess) -> None:
+    # A grammar forces the reply a Hermes-format model would write; "auto" must parse it.
+    grammar = "root ::= " + json.dumps(HERMES_REPLY)
+    common: dict[str, Any] = {
+        "model": server.model_name,
+        "messages": MESSAGES,
+        "tools": [WEATHER],
+        "max_tokens": 80,
+        "extra_body": {"guided_grammar": grammar},
+    }
+    resp = client.chat.completions.create(**common)
+    (choice,) = resp.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+    _check_calls(choice.message.tool_calls, {"get_weather"})
+    content, names, arguments, finish = "", [], "", None
+    for chunk in client.chat.completions.create(**common, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for frag in c.delta.tool_calls or []:
+                if frag.function and frag.function.name:
+                    names.append(frag.function.name)
+                arguments += (frag.function.arguments if frag.function else None) or ""
+            finish = c.finish_reason or finish
+    assert content == "Checking." and "<tool_call>" not in content  # the call's text never leaks as content
+    assert names == ["get_weather"] and json.loads(arguments) == {"city": "Paris", "unit": "c"}
+    assert finish == "tool_calls"

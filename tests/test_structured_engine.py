@@ -165,3 +165,30 @@ def test_bad_constraints_are_refused(llm: LLM) -> None:
         llm.generate(["x"], _params(0, json={"type": "nope"}))
     with pytest.raises(ValueError, match="grammar"):
         llm.generate(["x"], _params(0, grammar="root ::= undefined_rule"))
+
+
+@pytest.mark.slow
+def test_smollm2_json_schema_validates() -> None:
+    # The embedded SmolLM2-135M, a real model: its own JSON at temperature 1, with any whitespace.
+    llm = LLM(max_model_len=512, num_kv_blocks=128)
+    schema = {
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["red", "green", "blue"]},
+            "sizes": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 1, "maximum": 9},
+                "maxItems": 3,
+            },
+            "shape": {"type": "object", "properties": {"round": {"type": "boolean"}}, "required": ["round"]},
+        },
+        "required": ["colour", "sizes", "shape"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        n=4, temperature=1.0, seed=5, max_tokens=120, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    (out,) = llm.generate(["Describe a ball as JSON."], params, use_tqdm=False)
+    for sample in out.outputs:
+        assert sample.finish_reason == "stop", sample.text
+        jsonschema.validate(json.loads(sample.text), schema)

@@ -192,3 +192,17 @@ def test_smollm2_json_schema_validates() -> None:
     for sample in out.outputs:
         assert sample.finish_reason == "stop", sample.text
         jsonschema.validate(json.loads(sample.text), schema)
+
+
+def test_abort_while_grammar_compiles(llm: LLM) -> None:
+    engine = llm.engine
+    schema = {"type": "object", "properties": {"never_seen_before": {"type": "integer"}}}
+    params = SamplingParams(max_tokens=8, n=2, structured_outputs=StructuredOutputsParams(json=schema))
+    engine.add_request("compiling", "x", params)
+    assert engine.core._awaiting_grammar  # held outside the scheduler until compiled
+    engine.abort_request("compiling")
+    assert not engine.core._awaiting_grammar
+    for _ in range(3):
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    assert not engine.core.structured or not engine.core.structured.active

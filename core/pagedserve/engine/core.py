@@ -95,11 +95,13 @@ class EngineCore:
     def abort(self, req_ids: Iterable[RequestId]) -> None:
         """Abort sequences (unknown or finished ids are ignored); they are reported as finished
         with reason "abort" by the next `step`."""
-        wanted = set(req_ids)
-        waiting = [r.id for r, _ in self._awaiting_grammar if r.id in wanted]
+        req_ids = list(req_ids)
+        awaiting = {r.id for r, _ in self._awaiting_grammar}
+        waiting = [r for r in req_ids if r in awaiting]  # still compiling: not in the scheduler yet
         if waiting:
-            self._awaiting_grammar = [(r, f) for r, f in self._awaiting_grammar if r.id not in wanted]
-        ids = [r for r in wanted if self.scheduler.get_request(r) is not None] + waiting
+            gone = set(waiting)
+            self._awaiting_grammar = [(r, f) for r, f in self._awaiting_grammar if r.id not in gone]
+        ids = [r for r in req_ids if self.scheduler.get_request(r) is not None] + waiting
         self.scheduler.abort_requests(ids)
         if self.structured is not None:
             for req_id in ids:

@@ -135,3 +135,6 @@ class EngineArgs(_Config):
         description="schedule and prepare step N+1 while step N runs on the device; None: on for "
         "accelerator platforms, off on CPU platforms (where nothing runs beside the host)",
     )
+    max_logprobs: int = Field(
+        20, ge=0, description="most logprobs / prompt_logprobs a request may ask for (larger: refused)"
+    )

@@ -47,6 +47,7 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
         float,
         "seconds before a silent rank fails the engine",
     ),
+    "--max-logprobs": ("max_logprobs", int, "most logprobs a request may ask for (default 20)"),
 }
 _SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--no-prefix-caching": ("enable_prefix_caching", False, "turn prefix caching off"),

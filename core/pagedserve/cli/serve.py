@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.cli.engine_options import add_engine_options, engine_args_from
 from pagedserve.config import EngineArgs
+from pagedserve.server.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
     import uvicorn
@@ -40,6 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--served-model-name", default=None, help="the model name clients send (default: from MODEL)"
     )
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(PARSERS),
+        help="the tool-call format of the model's free text (needed for tool_choice='auto')",
+    )
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -101,6 +108,7 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         config = ServerConfig(
             served_model_name=args.served_model_name or default_served_name(engine_args.model),
             api_key=args.api_key,
+            tool_call_parser=args.tool_call_parser,
         )
         app = build_app(engine, config)
         server = _graceful_server(

@@ -2,10 +2,15 @@
 
 It speaks only token ids (`EngineCoreRequest` in, `EngineCoreOutput` out), so it can run in the
 caller's process (the offline `LLM`) or in a process of its own behind the API server.
+
+A request with a structured-output constraint waits here, outside the scheduler, until its grammar
+is compiled (in the background; see `structured.manager`), then joins the scheduler like any other;
+requests already running are never held up by a compilation.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from pagedserve.engine.ngram_proposer import NgramProposer
@@ -13,11 +18,18 @@ from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from pagedserve.engine.step_pipeline import StepPipeline
 from pagedserve.executor.base import StepRunner
 from pagedserve.outputs import FinishReason
+from pagedserve.scheduler.admission import RequestRejected, check_admissible
 from pagedserve.scheduler.output import RequestUpdate
 from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.structured.manager import GrammarFailed, StructuredOutputManager
 from pagedserve.types import RequestId
 from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.005
+"""How long an engine with nothing to run but compiling grammars sleeps between polls."""
 
 _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -37,11 +49,18 @@ class EngineCore:
         max_model_len: int,
         proposer: NgramProposer | None = None,
         async_scheduling: bool = False,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.max_model_len = max_model_len
         self.proposer = proposer
+        if structured is not None and not isinstance(runner, ModelRunner):
+            raise ValueError(
+                "structured outputs need the in-process ModelRunner: tensor-parallel executors apply no "
+                "grammar bitmask; build the engine without a structured-output manager"
+            )
+        self.structured = structured  # None: requests with structured_outputs are refused
         self._pending_aborts: list[EngineCoreOutput] = []
         # Asynchronous scheduling (see step_pipeline); None: every step is synchronous.
         self.pipeline = None
@@ -52,6 +71,8 @@ class EngineCore:
                     "every step synchronously: set async_scheduling=False"
                 )
             self.pipeline = StepPipeline(scheduler, runner, proposer)
+        # Requests (with fork_of) whose grammar is compiling, in arrival order.
+        self._awaiting_grammar: list[tuple[Request, RequestId | None]] = []
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a sequence. Raises `RequestRejected` (a ValueError) if it can never run."""
@@ -73,29 +94,103 @@ class EngineCore:
             cache_salt=req.cache_salt,
             priority=req.priority,
         )
-        self.scheduler.add_request(request, fork_of=req.fork_of)
+        if params.structured_outputs is None:
+            self.scheduler.add_request(request, fork_of=req.fork_of)
+            return
+        if self.structured is None:
+            raise RequestRejected(
+                "structured_outputs: this engine has no structured-output backend (it needs the "
+                "model's tokenizer and xgrammar)"
+            )
+        sched = self.scheduler
+        if req.req_id in sched.requests or any(r.id == req.req_id for r, _ in self._awaiting_grammar):
+            raise RequestRejected(f"request id {req.req_id!r} is already in use: ids must be unique")
+        check_admissible(request, sched.config, sched.num_blocks, sched.block_size)
+        self.structured.submit(req.req_id, params.structured_outputs)
+        self._awaiting_grammar.append((request, req.fork_of))
 
     def abort(self, req_ids: Iterable[RequestId]) -> None:
         """Abort sequences (unknown or finished ids are ignored); they are reported as finished
         with reason "abort" by the next `step`."""
-        ids = [r for r in req_ids if self.scheduler.get_request(r) is not None]
+        req_ids = list(req_ids)
+        awaiting = {r.id for r, _ in self._awaiting_grammar}
+        waiting = [r for r in req_ids if r in awaiting]  # still compiling: not in the scheduler yet
+        if waiting:
+            gone = set(waiting)
+            self._awaiting_grammar = [(r, f) for r, f in self._awaiting_grammar if r.id not in gone]
+        ids = [r for r in req_ids if self.scheduler.get_request(r) is not None] + waiting
         self.scheduler.abort_requests(ids)
+        if self.structured is not None:
+            for req_id in ids:
+                self.structured.remove(req_id)
         self._pending_aborts.extend(EngineCoreOutput(r, [], "abort") for r in ids)
 
     def finish(self, req_ids: Iterable[RequestId]) -> None:
         """Stop sequences the front end finished itself (a stop string matched). Not reported back."""
+        req_ids = list(req_ids)
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
+        if self.structured is not None:
+            for req_id in req_ids:
+                self.structured.remove(req_id)
 
     def has_unfinished_requests(self) -> bool:
         busy = self.pipeline is not None and self.pipeline.busy
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_aborts) or busy
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._pending_aborts)
+            or bool(self._awaiting_grammar)
+            or busy
+        )
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar is ready into the scheduler (in arrival order, so a fork's
+        parent goes first); drop, reported as aborted, those whose grammar failed."""
+        structured = self.structured
+        assert structured is not None  # requests only wait for grammars when there is a manager
+        still: list[tuple[Request, RequestId | None]] = []
+        for request, fork_of in self._awaiting_grammar:
+            ready = structured.poll(request.id)
+            if ready is False:
+                still.append((request, fork_of))
+                continue
+            failure = ready.message if isinstance(ready, GrammarFailed) else None
+            if failure is None:
+                try:
+                    self.scheduler.add_request(request, fork_of=fork_of)
+                except RequestRejected as exc:
+                    failure = str(exc)
+            if failure is not None:
+                logger.warning("request %s dropped: %s", request.id, failure)
+                structured.remove(request.id)
+                self._pending_aborts.append(EngineCoreOutput(request.id, [], "abort"))
+        self._awaiting_grammar = still
+        if still and not self.scheduler.has_unfinished_requests():
+            structured.wait_any(GRAMMAR_WAIT_S)  # nothing to run meanwhile: sleep, do not spin
+
+    def _advance_matchers(self, updates: list[RequestUpdate]) -> None:
+        structured = self.structured
+        assert structured is not None
+        for update in updates:
+            if update.status.is_finished:
+                structured.remove(update.req_id)
+            elif update.new_token_ids:
+                structured.accept(update.req_id, update.new_token_ids)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule one step, run it and apply its samples; return what changed. With
-        asynchronous scheduling a call launches the next step and applies the previous one."""
+        asynchronous scheduling a call launches the next step and applies the previous one;
+        while any request is constrained, steps run synchronously (a grammar needs each step's
+        tokens before it can mask the next step's)."""
+        if self._awaiting_grammar:
+            self._admit_compiled()
         outputs, self._pending_aborts = self._pending_aborts, []
-        if self.pipeline is not None:
-            for done in self.pipeline.step():
+        structured = self.structured
+        constrained = structured is not None and structured.active
+        if self.pipeline is not None and (not constrained or self.pipeline.busy):
+            done_steps = self.pipeline.step() if not constrained else self.pipeline.drain()
+            for done in done_steps:
+                if constrained:
+                    self._advance_matchers(done.updates)
                 self._report(done.updates, done.output, outputs)
             return outputs
         if not self.scheduler.has_unfinished_requests():
@@ -103,8 +198,16 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         so = self.scheduler.schedule()
-        result = self.runner.execute(so)
+        # Unconstrained steps call the runner exactly as before structured outputs existed.
+        if constrained and structured is not None:
+            runner = self.runner
+            assert isinstance(runner, ModelRunner)  # __init__ refuses a manager beside an executor
+            result = runner.execute(so, structured.bitmask)
+        else:
+            result = self.runner.execute(so)
         updates = self.scheduler.update_from_output(so, result.sampled)
+        if constrained:
+            self._advance_matchers(updates)
         self._report(updates, result, outputs)
         return outputs
 

@@ -10,14 +10,26 @@ from collections.abc import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.structured.checks import check_constraint
+
+
+class ParamError(ValueError):
+    """A ValueError about one SamplingParams field, named in `param`."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InputProcessor:
     """Tokenizes prompts and checks them against the vocabulary. Does not mutate anything."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, *, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase | None, *, vocab_size: int, max_logprobs: int = 20
+    ) -> None:
         self.tokenizer = tokenizer  # None with skip_tokenizer_init
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt: a string is encoded (with the model's special tokens); a list
@@ -45,7 +57,21 @@ class InputProcessor:
         return ids
 
     def check_params(self, params: SamplingParams) -> None:
-        """Raise ValueError when `params` needs something this front end lacks (a tokenizer)."""
+        """Raise ValueError when `params` needs something this front end lacks (a tokenizer), asks
+        for more logprobs than the engine's max_logprobs, or has a malformed constraint."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ParamError(
+                    f"{name}={value} exceeds this engine's max_logprobs={self.max_logprobs}: ask for at "
+                    "most that many, or start the engine with a larger --max-logprobs",
+                    name,
+                )
+        if params.structured_outputs is not None:
+            try:
+                check_constraint(params.structured_outputs, has_tokenizer=self.tokenizer is not None)
+            except ValueError as exc:
+                raise ParamError(str(exc), "structured_outputs") from None
         if params.stop_strings and not params.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched in the text)")
         if self.tokenizer is None and params.detokenize:

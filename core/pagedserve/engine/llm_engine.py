@@ -31,7 +31,9 @@ class LLMEngine:
         self.vocab_size = self.setup.spec.vocab_size
         self.eos_token_ids = self.setup.eos_token_ids
         self.max_model_len = self.setup.max_model_len
-        self.inputs = InputProcessor(self.tokenizer, vocab_size=self.vocab_size)
+        self.inputs = InputProcessor(
+            self.tokenizer, vocab_size=self.vocab_size, max_logprobs=args.max_logprobs
+        )
         eos = detokenizer_eos_token_id(self.tokenizer, self.eos_token_ids)
         self.processor = OutputProcessor(self.tokenizer, eos_token_id=eos, max_model_len=self.max_model_len)
 

@@ -45,6 +45,9 @@ __all__ = [
     "eos_token_ids",
     "resolve_dtype",
 ]
+from pagedserve.structured.backend import StructuredOutputBackend
+from pagedserve.structured.checks import backend_available
+from pagedserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +87,14 @@ def build_engine(args: EngineArgs) -> EngineSetup:
     )
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
     async_scheduling = async_scheduling_choice(args.async_scheduling, platform, proposer is not None)
+    structured = structured_output_manager(tokenizer, spec.vocab_size, eos, args, device)
     core = EngineCore(
         scheduler,
         runner,
         max_model_len=dm.max_model_len,
         proposer=proposer,
         async_scheduling=async_scheduling,
+        structured=structured,
     )
     return EngineSetup(
         platform, spec, dm.loaded, dm.backend, tokenizer, eos, dm.max_model_len, num_blocks, core
@@ -187,6 +192,29 @@ def _scheduler(
         swap_space_blocks=swap_space_blocks(spec, args, kv_dtype),
     )
     return Scheduler(sched_config, cache_config, num_blocks)
+
+
+def structured_output_manager(
+    tokenizer: PreTrainedTokenizerBase | None,
+    vocab_size: int,
+    eos: frozenset[int],
+    args: EngineArgs,
+    device: torch.device,
+) -> StructuredOutputManager | None:
+    """The structured-output manager, or None without a tokenizer or xgrammar (requests with
+    structured_outputs are then refused with a message saying why). The backend itself is built
+    on the first constrained request, so engines that never see one pay nothing."""
+    if tokenizer is None or not backend_available():
+        return None
+
+    def make_backend() -> StructuredOutputBackend:
+        from pagedserve.structured.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, vocab_size, sorted(eos))
+
+    return StructuredOutputManager(
+        make_backend, max_rollback_tokens=args.num_speculative_tokens, pin_memory=device.type == "cuda"
+    )
 
 
 def async_scheduling_choice(requested: bool | None, platform: LoadedPlatform, drafts: bool) -> bool:

@@ -70,6 +70,9 @@ class SamplingMetadata:
     seeded: SeededRows | None  # None: no random row has a seed
     generator: torch.Generator | None  # noise of unseeded random rows; None: torch's default RNG
     max_num_logprobs: int | None  # top-N to compute (max over rows); None: no row wants logprobs
+    # [num_reqs, ceil(vocab_size / 32)] int32 on the logits' device: the grammar's allowed tokens
+    # (`grammar_mask`); None: no row is constrained this step.
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def seeds(self) -> dict[int, int]:

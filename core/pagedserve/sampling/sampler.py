@@ -2,7 +2,8 @@
 
 Pipeline, for all rows at once (all on the logits' device):
   1. raw logprobs (if any row asked): log_softmax of the untouched logits;
-  2. logit bias and min_tokens bans (sparse edits), then repetition/frequency/presence penalties;
+  2. logit bias and min_tokens bans (sparse edits), then repetition/frequency/presence penalties,
+     then the grammar bitmask of structured outputs (one masked fill for the whole batch);
   3. greedy rows: argmax of the processed logits (exactly torch.argmax, ties to the lowest id);
   4. random rows: divide by temperature, then top-k, top-p and min-p (HF's order; min-p commutes
      with the other two), softmax, and draw by the exponential race: argmax(p_i / E_i) with
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.sampling.grammar_mask import apply_token_bitmask
 from pagedserve.sampling.logprobs import LogprobsTensors, gather_logprobs
 from pagedserve.sampling.metadata import SamplingMetadata
 from pagedserve.sampling.noise import seeded_exponential
@@ -88,6 +90,11 @@ def exponential_noise(shape: tuple[int, int], meta: SamplingMetadata, device: to
 class Sampler:
     """Stateless; `forward` does not mutate the logits it is given."""
 
+    def __init__(self, fused_grammar_mask: bool = True) -> None:
+        # False: grammar bitmasks are applied with plain tensor ops instead of xgrammar's kernel
+        # (for debugging; both give the same logits).
+        self.fused_grammar_mask = fused_grammar_mask
+
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row. logits: [num_reqs, vocab_size], float32 (other float dtypes are
         converted first)."""
@@ -100,7 +107,7 @@ class Sampler:
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = self._process(logits, meta)
+        processed = self._process(logits, meta, self.fused_grammar_mask)
         if meta.all_greedy:
             sampled = processed.argmax(dim=-1)
         elif meta.all_random:
@@ -116,9 +123,10 @@ class Sampler:
     __call__ = forward
 
     @staticmethod
-    def _process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Logit edits then penalties, on a copy (the caller's logits stay untouched)."""
-        if meta.logit_edits is None and meta.penalties is None:
+    def _process(logits: torch.Tensor, meta: SamplingMetadata, fused_mask: bool) -> torch.Tensor:
+        """Logit edits, penalties, then the grammar bitmask, on a copy (the caller's logits stay
+        untouched)."""
+        if meta.logit_edits is None and meta.penalties is None and meta.token_bitmask is None:
             return logits
         out = logits.clone()
         if meta.logit_edits is not None:
@@ -126,6 +134,8 @@ class Sampler:
             out.index_put_((edits.rows, edits.token_ids), edits.values, accumulate=True)
         if meta.penalties is not None:
             apply_penalties(out, meta.penalties)
+        if meta.token_bitmask is not None:
+            apply_token_bitmask(out, meta.token_bitmask, fused=fused_mask)
         return out
 
     @staticmethod

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import cast
 
+from pagedserve.structured.params import StructuredOutputsParams
+
 GREEDY_TEMPERATURE_EPS = 1e-5
 """Temperatures below this decode greedily: dividing logits by a tiny temperature overflows and
 means argmax anyway."""
@@ -70,6 +72,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit; stored as a dict copy
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the enum or its value (a str)
+    # The output must match a JSON schema, regex, choice or grammar (constrained decoding).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -89,6 +93,13 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._normalize_output_kind()
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
         for name in (
             "ignore_eos",
             "detokenize",

@@ -33,7 +33,7 @@ import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
-from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
+from pagedserve.engine.input_processor import InputProcessor, ParamError, detokenizer_eos_token_id
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineCoreRequest
 from pagedserve.models.loader import load_tokenizer, resolve_model_source
@@ -138,7 +138,9 @@ class AsyncLLMEngine:
         if msg.kind is not MessageType.READY or msg.info is None:
             raise EngineDeadError(f"the engine core sent {msg.kind.name} instead of READY")
         self.info = msg.info
-        self._inputs = InputProcessor(self.tokenizer, vocab_size=msg.info.vocab_size)
+        self._inputs = InputProcessor(
+            self.tokenizer, vocab_size=msg.info.vocab_size, max_logprobs=self.args.max_logprobs
+        )
         self._processor = OutputProcessor(
             self.tokenizer,
             eos_token_id=detokenizer_eos_token_id(self.tokenizer, msg.info.eos_token_ids),
@@ -272,6 +274,10 @@ class AsyncLLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         try:
             self._inputs.check_params(params)
+        except ValueError as exc:
+            param = exc.param if isinstance(exc, ParamError) else "prompt"
+            raise InvalidRequest(str(exc), param) from None
+        try:
             ids = self._inputs.tokenize(prompt)
         except ValueError as exc:
             raise InvalidRequest(str(exc), "prompt") from None

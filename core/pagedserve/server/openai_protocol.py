@@ -7,11 +7,12 @@ a wrongly typed field fails validation naming it. Value ranges are not repeated 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.structured.params import StructuredOutputsParams
 
 
 class _Lenient(BaseModel):
@@ -20,6 +21,32 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    # "schema" shadows a pydantic BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(_Lenient):
+    """The `structured_outputs` extension field (vLLM's): exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class _SamplingFields(_Lenient):
@@ -45,6 +72,13 @@ class _SamplingFields(_Lenient):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Constrained decoding: OpenAI's field, then the extension fields (vLLM's names). At most one.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -61,10 +95,44 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call this is the result of
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -77,6 +145,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
 
 
 def logit_bias_by_id(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
@@ -102,6 +173,7 @@ def to_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     vocab_size: int,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for a request. Raises ValueError whose message starts with the
     offending field's name."""
@@ -125,6 +197,7 @@ def to_sampling_params(
         "prompt_logprobs": prompt_logprobs,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
+        "structured_outputs": structured_outputs,
     }
     return SamplingParams(**kwargs)
 
@@ -149,6 +222,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "prompt_logprobs",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "structured_outputs",
 )
 """Field names a SamplingParams error message may start with."""
 

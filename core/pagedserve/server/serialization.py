@@ -23,6 +23,7 @@ from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, Toke
 from pagedserve.outputs import FinishReason, Logprob
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import SchedulerStats
+from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.types import RequestId
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -98,12 +99,17 @@ def _params_to_wire(params: SamplingParams) -> dict[str, Any]:
             value = list(value)
         elif f.name == "logit_bias" and value is not None:
             value = dict(value)
+        elif f.name == "structured_outputs" and value is not None:
+            value = value.to_wire()
         wire[f.name] = value
     return wire
 
 
 def _params_from_wire(wire: dict[str, Any]) -> SamplingParams:
     # SamplingParams validates again: a malformed message fails here, naming the field.
+    structured = wire.get("structured_outputs")
+    if structured is not None:
+        wire = {**wire, "structured_outputs": StructuredOutputsParams.from_wire(structured)}
     return SamplingParams(**wire)
 
 

@@ -11,6 +11,7 @@ One step, in order (the order `SchedulerOutput` documents):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
+from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.logprobs import compute_prompt_logprobs, logprobs_to_dicts
 from pagedserve.sampling.rows import SamplingRows, TokenHistories
 from pagedserve.sampling.sampler import Sampler
@@ -122,12 +124,16 @@ class ModelRunner:
         self.compiled = compiled
 
     # ----------------------------------------------------------------------------- one step
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and wait for its output. Mutates the persistent batch and the KV caches."""
-        return self.launch(so).result()
+    def execute(
+        self, so: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step and wait for its output. `grammar_bitmask` (structured outputs) is called
+        once the forward is launched, so its host work overlaps the device's. Mutates the
+        persistent batch and the KV caches."""
+        return self.launch(so, grammar_bitmask).result()
 
     @torch.inference_mode()
-    def launch(self, so: SchedulerOutput) -> PendingOutput:
+    def launch(self, so: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingOutput:
         """Queue one step on the device and return without waiting for it; its output comes
         with `result()`. Outputs the previous step is still sampling may be scheduled as this
         step's inputs (asynchronous scheduling): they are read on the device. Mutates the
@@ -149,7 +155,7 @@ class ModelRunner:
             forward = compiled if compiled is not None and compiled.fits(input_ids.shape[0]) else self.model
             with forward_context(ctx):
                 hidden = forward(input_ids, positions)
-        out = self._sample(plan, hidden)
+        out = self._sample(plan, hidden, grammar_bitmask)
         self._last = out
         return out
 
@@ -313,7 +319,9 @@ class ModelRunner:
         return metadata, ids_dev, pos_dev
 
     # ----------------------------------------------------------------------------- sampling
-    def _sample(self, plan: _StepPlan, hidden: torch.Tensor) -> PendingOutput:
+    def _sample(
+        self, plan: _StepPlan, hidden: torch.Tensor, grammar_bitmask: GrammarBitmaskFn | None
+    ) -> PendingOutput:
         """Sample every request whose chunk reached its last known token: one position, plus one
         per draft scored. Per-row sampling inputs come from the persistent `SamplingRows`; the
         only Python loops run over requests with drafts, logprobs or prompt logprobs. The sampled
@@ -363,12 +371,15 @@ class ModelRunner:
             device=logits.device,
             generator=self.generator,
         )
-        out = self.sampler(logits, meta)
         sampling_reqs = np.nonzero(samples)[0]
         if len(sampling_reqs) == len(plan.req_ids):
             req_ids = plan.req_ids
         else:  # some requests are mid-prefill (rarely many): pick the sampling ones
             req_ids = [plan.req_ids[i] for i in sampling_reqs.tolist()]
+        bitmask = grammar_bitmask(req_ids, plan.drafts) if grammar_bitmask is not None else None
+        if bitmask is not None:
+            meta = dataclasses.replace(meta, token_bitmask=bitmask.to(logits.device, non_blocking=True))
+        out = self.sampler(logits, meta)
         starts = first[sampling_reqs]
         logprobs = None
         if out.logprobs is not None:

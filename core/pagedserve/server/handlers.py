@@ -1,0 +1,283 @@
+"""What the generation endpoints share: request checks, starting and collecting engine streams,
+and the one server-sent-events loop both endpoints stream through.
+
+A client that goes away aborts its request: a stream is cancelled by Starlette when the client
+disconnects, and a non-streaming request is watched for disconnection while it waits. Either way
+the `generate` loop ends early, which aborts the request in the engine core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from fastapi import Request
+
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError, InvalidRequest
+from pagedserve.server.errors import APIError, engine_dead, error_body, invalid
+
+T = TypeVar("T")
+
+DISCONNECT_POLL_S = 0.5
+"""How often a non-streaming request checks whether its client is still there."""
+
+Merged = AsyncGenerator[tuple[int, RequestOutput], None]
+"""Outputs of a request's prompts as they come, each tagged with its prompt's index."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None  # None: no authentication
+    tool_call_parser: str | None = None  # parses tool calls from free text (tool_choice="auto")
+
+
+async def merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> Merged:
+    """Interleave several requests' outputs as they come, tagged with the stream's index. Leaving
+    early (or an error in one stream) closes every stream, which aborts its request."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(tasks):
+            item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise APIError(499, "the client closed the request")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class SampleDelta:
+    """What one sample (one choice) gained since its last chunk."""
+
+    index: int  # the choice index
+    prompt_index: int  # which of the request's prompts the sample continues
+    sample: CompletionOutput  # everything so far
+    text: str  # text not sent yet
+    token_start: int  # index of the first token not sent yet
+
+
+class ChoiceRenderer(Protocol):
+    """How an endpoint turns a sample's progress into the `choices` entries of its chunks."""
+
+    def opening(self, delta: SampleDelta) -> list[dict[str, Any]]:
+        """Choices sent before a sample's first delta (chat's role, an echoed prompt)."""
+        ...
+
+    def chunk(self, delta: SampleDelta) -> list[dict[str, Any]]:
+        """Choices for one delta (may be empty: nothing to send yet)."""
+        ...
+
+
+async def stream_choices(
+    merged: Merged,
+    *,
+    base: dict[str, Any],
+    n: int,
+    renderer: ChoiceRenderer,
+    include_usage: bool,
+    prompt_tokens: int,
+) -> AsyncIterator[str]:
+    """The server-sent events of a streamed response: one chunk per choice entry the renderer
+    makes, an optional usage chunk, then `data: [DONE]`. An engine error mid-stream becomes an
+    error event (the status line has gone out already)."""
+    sent_text: dict[int, int] = {}  # choice index -> characters sent
+    sent_tokens: dict[int, int] = {}  # choice index -> tokens sent
+    done: set[int] = set()  # choices whose finish_reason was sent
+    completion_tokens = 0
+    try:
+        async for prompt_index, out in merged:
+            for sample in out.outputs:
+                index = prompt_index * n + sample.index
+                if index in done:
+                    continue
+                first = index not in sent_text
+                if first:
+                    sent_text[index] = sent_tokens[index] = 0
+                delta = SampleDelta(
+                    index, prompt_index, sample, sample.text[sent_text[index] :], sent_tokens[index]
+                )
+                if first:
+                    for choice in renderer.opening(delta):
+                        yield sse({**base, "choices": [choice]})
+                new_tokens = len(sample.token_ids) - sent_tokens[index]
+                if not delta.text and not new_tokens and sample.finish_reason is None:
+                    continue
+                sent_text[index] = len(sample.text)
+                sent_tokens[index] = len(sample.token_ids)
+                for choice in renderer.chunk(delta):
+                    yield sse({**base, "choices": [choice]})
+                if sample.finish_reason is not None:
+                    done.add(index)
+                    completion_tokens += len(sample.token_ids)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield "data: [DONE]\n\n"
+    except (EngineDeadError, InvalidRequest) as exc:
+        status = 503 if isinstance(exc, EngineDeadError) else 400
+        kind = "service_unavailable" if status == 503 else "invalid_request_error"
+        yield sse(error_body(status, str(exc), kind, None))
+        yield "data: [DONE]\n\n"
+
+
+class GenerationHandler:
+    """The checks and engine plumbing both generation endpoints use. Holds no per-request state."""
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, created: int | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.created = int(time.time()) if created is None else created
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.config.served_model_name!r}",
+                param="model",
+                kind="not_found_error",
+            )
+
+    def check_alive(self) -> None:
+        if not self.engine.is_healthy:
+            raise APIError(
+                503, self.engine.dead_reason or "the engine is not running", kind="service_unavailable"
+            )
+
+    def vocab_size(self) -> int:
+        assert self.engine.info is not None
+        return self.engine.info.vocab_size
+
+    def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
+        try:
+            return self.engine.tokenize(prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
+
+    def decode(self, token_ids: list[int]) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return ""
+        text = tokenizer.decode(token_ids)
+        return text if isinstance(text, str) else "".join(text)
+
+    def start(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """One `generate` stream per prompt; the engine checks each request when the stream is
+        first awaited, so this only builds the iterators."""
+        return [
+            self.engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}")
+            for i, p in enumerate(prompts)
+        ]
+
+    async def first(self, request: Request, streams: list[AsyncIterator[RequestOutput]]) -> Merged:
+        """Start a stream and wait for its first output before the response headers go out, so a
+        request the engine rejects still gets a 400 rather than an error inside a 200 stream."""
+        merged = merge(streams)
+        try:
+            head = await unless_disconnected(request, anext(merged))
+        except (InvalidRequest, ValueError) as exc:
+            await merged.aclose()
+            raise invalid(exc) from None
+        except EngineDeadError as exc:
+            await merged.aclose()
+            raise engine_dead(exc) from None
+        except BaseException:
+            await merged.aclose()
+            raise
+
+        async def chained() -> Merged:
+            try:
+                yield head
+                async for item in merged:
+                    yield item
+            finally:
+                await merged.aclose()
+
+        return chained()
+
+    async def collect(
+        self, request: Request, streams: list[AsyncIterator[RequestOutput]]
+    ) -> list[RequestOutput]:
+        """The final output of every stream, in order."""
+
+        async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+            final: RequestOutput | None = None
+            async for out in stream:
+                final = out
+            assert final is not None  # generate always yields a finished output before it ends
+            return final
+
+        async def run_all() -> list[RequestOutput]:
+            tasks = [asyncio.ensure_future(last(s)) for s in streams]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            return await unless_disconnected(request, run_all())
+        except (InvalidRequest, ValueError) as exc:
+            raise invalid(exc) from None
+        except EngineDeadError as exc:
+            raise engine_dead(exc) from None

@@ -1,0 +1,1 @@
+"""Structured outputs: constrained decoding to a JSON schema, a regex, a choice or a grammar."""

@@ -59,7 +59,8 @@ def _run(path: Path, platform: str, on: bool, params: Any, **engine: Any) -> tup
         block_size=16,
         max_model_len=128,
         async_scheduling=on,
-        **engine,
+        # Several engines live in this process: size each cache, not 90% of the GPU apiece.
+        **{"num_kv_blocks": 256, **engine},
     )
     assert (llm.engine.core.pipeline is not None) is on
     return _tokens(llm.generate(PROMPTS, params, use_tqdm=False)), llm
@@ -70,8 +71,9 @@ def test_greedy_equal_with_and_without_async_scheduling(checkpoint: Path, platfo
     params = [
         SamplingParams(temperature=0, max_tokens=m, detokenize=False) for m in (1, 4, 9, 24, 2, 16, 30, 7)
     ]
-    sync, _ = _run(checkpoint, platform, False, params, max_num_batched_tokens=32)
-    async_, llm = _run(checkpoint, platform, True, params, max_num_batched_tokens=32)
+    # A 32-token budget chunks the prompts; it must hold one token of each of up to 8 requests.
+    sync, _ = _run(checkpoint, platform, False, params, max_num_batched_tokens=32, max_num_seqs=8)
+    async_, llm = _run(checkpoint, platform, True, params, max_num_batched_tokens=32, max_num_seqs=8)
     assert async_ == sync
     runner = llm.engine.core.runner
     # Decode steps replayed full graphs whose input ids were read from the previous step's samples.
@@ -94,7 +96,14 @@ def test_preemption_and_seeded_penalised_n_sampling_equal(checkpoint: Path) -> N
 
 
 def test_samples_come_back_through_pinned_memory_and_an_event(checkpoint: Path) -> None:
-    llm = LLM(str(checkpoint), platform="cuda", skip_tokenizer_init=True, dtype="float32", max_model_len=128)
+    llm = LLM(
+        str(checkpoint),
+        platform="cuda",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=256,
+    )
     core = llm.engine.core
     assert core.pipeline is not None  # on by default on a GPU platform
     engine = llm.engine

@@ -123,8 +123,8 @@ def test_engine_fp8_greedy(platform: str, tmp_path: Path) -> None:
     from pagedserve import LLM, SamplingParams
 
     config = LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+        vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
     )  # fmt: skip
     path = str(save_checkpoint(tiny_hf_model(config, seed=3), tmp_path))
     prompts = random_prompts(96, [5, 17, 30, 3], seed=11)

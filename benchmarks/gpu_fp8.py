@@ -9,7 +9,7 @@ built with the KV pool sized from memory at `--gpu-memory-utilization` (0.9), an
   * throughput (with `--workload FILE`): every request of the shared workload at once, each run to
     its `output_len` (`pagedserve bench throughput`'s loop), after `--warmup-requests` requests.
 
-    python benchmarks/gpu_fp8.py --platform cuda --workload ../shared/workloads/sharegpt_like_256.json \
+    python benchmarks/gpu_fp8.py --platform cuda --workload benchmarks/workloads/sharegpt_like_256.json \
         --json fp8.json
 """
 

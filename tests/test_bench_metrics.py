@@ -39,13 +39,14 @@ def test_load_workload_formats_and_errors(tmp_path: Path) -> None:
         load_workload(broken)
 
 
-def test_shared_workload_file_loads() -> None:
-    path = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "sharegpt_like_256.json"
-    if not path.exists():
-        pytest.skip("../shared/workloads is not next to this checkout")
-    reqs = load_workload(path)
-    assert len(reqs) == 256
-    assert sum(r.output_len for r in reqs) == 51200
+@pytest.mark.parametrize(
+    ("name", "num_requests"), [("sharegpt_like_256.json", 256), ("sharegpt_like_1000.json", 1000)]
+)
+def test_committed_workload_files_load(name: str, num_requests: int) -> None:
+    reqs = load_workload(Path(__file__).resolve().parents[1] / "benchmarks" / "workloads" / name)
+    assert len(reqs) == num_requests
+    assert sum(r.output_len for r in reqs) == 200 * num_requests  # mean output 200, as generated
+    assert max(r.output_len for r in reqs) <= 1024 and max(max(r.prompt_ids) for r in reqs) < 128000
 
 
 def test_fit_vocab_refuses_or_wraps() -> None:

@@ -206,3 +206,28 @@ def test_abort_while_grammar_compiles(llm: LLM) -> None:
         engine.step()
     assert not engine.has_unfinished_requests()
     assert not engine.core.structured or not engine.core.structured.active
+
+
+def test_asynchronous_scheduling_runs_constrained_steps_synchronously(model_dir: Path) -> None:
+    # With asynchronous scheduling a grammar still sees every step's tokens before it masks the
+    # next step: steps run synchronously while a request is constrained, and ahead again after.
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=512,
+        num_kv_blocks=256,
+        block_size=16,
+        async_scheduling=True,
+    )
+    assert llm.engine.core.pipeline is not None
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain_before = llm.generate(["The sky is"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate(
+        ["A pet as JSON:"] * 4 + ["The sky is"],
+        [_params(seed, json=SCHEMA) for seed in range(4)] + [greedy],
+        use_tqdm=False,
+    )
+    for out in outs[:4]:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+    assert outs[4].outputs[0].token_ids == plain_before  # the unconstrained request is unchanged
+    assert llm.generate(["The sky is"], greedy, use_tqdm=False)[0].outputs[0].token_ids == plain_before

@@ -87,7 +87,8 @@ def test_every_platform_plugin_is_described_in_the_architecture() -> None:
 # How the project was made is not what it is: users know nothing of work sessions, tracker
 # numbers or the tools behind them.
 _MAKING = re.compile(
-    r"\bsessions? \d|\bsess[i]on's\b|\bissues? #?\d|\bdevic[e] tool\b|\bother engineer[s]\b|\bengineers' job[s]\b",
+    r"\bsessions? \d|\bsess[i]on's\b|\bissues? #?\d|\bdevic[e] tool\b"
+    r"|\bother engineer[s]\b|\bengineers' job[s]\b",
     re.IGNORECASE,
 )
 

@@ -100,7 +100,8 @@ class EngineCore:
         if self.structured is None:
             raise RequestRejected(
                 "structured_outputs: this engine has no structured-output backend (it needs the "
-                "model's tokenizer and xgrammar)"
+                "model's tokenizer, xgrammar (pip install 'pagedserve[structured]') and "
+                "tensor_parallel_size=1)"
             )
         sched = self.scheduler
         if req.req_id in sched.requests or any(r.id == req.req_id for r, _ in self._awaiting_grammar):

@@ -410,6 +410,17 @@ class Scheduler:
         preempted by it still get their tokens (they were computed), and tokens of requests that
         finished meanwhile are dropped."""
         later = self._step_done(scheduler_output)
+        self.kv.in_flight = later  # the step's KV is written now; a later step's may not be
+        return self._apply_sampled(scheduler_output, sampled, later)
+
+    def _apply_sampled(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[RequestId, list[int]],
+        later: Mapping[RequestId, int],
+    ) -> list[RequestUpdate]:
+        """The per-request loop of update_from_output; `later` holds the token counts of the
+        steps still in flight (req_id -> num tokens). Mutates."""
         updates: list[RequestUpdate] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
         # Locals for the per-request loop, the other hot loop of a decode-heavy engine.
@@ -419,7 +430,6 @@ class Scheduler:
         new_tuple = tuple.__new__
         running = RequestStatus.RUNNING
         kv = self.kv
-        kv.in_flight = later  # the step's KV is written now; a later step's may not be
         caching = kv.enable_caching
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
@@ -443,18 +453,10 @@ class Scheduler:
             elif caching and num_scheduled > 1:
                 kv.defer_computed_blocks(request)
             known = request.all_token_ids
-            if not tokens:
-                if request.num_computed_tokens - later.get(req_id, 0) >= len(known):
-                    raise ValueError(
-                        f"request {req_id!r} computed all its known tokens but got no sampled token: "
-                        "the worker must sample for every request whose chunk reaches its last token"
-                    )
+            if not tokens or request.num_computed_tokens < len(known):
+                # The checks live out of line: the decode path never enters this branch.
+                self._check_no_token_due(request, tokens, later)
                 continue
-            if request.num_computed_tokens < len(known):
-                raise ValueError(
-                    f"request {req_id!r} got sampled tokens for a chunk that ended inside its "
-                    f"known tokens ({request.num_computed_tokens} of {len(known)} computed)"
-                )
             stop = request.stop
             outputs = request.output_token_ids
             if len(tokens) == 1 and len(outputs) + 1 < stop.max_tokens:
@@ -476,12 +478,37 @@ class Scheduler:
                 )
             else:
                 update = self._append_tokens(request, tokens)
-            if update.status is not running:
-                self._finish(request, update.status)  # its computed blocks stay findable (free)
-            else:
-                unsent[req_id] = update.new_token_ids
-            append_update(update)
+            append_update(self._settle(request, update))
         return updates
+
+    def _check_no_token_due(
+        self, request: Request, tokens: list[int] | None, later: Mapping[RequestId, int]
+    ) -> None:
+        """Raise if `request` got no sampled token although its chunk reached its last known
+        token, or got tokens although its chunk ended inside its known tokens; both are worker
+        bugs. `later` holds the token counts of the steps still in flight (req_id -> num tokens)."""
+        num_known = len(request.all_token_ids)
+        if not tokens:
+            # A later step in flight may already have computed this request's remaining tokens.
+            if request.num_computed_tokens - later.get(request.id, 0) >= num_known:
+                raise ValueError(
+                    f"request {request.id!r} computed all its known tokens but got no sampled token: "
+                    "the worker must sample for every request whose chunk reaches its last token"
+                )
+            return
+        raise ValueError(
+            f"request {request.id!r} got sampled tokens for a chunk that ended inside its "
+            f"known tokens ({request.num_computed_tokens} of {num_known} computed)"
+        )
+
+    def _settle(self, request: Request, update: RequestUpdate) -> RequestUpdate:
+        """Release `request` if `update` finished it, else queue its new tokens for the worker;
+        return `update`. Off the decode fast path, which settles inline. Mutates."""
+        if update.status is not RequestStatus.RUNNING:
+            self._finish(request, update.status)  # its computed blocks stay findable (free)
+        else:
+            self._unsent_tokens[request.id] = update.new_token_ids
+        return update
 
     def _step_done(self, scheduler_output: SchedulerOutput) -> Mapping[RequestId, int]:
         """Retire the oldest step in flight, which must be `scheduler_output`'s; return the token

@@ -419,8 +419,7 @@ class Scheduler:
         sampled: dict[RequestId, list[int]],
         later: Mapping[RequestId, int],
     ) -> list[RequestUpdate]:
-        """The per-request loop of update_from_output; `later` holds the token counts of the
-        steps still in flight (req_id -> num tokens). Mutates."""
+        """update_from_output's per-request loop; `later`: req_id -> tokens of later steps. Mutates."""
         updates: list[RequestUpdate] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
         # Locals for the per-request loop, the other hot loop of a decode-heavy engine.
@@ -446,15 +445,12 @@ class Scheduler:
                 self._roll_back_rejected(request, spec[req_id], tokens)
                 if caching:
                     kv.defer_computed_blocks(request)
-            # A chunk of several tokens may have filled blocks: make them findable now (deferred
-            # registration: no hashing unless a lookup reaches them), so that requests admitted
-            # next step can share them. A one-token decode's filled block is entered by
-            # allocate_slots when the next step needs a new block (no per-request check here).
+            # A multi-token chunk may have filled blocks: register them (deferred, unhashed) for the next
+            # step's admissions. A one-token decode's full block is entered by allocate_slots later.
             elif caching and num_scheduled > 1:
                 kv.defer_computed_blocks(request)
             known = request.all_token_ids
             if not tokens or request.num_computed_tokens < len(known):
-                # The checks live out of line: the decode path never enters this branch.
                 self._check_no_token_due(request, tokens, later)
                 continue
             stop = request.stop
@@ -466,16 +462,13 @@ class Scheduler:
                 known.append(token)
                 if token not in stop.stopping_ids or len(outputs) < stop.min_tokens:
                     unsent[req_id] = tokens
-                    # RequestUpdate(req_id, new_token_ids, status, stop_token_id,
-                    # num_cached_tokens), built as in _schedule_running.
+                    # RequestUpdate(req_id, new_token_ids, status, stop_token_id, num_cached_tokens)
+                    # built without __init__, as in _schedule_running.
                     append_update(
                         new_tuple(RequestUpdate, (req_id, tokens, running, None, request.num_cached_tokens))
                     )
                     continue
-                request.stop_token_id = token
-                update = RequestUpdate(
-                    req_id, tokens, RequestStatus.FINISHED_STOPPED, token, request.num_cached_tokens
-                )
+                update = self._stopped_by(request, tokens)
             else:
                 update = self._append_tokens(request, tokens)
             append_update(self._settle(request, update))
@@ -486,7 +479,8 @@ class Scheduler:
     ) -> None:
         """Raise if `request` got no sampled token although its chunk reached its last known
         token, or got tokens although its chunk ended inside its known tokens; both are worker
-        bugs. `later` holds the token counts of the steps still in flight (req_id -> num tokens)."""
+        bugs. `later` holds the token counts of the steps still in flight (req_id -> num tokens).
+        Out of line because the decode path never gets here."""
         num_known = len(request.all_token_ids)
         if not tokens:
             # A later step in flight may already have computed this request's remaining tokens.
@@ -500,6 +494,13 @@ class Scheduler:
             f"request {request.id!r} got sampled tokens for a chunk that ended inside its "
             f"known tokens ({request.num_computed_tokens} of {num_known} computed)"
         )
+
+    def _stopped_by(self, request: Request, tokens: list[int]) -> RequestUpdate:
+        """The update finishing `request` on its one new token, a stop token (already appended)."""
+        token = tokens[0]
+        request.stop_token_id = token
+        status = RequestStatus.FINISHED_STOPPED
+        return RequestUpdate(request.id, tokens, status, token, request.num_cached_tokens)
 
     def _settle(self, request: Request, update: RequestUpdate) -> RequestUpdate:
         """Release `request` if `update` finished it, else queue its new tokens for the worker;

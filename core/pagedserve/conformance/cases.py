@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -213,6 +213,25 @@ def attention_cases(caps: AttentionCapabilities, *, quick: bool, seed: int = 0) 
         for group, geometry in _geometries(block_size, quick).items():
             add(group, dtype_name(d), geometry, dtype=d)
 
+    _shape_attention_cases(add, caps, head_size, block_size, dtype, quick)
+    _feature_attention_cases(add, caps, block_size, dtype, quick)
+    return cases
+
+
+# add(group, variant, geometry, **changes): appends a variant of the base case to the matrix.
+_AddAttentionCase = Callable[..., None]
+
+
+def _shape_attention_cases(
+    add: _AddAttentionCase,
+    caps: AttentionCapabilities,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    quick: bool,
+) -> None:
+    """Add the cases varying one shape parameter of the base case (head counts, head size,
+    block size, dtype), each on the mixed geometry."""
     mixed = _geometries(block_size, quick)["mixed"]
     for q_heads, kv_heads in QUICK_GQA_HEADS if quick else GQA_HEADS:
         mqa = "_mqa" if kv_heads == 1 else ""
@@ -226,10 +245,20 @@ def attention_cases(caps: AttentionCapabilities, *, quick: bool, seed: int = 0) 
     for h in _candidates(caps.head_sizes, HEAD_SIZES, QUICK_HEAD_SIZES if quick else None, head_size):
         add("head_size", str(h), mixed, head_size=h)
     for b in _candidates(caps.block_sizes, BLOCK_SIZES, QUICK_BLOCK_SIZES if quick else None, block_size):
+        # Each block size gets its own mixed geometry: block boundaries must fall inside sequences.
         add("block_size", str(b), _geometries(b, quick)["mixed"], block_size=b)
     for d in sorted(DTYPES, key=dtype_name):
         if d != dtype:
             add("dtype", dtype_name(d), mixed, dtype=d)
+
+
+def _feature_attention_cases(
+    add: _AddAttentionCase, caps: AttentionCapabilities, block_size: int, dtype: torch.dtype, quick: bool
+) -> None:
+    """Add the cases turning on one optional attention feature of the base case (sliding
+    window, logit softcap, no preallocated output, FP8 KV cache)."""
+    geometries = _geometries(block_size, quick)
+    mixed = geometries["mixed"]
     for w in QUICK_SLIDING_WINDOWS if quick else SLIDING_WINDOWS:
         add("sliding_window", str(w), mixed, sliding_window=w)
         if not quick:
@@ -244,13 +273,11 @@ def attention_cases(caps: AttentionCapabilities, *, quick: bool, seed: int = 0) 
     if not quick:
         add("softcap", "2.0_window5", mixed, logit_softcap=2.0, sliding_window=5)
     add("no_out", dtype_name(dtype), mixed, pass_out=False)
-    geometries = _geometries(block_size, quick)
     for kv in FP8_KV_DTYPES:
         # Declared encodings run on several geometries; undeclared ones are one probe each.
         groups = (QUICK_FP8_GROUPS if quick else FP8_GROUPS) if kv in caps.kv_cache_dtypes else FP8_GROUPS[:1]
         for group in groups:
             add("fp8_kv_cache", f"{dtype_name(kv)}_{group}", geometries[group], kv_cache_dtype=kv)
-    return cases
 
 
 class CacheOp(enum.Enum):
@@ -332,8 +359,6 @@ def cache_op_cases(
         seed_ = _seed(f"{op.value}[{variant}]", seed)
         cases.append(replace(base, op=op, variant=variant, seed=seed_, **changes))
 
-    block_list = [base_block] if quick else sizes
-    head_list = (64, 80) if quick else (64, 80, 128, 256)
     for d in dtype_list:
         name = dtype_name(d)
         add(CacheOp.RESHAPE_AND_CACHE, name, dtype=d)
@@ -341,6 +366,19 @@ def cache_op_cases(
         for op in (CacheOp.SWAP_SAME_DEVICE, CacheOp.SWAP_TO_HOST, CacheOp.SWAP_FROM_HOST):
             add(op, name, dtype=d, num_items=4)
     d0 = dtype_list[0] if dtype_list else torch.float32
+    _shape_cache_op_cases(add, d0, quick, [base_block] if quick else sizes)
+    _fp8_cache_op_cases(add, dtype_list, kv_cache_dtypes, quick)
+    return cases
+
+
+# add(op, variant, **changes): appends a variant of the base case to the list.
+_AddCacheOpCase = Callable[..., None]
+
+
+def _shape_cache_op_cases(add: _AddCacheOpCase, d0: torch.dtype, quick: bool, block_list: list[int]) -> None:
+    """Add the cases varying head size and block size in dtype `d0`: strided writes (and, in
+    the full matrix, many-layer block copies) for each pair."""
+    head_list = (64, 80) if quick else (64, 80, 128, 256)
     for h in head_list:
         for b in block_list:
             variant = f"{dtype_name(d0)}_h{h}_b{b}_strided"
@@ -363,6 +401,13 @@ def cache_op_cases(
                     num_items=7,
                     num_layers=3,
                 )
+
+
+def _fp8_cache_op_cases(
+    add: _AddCacheOpCase, dtype_list: list[torch.dtype], kv_cache_dtypes: Iterable[torch.dtype], quick: bool
+) -> None:
+    """Add the cases for each declared FP8 cache encoding: quantizing writes (from each model
+    dtype in `dtype_list`, plain and strided), block copies and swaps."""
     fp8_sources = [d for d in (torch.bfloat16, torch.float16, torch.float32) if d in dtype_list]
     for kv in sorted(set(kv_cache_dtypes), key=dtype_name):
         kv_name = dtype_name(kv)
@@ -386,4 +431,3 @@ def cache_op_cases(
         swaps = (CacheOp.SWAP_SAME_DEVICE, CacheOp.SWAP_TO_HOST, CacheOp.SWAP_FROM_HOST)
         for op in swaps[2:] if quick else swaps:
             add(op, kv_name, dtype=d, kv_cache_dtype=kv, num_items=4)
-    return cases

@@ -163,44 +163,69 @@ def load_model(
         return _load_shard(choice.native_class, config, source, fmt, dtype, device, seed, quantization, tp)
     built: PagedCausalLM
     if choice.native_class is None:
-        from pagedserve.models.hf_fallback import build_fallback_model
-
         if quantization is not None:
             raise ValueError(
                 f"quantization={quantization!r} needs a native pagedserve model; {choice.architecture} "
                 "runs through the transformers fallback, which keeps dense weights (drop quantization=)"
             )
-        built = build_fallback_model(
-            config,
-            directory=source.directory,
-            gguf_file=source.gguf_file,
-            load_weights=fmt != "dummy",
-            dtype=dtype,
-            device=device,
-        )
-        if fmt == "dummy":
-            fill_dummy_weights(built, seed)
+        built = _build_fallback(config, source, fmt, dtype, device, seed)
     else:
-        # Built on the meta device and materialized uninitialized: every parameter is written
-        # by the checkpoint or the dummy filler, so an init pass would be wasted time.
-        with torch.device("meta"):
-            native = choice.native_class(config, dtype)
-        native = native.to(dtype).to_empty(device=device)
-        if fmt == "dummy":
-            fill_dummy_weights(native, seed)
-        elif fmt == "gguf" and quantization == "gguf":
-            assert source.gguf_path is not None
-            _load_gguf_packed(native, source.gguf_path, config)
-        elif fmt == "gguf":
-            assert source.gguf_path is not None
-            native.load_weights(iter_gguf(source.gguf_path, config))
-        else:
-            native.load_weights(iter_safetensors(source.directory))
-        if quantization == "fp8":
-            _quantize_fp8(native)
-        built = native
+        built = _build_native(choice.native_class, config, source, fmt, dtype, device, seed, quantization)
     built.eval()
     return LoadedModel(model=built, hf_config=config, spec=built.spec, source=source)
+
+
+def _build_fallback(
+    config: Any, source: ModelSource, fmt: LoadFormat, dtype: torch.dtype, device: torch.device, seed: int
+) -> PagedCausalLM:
+    """The transformers fallback model for `config`, with the checkpoint's weights (or dummy
+    ones seeded by `seed` for `fmt="dummy"`)."""
+    # Imported here: the fallback pulls in transformers' model classes, which native models never need.
+    from pagedserve.models.hf_fallback import build_fallback_model
+
+    built = build_fallback_model(
+        config,
+        directory=source.directory,
+        gguf_file=source.gguf_file,
+        load_weights=fmt != "dummy",
+        dtype=dtype,
+        device=device,
+    )
+    if fmt == "dummy":
+        fill_dummy_weights(built, seed)
+    return built
+
+
+def _build_native(
+    native_class: type[DecoderForCausalLM],
+    config: Any,
+    source: ModelSource,
+    fmt: LoadFormat,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    quantization: Quantization | None,
+) -> DecoderForCausalLM:
+    """The native model for `config`, with the weights `fmt` names (GGUF blocks kept packed for
+    `quantization="gguf"`; linear layers quantized after loading for `quantization="fp8"`)."""
+    # Built on the meta device and materialized uninitialized: every parameter is written
+    # by the checkpoint or the dummy filler, so an init pass would be wasted time.
+    with torch.device("meta"):
+        native = native_class(config, dtype)
+    native = native.to(dtype).to_empty(device=device)
+    if fmt == "dummy":
+        fill_dummy_weights(native, seed)
+    elif fmt == "gguf" and quantization == "gguf":
+        assert source.gguf_path is not None
+        _load_gguf_packed(native, source.gguf_path, config)
+    elif fmt == "gguf":
+        assert source.gguf_path is not None
+        native.load_weights(iter_gguf(source.gguf_path, config))
+    else:
+        native.load_weights(iter_safetensors(source.directory))
+    if quantization == "fp8":
+        _quantize_fp8(native)
+    return native
 
 
 def _check_quantization(quantization: str, fmt: str, dtype: torch.dtype, device: torch.device) -> None:

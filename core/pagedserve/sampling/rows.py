@@ -256,32 +256,18 @@ class SamplingRows:
         generator: torch.Generator | None,
     ) -> _Static:
         def tensor(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+            return _to_device(values, device)
 
         greedy = self.greedy[rows]
         random = ~greedy
         all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
-        # Greedy rows get neutral values so the random path can run over the whole batch.
-        top_k = np.where(
-            random & (self.top_k[rows] > 0), np.minimum(self.top_k[rows], vocab_size), vocab_size
-        )
-        top_p = np.where(random, self.top_p[rows], np.float32(1.0))
-        min_p = np.where(random, self.min_p[rows], np.float32(0.0))
-        temperature = np.where(greedy, np.float32(1.0), self.temperature[rows])
+        top_k, top_p, min_p, temperature = self._filter_values(rows, greedy, vocab_size)
         uses_top_k = top_k < vocab_size
         uses_top_p = top_p != 1.0
         # Sorting a few rows instead of the batch pays for the gather and scatter around it.
         sort_subset = bool(uses_top_p.any()) and 2 * int(uses_top_p.sum()) <= len(rows)
-        wants = self.num_logprobs[rows][self.wants_logprobs[rows]]
-        if wants.size and int(wants.max()) > vocab_size:
-            raise ValueError(
-                f"logprobs={int(wants.max())} asks for more top tokens than the vocabulary has ({vocab_size})"
-            )
-        presence, frequency, repetition = self.presence[rows], self.frequency[rows], self.repetition[rows]
-        penalized = (presence != 0) | (frequency != 0) | (repetition != 1)
-        penalty_weights = None
-        if penalized.any():
-            penalty_weights = (tensor(presence), tensor(frequency), tensor(repetition))
+        wants = self._wanted_logprobs(rows, vocab_size)
+        penalized, penalty_weights = self._penalty_weights(rows, device)
         bias = self._bias(rows, vocab_size)
         seeded_positions = np.nonzero(random & self.seeded[rows])[0]
         static = _Static(
@@ -310,6 +296,46 @@ class SamplingRows:
         if penalty_weights is None and not static.min_tokens_positions.size and not seeded_positions.size:
             static.fixed = static.assemble(len(rows), vocab_size, generator, None, static.bias_edits, None)
         return static
+
+    def _filter_values(
+        self, rows: np.ndarray, greedy: np.ndarray, vocab_size: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(top_k, top_p, min_p, temperature) of `rows`, each [len(rows)]; greedy rows (the mask
+        `greedy`) get neutral values so that the random path can run over the whole batch."""
+        random = ~greedy
+        top_k = np.where(
+            random & (self.top_k[rows] > 0), np.minimum(self.top_k[rows], vocab_size), vocab_size
+        )
+        top_p = np.where(random, self.top_p[rows], np.float32(1.0))
+        min_p = np.where(random, self.min_p[rows], np.float32(0.0))
+        temperature = np.where(greedy, np.float32(1.0), self.temperature[rows])
+        return top_k, top_p, min_p, temperature
+
+    def _wanted_logprobs(self, rows: np.ndarray, vocab_size: int) -> np.ndarray:
+        """The numbers of top logprobs asked for by those of `rows` that want logprobs; raises if
+        one asks for more than the vocabulary has, since no token could fill the surplus."""
+        wants = self.num_logprobs[rows][self.wants_logprobs[rows]]
+        if wants.size and int(wants.max()) > vocab_size:
+            raise ValueError(
+                f"logprobs={int(wants.max())} asks for more top tokens than the vocabulary has ({vocab_size})"
+            )
+        return wants
+
+    def _penalty_weights(
+        self, rows: np.ndarray, device: torch.device
+    ) -> tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """The mask of penalized `rows` and their (presence, frequency, repetition) weights on
+        `device`, or None for the weights when no row is penalized (the step skips penalties)."""
+        presence, frequency, repetition = self.presence[rows], self.frequency[rows], self.repetition[rows]
+        penalized = (presence != 0) | (frequency != 0) | (repetition != 1)
+        if not penalized.any():
+            return penalized, None
+        weights = (
+            _to_device(presence, device),
+            _to_device(frequency, device),
+            _to_device(repetition, device),
+        )
+        return penalized, weights
 
     def _bias(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         positions: list[int] = []
@@ -426,6 +452,11 @@ def _padded_histories(
             )
         out[positions] = np.where(valid, values, vocab_size)
     return torch.from_numpy(out).to(device)
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device` (from_numpy needs a contiguous array)."""
+    return torch.from_numpy(np.ascontiguousarray(values)).to(device)
 
 
 def _check_vocab(tokens: list[int], vocab_size: int) -> None:

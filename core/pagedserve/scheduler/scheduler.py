@@ -410,6 +410,16 @@ class Scheduler:
         preempted by it still get their tokens (they were computed), and tokens of requests that
         finished meanwhile are dropped."""
         later = self._step_done(scheduler_output)
+        self.kv.in_flight = later  # the step's KV is written now; a later step's may not be
+        return self._apply_sampled(scheduler_output, sampled, later)
+
+    def _apply_sampled(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[RequestId, list[int]],
+        later: Mapping[RequestId, int],
+    ) -> list[RequestUpdate]:
+        """update_from_output's per-request loop; `later`: req_id -> tokens of later steps. Mutates."""
         updates: list[RequestUpdate] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
         # Locals for the per-request loop, the other hot loop of a decode-heavy engine.
@@ -419,7 +429,6 @@ class Scheduler:
         new_tuple = tuple.__new__
         running = RequestStatus.RUNNING
         kv = self.kv
-        kv.in_flight = later  # the step's KV is written now; a later step's may not be
         caching = kv.enable_caching
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
@@ -436,25 +445,14 @@ class Scheduler:
                 self._roll_back_rejected(request, spec[req_id], tokens)
                 if caching:
                     kv.defer_computed_blocks(request)
-            # A chunk of several tokens may have filled blocks: make them findable now (deferred
-            # registration: no hashing unless a lookup reaches them), so that requests admitted
-            # next step can share them. A one-token decode's filled block is entered by
-            # allocate_slots when the next step needs a new block (no per-request check here).
+            # A multi-token chunk may have filled blocks: register them (deferred, unhashed) for the next
+            # step's admissions. A one-token decode's full block is entered by allocate_slots later.
             elif caching and num_scheduled > 1:
                 kv.defer_computed_blocks(request)
             known = request.all_token_ids
-            if not tokens:
-                if request.num_computed_tokens - later.get(req_id, 0) >= len(known):
-                    raise ValueError(
-                        f"request {req_id!r} computed all its known tokens but got no sampled token: "
-                        "the worker must sample for every request whose chunk reaches its last token"
-                    )
+            if not tokens or request.num_computed_tokens < len(known):
+                self._check_no_token_due(request, tokens, later)
                 continue
-            if request.num_computed_tokens < len(known):
-                raise ValueError(
-                    f"request {req_id!r} got sampled tokens for a chunk that ended inside its "
-                    f"known tokens ({request.num_computed_tokens} of {len(known)} computed)"
-                )
             stop = request.stop
             outputs = request.output_token_ids
             if len(tokens) == 1 and len(outputs) + 1 < stop.max_tokens:
@@ -464,24 +462,54 @@ class Scheduler:
                 known.append(token)
                 if token not in stop.stopping_ids or len(outputs) < stop.min_tokens:
                     unsent[req_id] = tokens
-                    # RequestUpdate(req_id, new_token_ids, status, stop_token_id,
-                    # num_cached_tokens), built as in _schedule_running.
+                    # RequestUpdate(req_id, new_token_ids, status, stop_token_id, num_cached_tokens)
+                    # built without __init__, as in _schedule_running.
                     append_update(
                         new_tuple(RequestUpdate, (req_id, tokens, running, None, request.num_cached_tokens))
                     )
                     continue
-                request.stop_token_id = token
-                update = RequestUpdate(
-                    req_id, tokens, RequestStatus.FINISHED_STOPPED, token, request.num_cached_tokens
-                )
+                update = self._stopped_by(request, tokens)
             else:
                 update = self._append_tokens(request, tokens)
-            if update.status is not running:
-                self._finish(request, update.status)  # its computed blocks stay findable (free)
-            else:
-                unsent[req_id] = update.new_token_ids
-            append_update(update)
+            append_update(self._settle(request, update))
         return updates
+
+    def _check_no_token_due(
+        self, request: Request, tokens: list[int] | None, later: Mapping[RequestId, int]
+    ) -> None:
+        """Raise if `request` got no sampled token although its chunk reached its last known
+        token, or got tokens although its chunk ended inside its known tokens; both are worker
+        bugs. `later` holds the token counts of the steps still in flight (req_id -> num tokens).
+        Out of line because the decode path never gets here."""
+        num_known = len(request.all_token_ids)
+        if not tokens:
+            # A later step in flight may already have computed this request's remaining tokens.
+            if request.num_computed_tokens - later.get(request.id, 0) >= num_known:
+                raise ValueError(
+                    f"request {request.id!r} computed all its known tokens but got no sampled token: "
+                    "the worker must sample for every request whose chunk reaches its last token"
+                )
+            return
+        raise ValueError(
+            f"request {request.id!r} got sampled tokens for a chunk that ended inside its "
+            f"known tokens ({request.num_computed_tokens} of {num_known} computed)"
+        )
+
+    def _stopped_by(self, request: Request, tokens: list[int]) -> RequestUpdate:
+        """The update finishing `request` on its one new token, a stop token (already appended)."""
+        token = tokens[0]
+        request.stop_token_id = token
+        status = RequestStatus.FINISHED_STOPPED
+        return RequestUpdate(request.id, tokens, status, token, request.num_cached_tokens)
+
+    def _settle(self, request: Request, update: RequestUpdate) -> RequestUpdate:
+        """Release `request` if `update` finished it, else queue its new tokens for the worker;
+        return `update`. Off the decode fast path, which settles inline. Mutates."""
+        if update.status is not RequestStatus.RUNNING:
+            self._finish(request, update.status)  # its computed blocks stay findable (free)
+        else:
+            self._unsent_tokens[request.id] = update.new_token_ids
+        return update
 
     def _step_done(self, scheduler_output: SchedulerOutput) -> Mapping[RequestId, int]:
         """Retire the oldest step in flight, which must be `scheduler_output`'s; return the token

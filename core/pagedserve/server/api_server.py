@@ -39,6 +39,32 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     completions_handler = CompletionsHandler(engine, config, created)
     chat_handler = ChatHandler(engine, config, created)
     tokenization = TokenizationHandler(chat_handler)
+    _add_error_handlers(app)
+    if config.api_key is not None:
+        _add_authentication(app, config.api_key)
+    _add_info_routes(app, engine, config, created)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await completions_handler(body, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat_handler(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return tokenization.detokenize(body)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Answer every error (ours, request validation, routing) with the OpenAI error body."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -53,14 +79,20 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(APIError(exc.status_code, str(exc.detail), kind=kind))
 
+
+def _add_authentication(app: FastAPI, api_key: str) -> None:
+    """Require 'Authorization: Bearer `api_key`' on the /v1 routes; health, version, metrics and
+    tokenization stay open so that probes and tooling need no key."""
+    expected = f"Bearer {api_key}".encode()
+
     @app.middleware("http")
     async def _authenticate(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        if config.api_key is not None and request.url.path.startswith("/v1"):
+        if request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
-            expected = f"Bearer {config.api_key}"
-            if not secrets.compare_digest(given.encode(), expected.encode()):
+            # A constant-time comparison: the time taken must not reveal how much of a guess matched.
+            if not secrets.compare_digest(given.encode(), expected):
                 return error_response(
                     APIError(
                         401,
@@ -69,6 +101,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     )
                 )
         return await call_next(request)
+
+
+def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, config: ServerConfig, created: int) -> None:
+    """Add the routes describing the server: health, version, metrics and the model list."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -99,21 +135,3 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 }
             ],
         }
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await completions_handler(body, request)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await chat_handler(body, request)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return tokenization.tokenize(body)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return tokenization.detokenize(body)
-
-    return app

@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.outputs import CompletionOutput
+from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, invalid
 from pagedserve.server.handlers import GenerationHandler, SampleDelta, stream_choices, usage
@@ -44,6 +45,34 @@ class ChatHandler(GenerationHandler):
         plan = plan_tools(body, self.tool_parser)
         structured = self._constraint(body, plan)
         ids = self.prompt_ids(body, plan)
+        params = self._sampling_params(body, plan, structured)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = self.start(request_id, [ids], params)
+        try:
+            if body.stream:
+                return await self._stream(body, request, streams, request_id, params, plan, len(ids))
+            (final,) = await self.collect(request, streams)
+        except APIError as err:
+            if err.param == "max_tokens" and body.max_completion_tokens is not None:
+                err.param = "max_completion_tokens"  # name the field the client sent
+            raise
+        completion_tokens = sum(len(s.token_ids) for s in final.outputs)
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.config.served_model_name,
+                "choices": [self._choice(sample, params, plan) for sample in final.outputs],
+                "usage": usage(len(ids), completion_tokens),
+            }
+        )
+
+    def _sampling_params(
+        self, body: ChatCompletionRequest, plan: ToolPlan | None, structured: StructuredOutputsParams | None
+    ) -> SamplingParams:
+        """The request's sampling parameters; a bad value is a 400 naming the field the client
+        sent (max_completion_tokens where it used that name for max_tokens)."""
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
@@ -65,61 +94,57 @@ class ChatHandler(GenerationHandler):
             if err.param == "max_tokens" and body.max_completion_tokens is not None:
                 err.param = "max_completion_tokens"
             raise err from None
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self.start(request_id, [ids], params)
-        try:
-            if body.stream:
-                merged = await self.first(request, streams)
-                base = {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": int(time.time()),
-                    "model": self.config.served_model_name,
-                }
-                events = stream_choices(
-                    merged,
-                    base=base,
-                    n=params.n,
-                    renderer=_ChatRenderer(self, params, plan),
-                    include_usage=body.stream_options is not None and body.stream_options.include_usage,
-                    prompt_tokens=len(ids),
-                )
-                return StreamingResponse(events, media_type="text/event-stream")
-            (final,) = await self.collect(request, streams)
-        except APIError as err:
-            if err.param == "max_tokens" and body.max_completion_tokens is not None:
-                err.param = "max_completion_tokens"  # name the field the client sent
-            raise
-        choices = []
-        for sample in final.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": sample.text}
-            reason: str | None = sample.finish_reason
-            if plan is not None and plan.mode != "none":
-                reply = parse_reply(plan, sample.text)
-                message = {"role": "assistant", "content": reply.content}
-                if reply.calls:  # as OpenAI's: no tool_calls field on a reply without calls
-                    message["tool_calls"] = tool_call_objects(reply.calls)
-                reason = finish_reason(plan, reply, sample.finish_reason)
-            choices.append(
-                {
-                    "index": sample.index,
-                    "message": message,
-                    "logprobs": self.logprobs_object(sample, params, 0),
-                    "finish_reason": reason,
-                    "stop_reason": sample.stop_reason,
-                }
-            )
-        completion_tokens = sum(len(s.token_ids) for s in final.outputs)
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.config.served_model_name,
-                "choices": choices,
-                "usage": usage(len(ids), completion_tokens),
-            }
+        return params
+
+    async def _stream(
+        self,
+        body: ChatCompletionRequest,
+        request: Request,
+        streams: list[AsyncIterator[RequestOutput]],
+        request_id: str,
+        params: SamplingParams,
+        plan: ToolPlan | None,
+        num_prompt_tokens: int,
+    ) -> StreamingResponse:
+        """The server-sent event stream of chat.completion.chunk objects; waits for the first
+        output so that an error before it is still an HTTP error, not an event."""
+        merged = await self.first(request, streams)
+        base = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.config.served_model_name,
+        }
+        events = stream_choices(
+            merged,
+            base=base,
+            n=params.n,
+            renderer=_ChatRenderer(self, params, plan),
+            include_usage=body.stream_options is not None and body.stream_options.include_usage,
+            prompt_tokens=num_prompt_tokens,
         )
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    def _choice(
+        self, sample: CompletionOutput, params: SamplingParams, plan: ToolPlan | None
+    ) -> dict[str, Any]:
+        """One choice of a non-streamed chat.completion; with tools, the reply is parsed into
+        content and tool calls, and the finish reason says which it ended with."""
+        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+        reason: str | None = sample.finish_reason
+        if plan is not None and plan.mode != "none":
+            reply = parse_reply(plan, sample.text)
+            message = {"role": "assistant", "content": reply.content}
+            if reply.calls:  # as OpenAI's: no tool_calls field on a reply without calls
+                message["tool_calls"] = tool_call_objects(reply.calls)
+            reason = finish_reason(plan, reply, sample.finish_reason)
+        return {
+            "index": sample.index,
+            "message": message,
+            "logprobs": self.logprobs_object(sample, params, 0),
+            "finish_reason": reason,
+            "stop_reason": sample.stop_reason,
+        }
 
     def _constraint(
         self, body: ChatCompletionRequest, plan: ToolPlan | None

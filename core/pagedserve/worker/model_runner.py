@@ -25,6 +25,7 @@ from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.logprobs import compute_prompt_logprobs, logprobs_to_dicts
+from pagedserve.sampling.metadata import SamplingMetadata
 from pagedserve.sampling.rows import SamplingRows, TokenHistories
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling.sampling_params import SamplingParams
@@ -326,15 +327,8 @@ class ModelRunner:
         per draft scored. Per-row sampling inputs come from the persistent `SamplingRows`; the
         only Python loops run over requests with drafts, logprobs or prompt logprobs. The sampled
         ids stay on the device; the host reads them through the returned `PendingOutput`."""
+        prompt_lp = self._all_prompt_logprobs(plan, hidden)
         batch = self.batch
-        sampling = batch.sampling
-        prompt_lp: dict[RequestId, list[TokenLogprobs]] = {}
-        for i in np.nonzero(sampling.wants_prompt_logprobs[plan.rows])[0].tolist():
-            row = int(plan.rows[i])
-            start, n = int(plan.query_start[i]), int(plan.num_sched[i])
-            self._prompt_logprobs(
-                batch.rows[row], hidden, start, int(batch.num_computed_tokens[row]), n, prompt_lp
-            )
         # A chunked prefill that has not reached the end of its prompt samples nothing.
         known = batch.num_tokens[plan.rows] + plan.pending
         samples = batch.num_computed_tokens[plan.rows] + plan.num_sched - plan.num_drafts >= known
@@ -347,30 +341,9 @@ class ModelRunner:
         first = np.cumsum(per_req) - per_req  # index of each request's first sampled position
         owner = np.repeat(np.arange(len(per_req)), per_req)  # scheduled request of each position
         draft_index = np.arange(total) - first[owner]  # j: the position after j drafts
-        # A request's k drafts are its last k tokens; position j is scored by token (end - 1 - k + j).
-        token_index = plan.query_start[owner + 1] - 1 - plan.num_drafts[owner] + draft_index
-        num_tokens = int(plan.query_start[-1])
-        if total == num_tokens:  # every token is sampled (pure decode): no gather needed
-            selected = hidden[:num_tokens]
-        else:
-            selected = hidden.index_select(0, upload(token_index, hidden.device))
-        logits = self.model.compute_logits(selected)
+        logits = self.model.compute_logits(self._sampled_hidden(plan, hidden, owner, draft_index))
         rows = plan.rows[owner]
-        if plan.pending.any() and _any_penalty(sampling, plan.rows[plan.pending > 0]):
-            self._fill_pending_history(plan)
-        histories = TokenHistories(
-            batch.token_ids,
-            rows,
-            batch.num_prompt_tokens[rows],
-            batch.num_tokens[rows] + plan.pending[owner] + draft_index,
-        )
-        meta = sampling.metadata(
-            histories,
-            vocab_size=logits.shape[1],
-            eos_token_id=self.eos_token_id,
-            device=logits.device,
-            generator=self.generator,
-        )
+        meta = self._sampling_metadata(plan, logits, rows, owner, draft_index)
         sampling_reqs = np.nonzero(samples)[0]
         if len(sampling_reqs) == len(plan.req_ids):
             req_ids = plan.req_ids
@@ -383,10 +356,10 @@ class ModelRunner:
         starts = first[sampling_reqs]
         logprobs = None
         if out.logprobs is not None:
-            wanted = np.nonzero(sampling.wants_logprobs[plan.rows[sampling_reqs]])[0].tolist()
+            wanted = np.nonzero(batch.sampling.wants_logprobs[plan.rows[sampling_reqs]])[0].tolist()
             logprobs = LogprobRequests(
                 out.logprobs,
-                sampling.num_logprobs[rows].tolist(),
+                batch.sampling.num_logprobs[rows].tolist(),
                 [(req_ids[k], int(starts[k])) for k in wanted],
             )
         return PendingOutput(
@@ -397,6 +370,63 @@ class ModelRunner:
             copy_stream=self._copy_stream,
             logprobs=logprobs,
             prompt_logprobs=prompt_lp,
+        )
+
+    def _all_prompt_logprobs(
+        self, plan: _StepPlan, hidden: torch.Tensor
+    ) -> dict[RequestId, list[TokenLogprobs]]:
+        """The prompt logprobs of this step's chunk of every request that asked for them
+        (req_id -> one entry per prompt token scored); the loop runs over those requests only."""
+        batch = self.batch
+        prompt_lp: dict[RequestId, list[TokenLogprobs]] = {}
+        for i in np.nonzero(batch.sampling.wants_prompt_logprobs[plan.rows])[0].tolist():
+            row = int(plan.rows[i])
+            start, n = int(plan.query_start[i]), int(plan.num_sched[i])
+            self._prompt_logprobs(
+                batch.rows[row], hidden, start, int(batch.num_computed_tokens[row]), n, prompt_lp
+            )
+        return prompt_lp
+
+    def _sampled_hidden(
+        self, plan: _StepPlan, hidden: torch.Tensor, owner: np.ndarray, draft_index: np.ndarray
+    ) -> torch.Tensor:
+        """The hidden states of the sampled positions, [num_positions, hidden_size]: position j of
+        a request (`owner`: its scheduled index; `draft_index`: j) is scored by the token after
+        its j-th draft."""
+        # A request's k drafts are its last k tokens; position j is scored by token (end - 1 - k + j).
+        token_index = plan.query_start[owner + 1] - 1 - plan.num_drafts[owner] + draft_index
+        num_tokens = int(plan.query_start[-1])
+        if len(owner) == num_tokens:  # every token is sampled (pure decode): no gather needed
+            return hidden[:num_tokens]
+        return hidden.index_select(0, upload(token_index, hidden.device))
+
+    def _sampling_metadata(
+        self,
+        plan: _StepPlan,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        owner: np.ndarray,
+        draft_index: np.ndarray,
+    ) -> SamplingMetadata:
+        """The sampler's inputs for the sampled positions (`rows`: the batch row of each;
+        `owner`, `draft_index`: its scheduled request and draft offset). Each position's token
+        history ends just before it, so penalties see the drafts it follows."""
+        batch = self.batch
+        sampling = batch.sampling
+        if plan.pending.any() and _any_penalty(sampling, plan.rows[plan.pending > 0]):
+            self._fill_pending_history(plan)
+        histories = TokenHistories(
+            batch.token_ids,
+            rows,
+            batch.num_prompt_tokens[rows],
+            batch.num_tokens[rows] + plan.pending[owner] + draft_index,
+        )
+        return sampling.metadata(
+            histories,
+            vocab_size=logits.shape[1],
+            eos_token_id=self.eos_token_id,
+            device=logits.device,
+            generator=self.generator,
         )
 
     def _prompt_logprobs(

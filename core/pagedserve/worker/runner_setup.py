@@ -195,6 +195,16 @@ def build_runner(
     swap_blocks = swap_space_blocks(spec, args, dm.kv_cache_dtype)
     if swap_blocks:
         runner.allocate_swap_space(swap_blocks)
+    _prepare_graphs(runner, dm, args, device, tensor_parallel)
+    _compile_cpu_forward(runner, spec, args, device, tensor_parallel)
+    return runner
+
+
+def _prepare_graphs(
+    runner: ModelRunner, dm: DeviceModel, args: EngineArgs, device: torch.device, tensor_parallel: bool
+) -> None:
+    """Capture the CUDA graphs (and compile the GPU forward) that `args` asks for and the device
+    and backend support; on other devices, log why there are none."""
     graph_plan = plan_graphs(
         args.cudagraph_mode,
         enforce_eager=args.enforce_eager,
@@ -202,7 +212,7 @@ def build_runner(
         # would have to trace as functional ones; ranks run their forward uncompiled for now.
         gpu_compile=args.gpu_compile and not tensor_parallel,
         device=device,
-        spec=spec,
+        spec=dm.loaded.spec,
         backend_supports_full=dm.backend.supports_full_cuda_graph,
         cache_ops_skip_padding=dm.cache_ops.skips_negative_slots,
     )
@@ -217,6 +227,13 @@ def build_runner(
         )
     else:
         logger.info("no CUDA graphs: %s", graph_plan.describe())
+
+
+def _compile_cpu_forward(
+    runner: ModelRunner, spec: ModelSpec, args: EngineArgs, device: torch.device, tensor_parallel: bool
+) -> None:
+    """Compile the runner's CPU forward where it applies; warn when `cpu_compile=True` was asked
+    for but cannot apply, so the setting is not silently ignored."""
     not_compiled_why = compile_reason(device, spec, args.cpu_compile, args.enforce_eager)
     if not_compiled_why is None and tensor_parallel:
         # The row-parallel layers call torch.distributed's in-place collectives, which inductor
@@ -226,7 +243,6 @@ def build_runner(
         runner.compile_forward()
     elif args.cpu_compile:
         logger.warning("cpu_compile=True has no effect: %s", not_compiled_why)
-    return runner
 
 
 def _max_model_len(args: EngineArgs, spec: ModelSpec) -> int:

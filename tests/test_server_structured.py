@@ -209,6 +209,9 @@ def _stream_tool_calls(
         messages=MESSAGES,  # type: ignore[arg-type]
         tools=[WEATHER, TIME],  # type: ignore[list-item]
         tool_choice=tool_choice,
+        # One seeded call: with parallel calls a random model may fill max_tokens with a list of them.
+        parallel_tool_calls=False,
+        seed=5,
         max_tokens=120,
         stream=True,
     )

@@ -45,14 +45,17 @@ from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling.sampling_params import SamplingParams
 
+# Llama-3.1 shapes whose weights are random; the rest of the config is shared.
+LLAMA_SHAPES: dict[str, dict[str, int]] = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
+}
 
-def llama_8b_config() -> LlamaConfig:
-    """Llama-3.1-8B's shapes and rope (the weights are random)."""
+
+def llama_config(shape: str) -> LlamaConfig:
+    """Llama-3.1-8B or -70B shapes and rope (the weights are random)."""
     return LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
+        **LLAMA_SHAPES[shape],
         num_key_value_heads=8,
         vocab_size=128256,
         max_position_embeddings=131072,
@@ -68,6 +71,11 @@ def llama_8b_config() -> LlamaConfig:
         },
         architectures=["LlamaForCausalLM"],
     )
+
+
+def llama_8b_config() -> LlamaConfig:
+    """Llama-3.1-8B's shapes and rope (the weights are random)."""
+    return llama_config("8b")
 
 
 def _prompt(length: int, seed: int) -> list[int]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from transformers import LlamaConfig
+from gpu_latency import LLAMA_SHAPES, _prompt, llama_config
 
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput
@@ -39,37 +39,6 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor.base import ParallelExecutor
 from pagedserve.executor.launch import NCCL_DEFAULTS
 from pagedserve.sampling.sampling_params import SamplingParams
-
-_SHAPES: dict[str, dict[str, int]] = {
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
-    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
-}
-
-
-def llama_config(shape: str) -> LlamaConfig:
-    """Llama-3.1-8B or -70B shapes and rope (the weights are random)."""
-    return LlamaConfig(
-        **_SHAPES[shape],
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        architectures=["LlamaForCausalLM"],
-    )
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 128000, (length,), generator=gen).tolist()
 
 
 def single_stream(engine: LLMEngine, prompt_len: int, output_len: int) -> dict[str, float]:
@@ -204,7 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shape", choices=sorted(_SHAPES), default="8b")
+    parser.add_argument("--shape", choices=sorted(LLAMA_SHAPES), default="8b")
     parser.add_argument("--tp", default="1,2", help="comma-separated tensor_parallel_size values")
     parser.add_argument("--platform", default="cuda")
     parser.add_argument("--prompt-len", type=int, default=512)

@@ -9,7 +9,10 @@ step in flight and hide exactly what is measured):
     `--steps` decode steps, synchronised only before the first and after the last;
   * GPU idle at 1 and at `--batch` running requests: a torch-profiler trace of `--steps` decode
     steps; idle = 1 - union of kernel and copy intervals / span (`gpu_latency._gpu_busy`);
-  * throughput (`--workload FILE`): `pagedserve bench throughput`'s loop on the workload.
+  * throughput (`--workload FILE`): `pagedserve bench throughput`'s loop on the workload, with
+    where its time went (`bench.throughput.summarize_trace`: the admission phase, then the steps
+    by running-request count);
+  * the decode measurements also list the kernels that took the most device time per step.
 
     python benchmarks/gpu_async_scheduling.py --platform cuda --json async.json
     python benchmarks/gpu_async_scheduling.py --platform cuda --workload sharegpt_like_256.json
@@ -29,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_latency import _gpu_busy, _prompt, llama_8b_config
+from gpu_latency import _gpu_busy, _prompt, kernel_table, llama_8b_config
 
 from pagedserve.bench.datasets import fit_vocab, load_workload
-from pagedserve.bench.throughput import run_throughput
+from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling.sampling_params import SamplingParams
@@ -88,7 +91,12 @@ def decode(engine: LLMEngine, batch: int, steps: int) -> dict[str, Any]:
             engine.step()
         torch.cuda.synchronize()
     _run_to_end(engine)
-    return {"batch": batch, "step_mean_ms": step_ms, **_gpu_busy(prof)}
+    return {
+        "batch": batch,
+        "step_mean_ms": step_ms,
+        **_gpu_busy(prof),
+        "kernels": kernel_table(prof, steps),
+    }
 
 
 def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) -> dict[str, Any]:
@@ -116,8 +124,10 @@ def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) ->
         warm = requests[: args.warmup_requests]
         if warm:
             run_throughput(engine, warm)
-        out["throughput"] = run_throughput(engine, requests).to_dict()
-        print(out["throughput"], flush=True)
+        trace: list[StepRecord] = []
+        out["throughput"] = run_throughput(engine, requests, trace).to_dict()
+        out["throughput_steps"] = summarize_trace(trace)
+        print(out["throughput"], out["throughput_steps"], flush=True)
     del engine
     gc.collect()
     torch.cuda.empty_cache()

@@ -136,6 +136,23 @@ def _gpu_busy(prof: torch.profiler.profile) -> dict[str, float]:
     }
 
 
+def kernel_table(prof: torch.profiler.profile, steps: int, top: int = 20) -> list[dict[str, Any]]:
+    """Where the device time of `steps` profiled steps went: the `top` kernels (and copies) by
+    total time, each with its time and launch count per step. Pure."""
+    total_us: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        total_us[e.name] = total_us.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+        calls[e.name] = calls.get(e.name, 0) + 1
+    ranked = sorted(total_us, key=total_us.__getitem__, reverse=True)[:top]
+    return [
+        {"kernel": name[:120], "us_per_step": total_us[name] / steps, "calls_per_step": calls[name] / steps}
+        for name in ranked
+    ]
+
+
 def decode_profile(engine: LLMEngine, batch: int, steps: int, context: int) -> dict[str, Any]:
     """`batch` requests with `context`-token prompts; after their prefill, time `steps` decode
     steps unprofiled, then profile as many more."""

@@ -26,9 +26,58 @@ class ThroughputResult:
         return asdict(self)
 
 
-def run_throughput(engine: LLMEngine, requests: list[BenchRequest]) -> ThroughputResult:
-    """Add every request, step until all finish, and time it. Mutates the engine (runs it);
-    raises ValueError if any request is rejected or ends short of its output_len."""
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step of a throughput run, as seen from the host after the step returned."""
+
+    end_s: float  # seconds since the run started
+    num_running: int  # requests holding KV blocks after the step
+    num_waiting: int  # requests not admitted yet after the step
+
+
+# Running-request counts a step trace is summarised by: (lowest, highest) of each bucket.
+TRACE_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 8), (9, 32), (33, 128), (129, 1 << 30))
+
+
+def summarize_trace(trace: list[StepRecord]) -> dict[str, Any]:
+    """Where a run's time went: the admission phase (until nothing waits) and, after it, the
+    steps grouped by how many requests were running. Pure."""
+    admitted_at = next((r.end_s for r in trace if r.num_waiting == 0), trace[-1].end_s if trace else 0.0)
+    out: dict[str, Any] = {
+        "steps": len(trace),
+        "admission_s": admitted_at,
+        "admission_steps": sum(1 for r in trace if r.end_s <= admitted_at),
+    }
+    previous = 0.0
+    buckets = {lo: [0, 0.0] for lo, _ in TRACE_BUCKETS}  # lowest running count -> [steps, seconds]
+    for record in trace:
+        took = record.end_s - previous
+        previous = record.end_s
+        if record.end_s <= admitted_at:
+            continue
+        for lo, hi in TRACE_BUCKETS:
+            if lo <= record.num_running <= hi:
+                buckets[lo][0] += 1
+                buckets[lo][1] += took
+    out["after_admission"] = [
+        {
+            "running": f"{lo}-{hi}" if hi < 1 << 30 else f">={lo}",
+            "steps": n,
+            "seconds": t,
+            "ms_per_step": 1e3 * t / n if n else None,
+        }
+        for (lo, hi) in TRACE_BUCKETS
+        for n, t in [buckets[lo]]
+    ]
+    return out
+
+
+def run_throughput(
+    engine: LLMEngine, requests: list[BenchRequest], trace: list[StepRecord] | None = None
+) -> ThroughputResult:
+    """Add every request, step until all finish, and time it; with `trace`, append one
+    `StepRecord` per engine step to it. Mutates the engine (runs it) and `trace`; raises
+    ValueError if any request is rejected or ends short of its output_len."""
     produced: dict[str, int] = {}
     start = time.perf_counter()
     for i, req in enumerate(requests):
@@ -40,10 +89,15 @@ def run_throughput(engine: LLMEngine, requests: list[BenchRequest]) -> Throughpu
             output_kind=RequestOutputKind.FINAL_ONLY,  # only finished requests are counted
         )
         engine.add_request(f"bench-{i}", req.prompt_ids, params)
+    scheduler = engine.core.scheduler
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 produced[out.request_id] = len(out.outputs[0].token_ids)
+        if trace is not None:
+            trace.append(
+                StepRecord(time.perf_counter() - start, len(scheduler.running), len(scheduler.waiting))
+            )
     duration = time.perf_counter() - start
     short = [f"bench-{i}" for i, r in enumerate(requests) if produced.get(f"bench-{i}", 0) != r.output_len]
     if short:

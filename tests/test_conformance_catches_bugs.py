@@ -389,6 +389,43 @@ class QuantizesWithoutScales(ReferenceCacheOps):
         super().reshape_and_cache(key, value, kv_cache, slot_mapping, kv_scales=unit)
 
 
+class SkipsPaddingSlots(ReferenceCacheOps):
+    """Keeps the `skips_negative_slots` promise: padding tokens (slot -1) are not written."""
+
+    skips_negative_slots = True
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scales: KVCacheScales | None = None,
+    ) -> None:
+        real = slot_mapping >= 0
+        n = slot_mapping.shape[0]
+        super().reshape_and_cache(
+            key[:n][real], value[:n][real], kv_cache, slot_mapping[real], kv_scales=kv_scales
+        )
+
+
+class WritesPaddingSlots(SkipsPaddingSlots):
+    """Promises to skip slot -1 but writes it, wrapped around to the cache's last slot (what a
+    kernel computing `slot % block_size` on a negative slot does to the value half)."""
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scales: KVCacheScales | None = None,
+    ) -> None:
+        total = kv_cache.shape[1] * kv_cache.shape[2]
+        wrapped = torch.where(slot_mapping < 0, slot_mapping + total, slot_mapping)
+        ReferenceCacheOps.reshape_and_cache(self, key, value, kv_cache, wrapped, kv_scales=kv_scales)
+
+
 class DropsLastSwap(ReferenceCacheOps):
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
         super().swap_blocks(src, dst, block_mapping[:-1])
@@ -401,8 +438,15 @@ class DropsLastSwap(ReferenceCacheOps):
         (WritesNextSlot(), "reshape_and_cache"),
         (DropsLastSwap(), "swap_blocks_same_device"),
         (QuantizesWithoutScales(), "reshape_and_cache"),
+        (WritesPaddingSlots(), "reshape_and_cache"),
     ],
-    ids=["copies_keys_only", "writes_next_slot", "drops_last_swap", "quantizes_without_scales"],
+    ids=[
+        "copies_keys_only",
+        "writes_next_slot",
+        "drops_last_swap",
+        "quantizes_without_scales",
+        "writes_padding",
+    ],
 )
 def test_suite_fails_broken_cache_ops(ops: CacheOps, expected_group: str) -> None:
     failure = _first_failure(_suite(ReferenceAttentionBackend, ops), "cache_ops")
@@ -410,6 +454,16 @@ def test_suite_fails_broken_cache_ops(ops: CacheOps, expected_group: str) -> Non
     assert failure.group == expected_group, failure.summary()
     if isinstance(ops, QuantizesWithoutScales):
         assert failure.case.kv_cache_dtype is not None, failure.summary()
+
+
+def test_cache_ops_that_skip_padding_pass_the_padding_cases() -> None:
+    """The padded reshape_and_cache cases run for ops declaring `skips_negative_slots`, and an op
+    that keeps the promise passes them (FP8 caches included)."""
+    results = [
+        r for r in _suite(ReferenceAttentionBackend, SkipsPaddingSlots()).run() if r.component == "cache_ops"
+    ]
+    assert any(r.group == "reshape_and_cache" for r in results)
+    assert {r.status for r in results} == {Status.PASSED}, "\n".join(r.summary() for r in results)
 
 
 def test_unmodified_reference_passes_every_case() -> None:

@@ -12,7 +12,8 @@ blocks as they are.
 
 The cases mirror how the engine calls the ops: `reshape_and_cache` into shuffled slots that leave
 blocks partly filled, with key/value possibly slices of a fused qkv tensor and with more rows than
-slots; `copy_blocks` over several layers with a source block copied to two destinations (two
+slots (and, for ops that declare `skips_negative_slots`, padding tokens with slot -1 that must
+write nothing); `copy_blocks` over several layers with a source block copied to two destinations (two
 copy-on-write forks); `swap_blocks` within the device and between the device and the CPU.
 """
 
@@ -28,6 +29,7 @@ from pagedserve.platforms.api import CacheOps
 
 COMPONENT = "cache_ops"
 EXTRA_ROWS = 2  # key/value rows past len(slot_mapping), which must not be written
+PADDING_TOKENS = 2  # slot -1 tokens, for cache ops that declare `skips_negative_slots`
 
 
 def _random(
@@ -90,17 +92,17 @@ def _reshape_and_cache(
         key_cpu = _random((rows, case.num_kv_heads, case.head_size), case, gen)
         value_cpu = _random((rows, case.num_kv_heads, case.head_size), case, gen)
         key, value = key_cpu.to(device), value_cpu.to(device)
+    if ops.skips_negative_slots:
+        # The last tokens are padding of a full CUDA graph (slot -1): the op promises to write
+        # nothing for them, neither into the cache nor before or after it.
+        slots[-PADDING_TOKENS:] = -1
+    real = slots >= 0
     cache = GuardedTensor(_cache_shape(case, num_blocks), case.cache_dtype, device, _margin(case))
     expected = torch.full(_cache_shape(case, num_blocks), POISON, dtype=case.cache_dtype)
-    if case.kv_cache_dtype is None:
-        oracle.cache_ops.reshape_and_cache(key_cpu.contiguous(), value_cpu.contiguous(), expected, slots)
-        ops.reshape_and_cache(key, value, cache.tensor, slots.to(device))
-    else:
-        scales = FP8_KV_SCALES
-        oracle.cache_ops.reshape_and_cache(
-            key_cpu.contiguous(), value_cpu.contiguous(), expected, slots, kv_scales=scales
-        )
-        ops.reshape_and_cache(key, value, cache.tensor, slots.to(device), kv_scales=scales)
+    ref_key, ref_value = key_cpu[:n][real].contiguous(), value_cpu[:n][real].contiguous()
+    scales = {} if case.kv_cache_dtype is None else {"kv_scales": FP8_KV_SCALES}
+    oracle.cache_ops.reshape_and_cache(ref_key, ref_value, expected, slots[real], **scales)
+    ops.reshape_and_cache(key, value, cache.tensor, slots.to(device), **scales)
     check.guards(cache, "kv_cache")
     check.unchanged(expected, cache.tensor, "kv_cache")
     check.unchanged(key_cpu, key, "key (an input)")

@@ -27,6 +27,7 @@ extern "C" __global__ void reshape_and_cache_fp8(
     float k_inv_scale, float v_inv_scale) {
     const long long token = blockIdx.x;
     const long long slot = slot_mapping[token];
+    if (slot < 0) return;  // a padding token of a full CUDA graph: nothing to write
     unsigned char* dst = kv_cache + (slot / block_size) * stride_kv_block + (slot % block_size) * stride_kv_slot;
     const scalar_t* k_src = key + token * stride_k_tok;
     const scalar_t* v_src = value + token * stride_v_tok;

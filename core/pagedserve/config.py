@@ -110,6 +110,12 @@ class EngineArgs(_Config):
         description="GPU platforms: run the dense parts of the forward through torch.compile "
         "(attention stays the platform's kernels); artifacts are cached on disk",
     )
+    platform_linear: bool = Field(
+        True,
+        description="GPU platforms that provide their own GEMM for linear layers (triton, cuda: a "
+        "weight-streaming kernel for steps of at most 16 tokens, FP8 weights included): use it; "
+        "False keeps torch's (cuBLAS / torch._scaled_mm) for every step",
+    )
     cpu_compile: bool = Field(
         False,
         description="CPU platforms: run steps of up to 32 tokens through torch.compile (needs a C++ "

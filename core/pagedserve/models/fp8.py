@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.platforms.api import LinearKernel
+
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 MIN_SM = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90)
@@ -47,6 +49,25 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+def scaled_linear(
+    x: torch.Tensor,  # [M, in_features] in the activations' dtype
+    weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [out_features] float32, per output channel
+    bias: torch.Tensor | None,  # [out_features]
+) -> torch.Tensor:  # [M, out_features] in x's dtype
+    """The FP8 GEMM of `quantization="fp8"`: `x` quantized per row, `torch._scaled_mm` with
+    row-wise scales. Pure."""
+    codes, scales = quantize_rows(x)
+    y = torch._scaled_mm(
+        codes,
+        weight.t(),  # column-major [in, out], as _scaled_mm wants its second operand
+        scale_a=scales,
+        scale_b=weight_scale.reshape(1, -1),
+        out_dtype=x.dtype,
+    )
+    return y if bias is None else y + bias
+
+
 class Fp8Linear(nn.Module):
     """`y = x @ W.T + b` with `W` stored in FP8 per output channel and `x` quantized per token."""
 
@@ -63,20 +84,15 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", codes)
         self.register_buffer("weight_scale", scales.reshape(1, -1).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.kernel: LinearKernel | None = None  # set by `platform_linear.route_linear_layers`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., out_features] in x's dtype
         """Does not mutate `x`."""
         rows = x.reshape(-1, self.in_features)
-        codes, scales = quantize_rows(rows)
-        y = torch._scaled_mm(
-            codes,
-            self.weight.t(),  # column-major [in, out], as _scaled_mm wants its second operand
-            scale_a=scales,
-            scale_b=self.weight_scale,
-            out_dtype=x.dtype,
-        )
-        if self.bias is not None:
-            y = y + self.bias
+        if self.kernel is not None:  # the platform's operator (`models.platform_linear`)
+            y = self.kernel.op(rows, self.weight, self.weight_scale.reshape(-1), self.bias)
+        else:
+            y = scaled_linear(rows, self.weight, self.weight_scale, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

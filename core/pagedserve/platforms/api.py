@@ -19,6 +19,11 @@ dtype. Each layer then has `KVCacheScales`: `reshape_and_cache` stores `fp8(clam
 range) and attention reads `stored * scale`. A backend opts in by listing the FP8 dtypes it reads
 in `AttentionCapabilities.kv_cache_dtypes`; the core passes `kv_scales=` only for FP8 caches, so
 a plugin written for API 1.0 is never called with it.
+
+Linear kernels (API 1.2): a platform may run the matrix products of a model's linear layers itself
+(`LinearKernel`, hook `pagedserve_linear_kernel`); the core then routes every linear layer of the
+decoder through its operator, which must compute `x @ (weight * scale[:, None]).T + bias` for any
+number of rows.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.1"
+PLUGIN_API_VERSION = "1.2"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.1"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.2"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -95,6 +100,27 @@ class AttentionCapabilities:
     # FP8 dtypes the backend reads as a quantized KV cache (with `KVCacheScales`), besides caches in
     # the query's dtype. Empty: the cache must have the query's dtype. (API 1.1)
     kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
+
+
+# (x [M, K], weight [N, K] in x's dtype or FP8, scale [N] float32 or None, bias [N] or None) -> [M, N]
+LinearOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class LinearKernel:
+    """The matrix products of a model's linear layers, run by a platform (API 1.2).
+
+    `op(x, weight, scale, bias)` returns `x @ (weight.to(x.dtype) * scale[:, None]).T + bias` for
+    any number of rows M (scale and bias may be None). It must be a torch operator that
+    `torch.compile` keeps opaque (a `torch.library.custom_op` with a fake implementation), must not
+    sync, and may be recorded in CUDA graphs. FP8 weights (`float8_e4m3fn`, per-output-channel
+    `scale`) arrive only when `torch.float8_e4m3fn` is in `weight_dtypes`; for them the operator
+    computes what `pagedserve.models.fp8.scaled_linear` does for the rows it does not take itself
+    (calling it is the simplest way)."""
+
+    name: str  # for logs: "triton skinny GEMM (<= 16 rows), cuBLAS above"
+    op: LinearOp
+    weight_dtypes: frozenset[torch.dtype]  # weight dtypes `op` takes besides the activation's
 
 
 class UnsupportedCase(ValueError):

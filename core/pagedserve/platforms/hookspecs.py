@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pluggy
 
-from pagedserve.platforms.api import AttentionBackend, CacheOps, GridOrder, PlatformInfo
+from pagedserve.platforms.api import AttentionBackend, CacheOps, GridOrder, LinearKernel, PlatformInfo
 
 PROJECT_NAME = "pagedserve"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -43,6 +43,12 @@ def pagedserve_grid_order(platform: str, device_name: str) -> GridOrder | None:
     """Return the program-id remapping kernels of `platform` should use on the device called
     `device_name`, or None to leave the choice to other plugins (the host falls back to the
     identity order)."""
+
+
+@hookspec(firstresult=True)
+def pagedserve_linear_kernel(platform: str) -> LinearKernel | None:
+    """Return the `LinearKernel` that runs the linear layers of models on `platform` (API 1.2), or
+    None to leave them to torch (cuBLAS on NVIDIA). The first non-None answer wins."""
 
 
 @hookspec

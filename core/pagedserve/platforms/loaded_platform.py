@@ -17,6 +17,7 @@ from pagedserve.platforms.api import (
     Availability,
     CacheOps,
     GridOrder,
+    LinearKernel,
     PlatformInfo,
 )
 from pagedserve.platforms.discovery import AcceptedPlugin, PluginProblems, call_each
@@ -144,6 +145,22 @@ class LoadedPlatform:
                 "not a GridOrder with num_groups >= 1",
             )
         return IDENTITY_GRID_ORDER
+
+    def linear_kernel(self) -> LinearKernel | None:
+        """The platform's `LinearKernel` (API 1.2), or None when no plugin provides one (linear
+        layers then stay torch's). A malformed answer is reported as the plugin's problem and
+        skipped. Asks the plugins on every call."""
+        for plugin, result in call_each(
+            self._pm, self._problems, "pagedserve_linear_kernel", platform=self.name
+        ):
+            if result is None:
+                continue
+            if isinstance(result, LinearKernel) and callable(result.op):
+                return result
+            self._problems.report(
+                plugin, f"pagedserve_linear_kernel({self.name!r}) returned {result!r}, not a LinearKernel"
+            )
+        return None
 
     def tuned_configs(self) -> TunedConfigs:
         """Every tuned-config file the plugins list for this platform, validated (an invalid file

@@ -16,8 +16,10 @@ import torch
 from pagedserve.attention.kv_cache_dtype import DEFAULT_KV_SCALES, is_fp8, resolve_kv_cache_dtype
 from pagedserve.config import EngineArgs
 from pagedserve.distributed.group import TensorParallelGroup
+from pagedserve.models.decoder import DecoderForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model
-from pagedserve.models.spec import ModelSpec
+from pagedserve.models.platform_linear import route_linear_layers
+from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.worker.cpu_compile import compile_reason
@@ -133,12 +135,24 @@ def load_device_model(
         tp=tp,
     )
     logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
+    if args.platform_linear and device.type == "cuda":
+        _route_linear_layers(loaded.model, platform, dtype)
     max_model_len = _max_model_len(args, loaded.spec)
     backend, kv_dtype = choose_backend(platform, loaded.spec, args.block_size, args.kv_cache_dtype)
     max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     if not args.enable_chunked_prefill:
         max_batched = max(max_batched, max_model_len)
     return DeviceModel(platform, loaded, backend, platform.cache_ops(), max_model_len, max_batched, kv_dtype)
+
+
+def _route_linear_layers(model: PagedCausalLM, platform: LoadedPlatform, dtype: torch.dtype) -> None:
+    """Run the decoder's linear layers on the platform's `LinearKernel`, if it has one. Mutates
+    `model`."""
+    kernel = platform.linear_kernel()
+    if kernel is None or not isinstance(model, DecoderForCausalLM):
+        return
+    routed = route_linear_layers(model.model, kernel, dtype)
+    logger.info("linear layers: %d on %s", routed, kernel.name)
 
 
 def fit_kv_blocks(dm: DeviceModel, args: EngineArgs, device: torch.device) -> int:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, PlatformInfo
+from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, LinearKernel, PlatformInfo
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_cuda.compiler import INSTALL_HINT, CudaToolError, nvrtc_version
 from pagedserve_cuda.selection import MIN_CAPABILITY
 from pagedserve_cuda.tuning import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.1"
+PAGEDSERVE_PLUGIN_API = "1.2"
 
 PLATFORM_NAME = "cuda"
 PRIORITY = 20  # above triton (10): on an NVIDIA GPU the CUDA decode kernels are preferred
@@ -90,6 +90,16 @@ def pagedserve_cache_ops(platform: str) -> CacheOps | None:
     from pagedserve_cuda.cache_ops import CudaCacheOps
 
     return CudaCacheOps()
+
+
+@hookimpl
+def pagedserve_linear_kernel(platform: str) -> LinearKernel | None:
+    """The triton plugin's weight-streaming GEMM (this platform runs Triton for prefill already)."""
+    if platform != PLATFORM_NAME:
+        return None
+    from pagedserve_triton.linear_op import LINEAR_KERNEL
+
+    return LINEAR_KERNEL
 
 
 @hookimpl

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, PlatformInfo
+from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, LinearKernel, PlatformInfo
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_triton.launch_params import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.1"
+PAGEDSERVE_PLUGIN_API = "1.2"
 
 PLATFORM_NAME = "triton"
 
@@ -93,6 +93,15 @@ def pagedserve_cache_ops(platform: str) -> CacheOps | None:
     from pagedserve_triton.cache_ops import TritonCacheOps
 
     return TritonCacheOps()
+
+
+@hookimpl
+def pagedserve_linear_kernel(platform: str) -> LinearKernel | None:
+    if platform != PLATFORM_NAME or not _triton_installed() or torch.version.hip:
+        return None
+    from pagedserve_triton.linear_op import LINEAR_KERNEL
+
+    return LINEAR_KERNEL
 
 
 @hookimpl

@@ -1,0 +1,209 @@
+"""On a GPU: the linear layers of a decode step (1-16 rows) against cuBLAS, bf16 and FP8 weights.
+
+For each weight shape of an 8B Llama layer (qkv, o, gate_up, down) and its LM head, times one
+matrix product at `--rows` activation rows with:
+
+  * `torch` — `F.linear` (cuBLAS, what the compiled forward calls);
+  * `skinny` — `pagedserve_triton.skinny_gemm` with the best launch parameters of a sweep
+    (`--sweep`: every combination of the grid below, else the configured table);
+  * with `--fp8`: `torch-fp8` — the FP8 path of `quantization="fp8"` today (activation rows
+    quantized, `torch._scaled_mm` with row-wise scales) and `skinny-fp8` — the same kernel
+    streaming FP8 weights with per-channel scales and bf16 activations (nothing quantized per step).
+
+Times are CUDA-graph replays of 20 products in a row that cycle through enough weight copies to
+exceed the L2 cache, so every product streams its weight from HBM, as in a real decode step.
+GB/s counts the weight bytes.
+
+    python benchmarks/skinny_gemm.py --sweep --fp8 --json skinny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.models.fp8 import quantize_rows
+from pagedserve_triton.skinny_gemm import SkinnyGemmConfig, skinny_linear
+
+SHAPES: dict[str, tuple[int, int]] = {  # name -> (N, K) of Llama-3.1-8B
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+GRID = {
+    "block_n": [16, 32, 64],
+    "block_k": [128, 256, 512],
+    "split_k": [1, 2, 4],
+    "num_warps": [4],
+    "num_stages": [3, 4, 6],
+}
+EXTRA = [(64, 256, 1, 8, 4), (128, 128, 1, 8, 3), (32, 512, 2, 8, 4), (16, 1024, 1, 4, 3), (32, 256, 8, 4, 4)]
+L2_BYTES = 60 << 20
+REPEAT = 20
+
+
+def _graph_time_us(fn: Callable[[int], object], copies: int) -> float:
+    """Mean µs of one call of `fn(i)` replayed inside a CUDA graph of REPEAT calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(i % copies)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(REPEAT):
+            fn(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (5 * REPEAT))
+    return best
+
+
+def _weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Enough copies of an [n, k] weight that cycling through them never hits the L2 cache."""
+    copies = L2_BYTES // (n * k * dtype.itemsize) + 2
+    return [torch.randn(n, k, device="cuda").to(dtype) for _ in range(copies)]
+
+
+def _configs(sweep: bool) -> list[SkinnyGemmConfig]:
+    grid = list(itertools.product(*GRID.values())) + EXTRA if sweep else EXTRA
+    return [SkinnyGemmConfig(*values) for values in grid]
+
+
+def _measure_rows(
+    m: int,
+    weights: list[torch.Tensor],  # bf16 copies [N, K]
+    config: SkinnyGemmConfig,
+    fp8: tuple[list[torch.Tensor], torch.Tensor, SkinnyGemmConfig] | None,  # FP8 copies, scale, config
+) -> dict[str, float]:
+    n, k = weights[0].shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    row = {
+        "torch_us": _graph_time_us(lambda i: F.linear(x, weights[i]), len(weights)),
+        "skinny_us": _graph_time_us(lambda i: skinny_linear(x, weights[i], config), len(weights)),
+    }
+    if fp8 is not None:
+        fp8_weights, scale, fp8_config = fp8
+        w_t = [w.t() for w in fp8_weights]  # column-major [K, N], as _scaled_mm wants
+        scale_b = scale.reshape(1, n)
+
+        def torch_fp8(i: int) -> torch.Tensor:  # what models.fp8.Fp8Linear runs
+            codes, scale_a = quantize_rows(x)
+            return torch._scaled_mm(codes, w_t[i], scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype)
+
+        row["torch_fp8_us"] = _graph_time_us(torch_fp8, len(w_t))
+        row["skinny_fp8_us"] = _graph_time_us(
+            lambda i: skinny_linear(x, fp8_weights[i], fp8_config, scale=scale), len(fp8_weights)
+        )
+    row["torch_GBps"] = n * k * 2 / row["torch_us"] / 1e3
+    row["skinny_GBps"] = n * k * 2 / row["skinny_us"] / 1e3
+    return row
+
+
+def measure_shape(name: str, rows: list[int], configs: list[SkinnyGemmConfig], fp8: bool) -> dict[str, Any]:
+    n, k = SHAPES[name]
+    weights = _weights(n, k, torch.bfloat16)
+    out: dict[str, Any] = {"n": n, "k": k, "rows": {}}
+    best_cfg: SkinnyGemmConfig | None = None
+    best_us = float("inf")
+    x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    sweep_rows = []
+    for cfg in configs:  # the sweep runs at one row; its winner is then timed at every row count
+        try:
+            us = _graph_time_us(lambda i, c=cfg: skinny_linear(x1, weights[i], c), len(weights))
+        except Exception as exc:  # a config the compiler rejects (shared memory) is skipped
+            sweep_rows.append({"config": str(cfg), "error": str(exc)[:200]})
+            continue
+        sweep_rows.append({"config": str(cfg), "us": us})
+        if us < best_us:
+            best_cfg, best_us = cfg, us
+    assert best_cfg is not None, f"no skinny config ran for {name}"
+    out["best_config"] = str(best_cfg)
+    out["best"] = best_cfg
+    out["sweep_top"] = sorted((r for r in sweep_rows if "us" in r), key=lambda r: r["us"])[:8]
+    if fp8:
+        fp8_weights = _weights(n, k, torch.float8_e4m3fn)
+        scale = torch.rand(n, device="cuda") + 0.5  # [N] float32, per output channel
+        fp8_best = min(
+            (
+                (
+                    _graph_time_us(
+                        lambda i, c=cfg: skinny_linear(x1, fp8_weights[i], c, scale=scale), len(fp8_weights)
+                    ),
+                    cfg,
+                )
+                for cfg in [*configs[:: max(1, len(configs) // 24)], best_cfg]
+            ),
+            key=lambda t: t[0],
+        )
+        out["fp8_best_config"] = str(fp8_best[1])
+    fp8_args = (fp8_weights, scale, fp8_best[1]) if fp8 else None
+    for m in rows:
+        out["rows"][m] = _measure_rows(m, weights, best_cfg, fp8_args)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--sweep", action="store_true", help="sweep the launch-parameter grid per shape")
+    parser.add_argument("--fp8", action="store_true", help="also FP8 weights (sm_89+)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/skinny_gemm.py needs a CUDA GPU")
+    rows = [int(r) for r in args.rows.split(",")]
+    configs = _configs(args.sweep)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shapes": {}}
+    print(f"{results['device']}: {len(configs)} configs per shape")
+    totals: dict[int, dict[str, float]] = {m: {} for m in rows}
+    layer_count = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
+    for name in args.shapes.split(","):
+        res = measure_shape(name, rows, configs, args.fp8)
+        res.pop("best")
+        results["shapes"][name] = res
+        print(
+            f"{name} (N={res['n']}, K={res['k']}): best {res['best_config']}"
+            + (f", fp8 best {res['fp8_best_config']}" if args.fp8 else ""),
+            flush=True,
+        )
+        for m, row in res["rows"].items():
+            print(
+                f"   rows {m:2d}: " + "  ".join(f"{key} {val:8.1f}" for key, val in row.items()), flush=True
+            )
+            for key, val in row.items():
+                if key.endswith("_us"):
+                    totals[m][key] = totals[m].get(key, 0.0) + val * layer_count[name]
+    print("per decode step (32 layers + LM head), us:")
+    for m, tot in totals.items():
+        print(f"   rows {m:2d}: " + "  ".join(f"{key} {val:8.0f}" for key, val in tot.items()))
+    results["per_step_us"] = totals
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Linear layers on the platform's own GEMM (`LinearKernel`, API 1.2), routed after loading.
+
+Why. A decode step of a small batch is a stream of weight reads; the GEMM library's tile choice
+for one activation row leaves bandwidth unused on some shapes (on an H100, cuBLAS reads the
+4096 x 4096 output projection of an 8B model at 2.0 TB/s, a weight-streaming Triton kernel at
+2.4; `benchmarks/skinny_gemm.py`). FP8 weights gain most: the platform can stream one byte per
+weight with bf16 activations, where `torch._scaled_mm` first quantizes the activations.
+
+How. `route_linear_layers` swaps every `nn.Linear` of the decoder (fused ones included) for a
+`PlatformLinear` holding the same parameters, and hands the kernel to every `Fp8Linear`. The LM
+head is left alone (it is read by the logits computation, outside the decoder). The platform's
+operator is opaque to `torch.compile` and decides per call, from the row count, whether it runs
+its own kernel or the library's, so one compiled graph serves every step size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.models.fp8 import Fp8Linear
+from pagedserve.models.layers import MergedLinear
+from pagedserve.platforms.api import LinearKernel
+
+
+class PlatformLinear(nn.Module):
+    """`y = x @ W.T + b` through a platform's `LinearKernel`, with the parameters of the
+    `nn.Linear` it replaces (shared, not copied)."""
+
+    def __init__(self, linear: nn.Linear, kernel: LinearKernel) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight  # [out_features, in_features]
+        self.bias = linear.bias  # [out_features] or None
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., out_features]
+        """Does not mutate `x`."""
+        rows = x.reshape(-1, self.in_features)
+        y = self.kernel.op(rows, self.weight, None, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel.name}"
+
+
+def route_linear_layers(decoder: nn.Module, kernel: LinearKernel, dtype: torch.dtype) -> int:
+    """Route every linear layer inside `decoder` through `kernel`: `nn.Linear` modules in `dtype`
+    are replaced by `PlatformLinear`s, `Fp8Linear`s get the kernel when it takes FP8 weights.
+    Returns how many layers were routed. Mutates `decoder`."""
+    routed = 0
+    for name, module in list(decoder.named_modules()):
+        if isinstance(module, Fp8Linear):
+            if module.weight.dtype in kernel.weight_dtypes:
+                module.kernel = kernel
+                routed += 1
+            continue
+        # Exactly these types: subclasses with a forward of their own (the tensor-parallel
+        # RowParallelLinear, which all-reduces) keep it.
+        if type(module) not in (nn.Linear, MergedLinear) or module.weight.dtype != dtype:
+            continue
+        owner, _, attr = name.rpartition(".")
+        setattr(decoder.get_submodule(owner) if owner else decoder, attr, PlatformLinear(module, kernel))
+        routed += 1
+    return routed

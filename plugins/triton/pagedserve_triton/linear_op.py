@@ -1,0 +1,71 @@
+"""The `LinearKernel` of the triton and cuda platforms: `skinny_gemm` for steps of at most 16 rows
+(decode), torch above, as one operator `torch.compile` keeps opaque.
+
+Launch parameters per weight shape come from `choose_config`, fitted to the sweep of
+`benchmarks/skinny_gemm.py --sweep --fp8` on an H100 (8B Llama shapes, 1 row): the winners differ
+by a few percent within each rule below, so the rules are kept short. Other GPUs get the same
+rules until measured. NVIDIA only: AMD GPUs keep torch's GEMMs (their FP8 encodings differ and the
+kernel has no AMD measurements).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.models.fp8 import FP8_WEIGHT_DTYPE, scaled_linear
+from pagedserve.platforms.api import LinearKernel
+from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, skinny_linear
+
+_NARROW = SkinnyGemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6)
+_WIDE_OR_SQUARE = SkinnyGemmConfig(block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=4)
+
+
+def choose_config(n: int, k: int, weight_dtype: torch.dtype) -> SkinnyGemmConfig:
+    """Launch parameters of `skinny_linear` for an [n, k] weight of `weight_dtype`. Pure.
+
+    16-bit weights: one K pass per program (the grid over N alone fills an H100 from N = 4096);
+    64-column blocks for mid-sized outputs (qkv-like). FP8 weights carry half the bytes per
+    program, so outputs narrower than 16384 columns split K (2 ways, 4 for K > 8192) to keep
+    enough loads in flight."""
+    if weight_dtype.itemsize >= 2:
+        return _NARROW if 6144 <= n < 16384 else _WIDE_OR_SQUARE
+    split = 1 if n >= 16384 else (2 if k <= 8192 else 4)
+    block_k = 128 if 16384 <= n < 65536 else 256
+    return SkinnyGemmConfig(block_n=32, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
+
+
+@torch.library.custom_op("pagedserve_triton::linear", mutates_args=())
+def linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] in x's dtype, or float8_e4m3fn with `scale`
+    scale: torch.Tensor | None,  # [N] float32 per output channel (FP8 weights)
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """`x @ (weight * scale[:, None]).T + bias`: the Triton kernel for 1..16 rows on a CUDA
+    device, else cuBLAS (`F.linear`) or, for FP8 weights, `scaled_linear`."""
+    rows = x.shape[0]
+    if x.is_cuda and 1 <= rows <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
+        n, k = weight.shape
+        return skinny_linear(x, weight, choose_config(n, k, weight.dtype), scale=scale, bias=bias)
+    if weight.dtype == FP8_WEIGHT_DTYPE:
+        if scale is None:
+            raise ValueError("pagedserve_triton::linear: FP8 weights need their per-channel scale")
+        return scaled_linear(x, weight, scale, bias)
+    if scale is not None:
+        raise ValueError(f"pagedserve_triton::linear: a scale is for FP8 weights, not {weight.dtype}")
+    return F.linear(x, weight, bias)
+
+
+@linear.register_fake
+def _linear_shape(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+LINEAR_KERNEL = LinearKernel(
+    name=f"triton skinny GEMM (steps of <= {MAX_ROWS} tokens; cuBLAS above)",
+    op=linear,
+    weight_dtypes=frozenset({FP8_WEIGHT_DTYPE}),
+)

@@ -1,0 +1,109 @@
+"""Linear layers routed through a platform's `LinearKernel` (API 1.2), on CPU with a torch operator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from models_harness import TINY_DECODER, save_checkpoint, tiny_hf_model
+from plugins_support import platform_info, platform_plugin
+from torch import nn
+from transformers import LlamaConfig
+
+from pagedserve.models.fp8 import Fp8Linear
+from pagedserve.models.loader import load_model
+from pagedserve.models.platform_linear import PlatformLinear, route_linear_layers
+from pagedserve.platforms.api import LinearKernel
+from pagedserve.platforms.hookspecs import hookimpl
+from pagedserve.platforms.registry import PlatformRegistry
+
+CALLS: list[int] = []  # rows of every call of the test operator
+
+
+@torch.library.custom_op("pagedserve_tests::linear", mutates_args=())
+def _counting_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    CALLS.append(x.shape[0])
+    w = weight.to(x.dtype) * (scale[:, None].to(x.dtype) if scale is not None else 1)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+@_counting_linear.register_fake
+def _(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+KERNEL = LinearKernel(
+    name="counting test GEMM", op=_counting_linear, weight_dtypes=frozenset({torch.float8_e4m3fn})
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    hf = tiny_hf_model(LlamaConfig(**TINY_DECODER), seed=1)
+    return save_checkpoint(hf, tmp_path_factory.mktemp("tiny"))
+
+
+def _hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    # The decoder's dense path alone (embedding -> first layer's MLP), which needs no attention.
+    mlp = model.model.layers[0].mlp
+    attn_out = model.model.layers[0].self_attn.o_proj
+    x = model.model.embed_tokens(ids)
+    return mlp(x) + attn_out(x)
+
+
+def test_routes_every_decoder_linear_and_keeps_the_numbers(checkpoint: Path) -> None:
+    model = load_model(checkpoint, dtype=torch.float32).model
+    ids = torch.tensor([3, 7, 11, 5])
+    before = _hidden(model, ids)
+    head = model.lm_head
+    routed = route_linear_layers(model.model, KERNEL, torch.float32)
+    assert routed == 4 * TINY_DECODER["num_hidden_layers"]  # qkv, o, gate_up, down per layer
+    assert model.lm_head is head  # the LM head is not the decoder's
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, PlatformLinear)
+    assert layer.mlp.gate_up_proj.weight is not None
+    CALLS.clear()
+    after = _hidden(model, ids)
+    assert CALLS == [4, 4, 4]  # gate_up, down, o: each one call over the 4 rows
+    torch.testing.assert_close(after, before)
+
+
+class _OwnForwardLinear(nn.Linear):
+    """A linear subclass with a forward of its own, like the tensor-parallel RowParallelLinear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def test_fp8_layers_get_the_kernel_only_when_it_takes_fp8() -> None:
+    decoder = nn.Sequential(Fp8Linear(torch.randn(8, 16), None), _OwnForwardLinear(16, 8))
+    only_16bit = LinearKernel(name="16-bit only", op=_counting_linear, weight_dtypes=frozenset())
+    assert route_linear_layers(decoder, only_16bit, torch.float32) == 0
+    assert decoder[0].kernel is None
+    assert route_linear_layers(decoder, KERNEL, torch.float32) == 1
+    assert decoder[0].kernel is KERNEL
+    assert type(decoder[1]) is _OwnForwardLinear  # its own forward (an all-reduce, say) stays
+    x = torch.randn(3, 16)
+    CALLS.clear()
+    y = decoder[0](x)
+    assert CALLS == [3] and y.shape == (3, 8)
+
+
+def test_platform_answers_are_checked() -> None:
+    @hookimpl
+    def pagedserve_linear_kernel(platform: str) -> object:
+        return "not a kernel" if platform == "bad" else (KERNEL if platform == "good" else None)
+
+    registry = PlatformRegistry.from_plugins(
+        [("p", platform_plugin(platform_info("good"), platform_info("bad"), platform_info("none"),
+                               pagedserve_linear_kernel=pagedserve_linear_kernel))]
+    )  # fmt: skip
+    assert registry.get("good").linear_kernel() is KERNEL
+    assert registry.get("none").linear_kernel() is None
+    assert registry.get("bad").linear_kernel() is None
+    assert any("not a LinearKernel" in str(problem) for problem in registry.load_errors)

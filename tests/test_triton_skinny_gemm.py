@@ -1,0 +1,112 @@
+"""The weight-streaming GEMM of decode steps (`pagedserve_triton.skinny_gemm`) and the platform
+linear operator around it (`pagedserve_triton.linear_op`), in Triton's interpreter on CPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagedserve.models.fp8 import quantize_rows, scaled_linear
+from pagedserve_triton.linear_op import LINEAR_KERNEL, choose_config, linear
+from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, skinny_linear
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative to max |y|
+
+
+def _reference(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    wd = w.double() * (scale.double()[:, None] if scale is not None else 1.0)
+    y = x.double() @ wd.T
+    return y + bias.double() if bias is not None else y
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "dtype", "split_k", "fp8", "bias"),
+    [
+        (1, 64, 128, torch.float32, 1, False, False),
+        (3, 96, 160, torch.float32, 2, False, True),  # K not a multiple of BLOCK_K, N not of BLOCK_N
+        (16, 64, 256, torch.bfloat16, 4, True, False),
+        (5, 48, 96, torch.bfloat16, 1, True, True),
+        (7, 32, 512, torch.float16, 8, False, True),  # more splits than K blocks: fewer are used
+        (2, 40, 64, torch.bfloat16, 1, False, False),
+    ],
+)
+def test_matches_float64(
+    rows: int, n: int, k: int, dtype: torch.dtype, split_k: int, fp8: bool, bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen)
+    scale = None
+    if fp8:
+        w, row_scales = quantize_rows(w)
+        scale = row_scales.reshape(-1)
+    else:
+        w = w.to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    config = SkinnyGemmConfig(block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
+    y = skinny_linear(x, w, config, scale=scale, bias=b)
+    expected = _reference(x, w.float() if fp8 else w, scale, b)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    error = (y.double() - expected).abs().max().item()
+    assert error <= TOLERANCE[dtype] * expected.abs().max().item(), error
+
+
+def test_refuses_what_it_does_not_take() -> None:
+    config = SkinnyGemmConfig(16, 32, 1, 4, 2)
+    with pytest.raises(ValueError, match=f"1..{MAX_ROWS} rows"):
+        skinny_linear(torch.randn(MAX_ROWS + 1, 32), torch.randn(16, 32), config)
+    with pytest.raises(ValueError, match="do not multiply"):
+        skinny_linear(torch.randn(2, 32), torch.randn(16, 48), config)
+    with pytest.raises(ValueError, match="unit stride"):
+        skinny_linear(torch.randn(32, 2).T, torch.randn(16, 32), config)
+    with pytest.raises(ValueError, match="power of two"):
+        SkinnyGemmConfig(24, 32, 1, 4, 2)
+
+
+def test_configs_follow_the_measured_rules() -> None:
+    assert choose_config(6144, 4096, torch.bfloat16).block_n == 64  # qkv-like: 64-column blocks
+    assert choose_config(4096, 4096, torch.bfloat16) == choose_config(28672, 4096, torch.bfloat16)
+    fp8 = torch.float8_e4m3fn
+    assert [choose_config(n, k, fp8).split_k for n, k in [(4096, 4096), (4096, 14336), (28672, 4096)]] == [
+        2,
+        4,
+        1,
+    ]
+
+
+def test_operator_falls_back_to_torch_above_the_kernel_or_off_the_gpu() -> None:
+    """On CPU tensors and for more than 16 rows the operator is torch's GEMM (FP8: scaled_linear)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(MAX_ROWS + 4, 64, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, generator=gen, dtype=torch.bfloat16)
+    b = torch.randn(32, generator=gen, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, w, None, b), torch.nn.functional.linear(x, w, b))
+    codes, scales = quantize_rows(w.float())
+    assert torch.equal(
+        linear(x, codes, scales.reshape(-1), b), scaled_linear(x, codes, scales.reshape(-1), b)
+    )
+    with pytest.raises(ValueError, match="per-channel scale"):
+        linear(x, codes, None, None)
+    with pytest.raises(ValueError, match="scale is for FP8 weights"):
+        linear(x, w, scales.reshape(-1), None)
+
+
+def test_operator_stays_opaque_under_torch_compile() -> None:
+    """Dynamo traces the operator through its fake implementation with a dynamic row count."""
+    w = torch.randn(24, 16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return LINEAR_KERNEL.op(torch.relu(x), w, None, None) * 2
+
+    compiled = torch.compile(f, backend="eager", dynamic=True, fullgraph=True)
+    for rows in (3, 5):
+        x = torch.randn(rows, 16)
+        assert torch.allclose(compiled(x), f(x))

@@ -941,11 +941,12 @@ def run_case_table(args: argparse.Namespace) -> None:
 LOOP_VARIANTS: dict[str, dict[str, bool | int]] = {
     "plain": {},
     "prefetch": {"PREFETCH_BLOCK_IDS": True},
+    "longest": {"LONGEST_FIRST": True},
+    "prefetch+longest": {"PREFETCH_BLOCK_IDS": True, "LONGEST_FIRST": True},
     "prefetch+loop3": {"PREFETCH_BLOCK_IDS": True, "LOOP_STAGES": 3},
     "lazy": {"LAZY_RESCALE": True},
-    "prefetch+lazy": {"PREFETCH_BLOCK_IDS": True, "LAZY_RESCALE": True},
+    "pf+lazy+longest": {"PREFETCH_BLOCK_IDS": True, "LAZY_RESCALE": True, "LONGEST_FIRST": True},
     "ws": {"WARP_SPECIALIZE": True},
-    "ws+prefetch": {"WARP_SPECIALIZE": True, "PREFETCH_BLOCK_IDS": True},
 }
 """Name -> the variant params of `pagedserve_triton.launch_params` (WARP_SPECIALIZE is dropped
 where Triton cannot warp-specialise: the row then times the other settings)."""
@@ -1277,7 +1278,7 @@ def print_variant_table(
 def decode_candidates(winner: VariantResult | None) -> dict[str, dict[str, bool | int]]:
     """The flag sets the decode check times: the plain loop, plain prefetching, and the prefill
     winner's flags when they differ from both. Pure."""
-    candidates: dict[str, dict[str, bool | int]] = {"plain": {}, "prefetch": LOOP_VARIANTS["prefetch"]}
+    candidates: dict[str, dict[str, bool | int]] = {"plain": {}, "prefetch": {"PREFETCH_BLOCK_IDS": True}}
     if winner is not None:
         launch = ("BLOCK_M", "TILE_SIZE", "num_warps", "num_stages")
         flags = {k: v for k, v in winner.params.items() if k not in launch}

@@ -404,7 +404,7 @@ def test_changed_layout_within_a_step_is_checked_in_full() -> None:
     assert (out.double() - expected).abs().max().item() <= TOLERANCE[torch.float32]
 
 
-# Interior-loop variants of the tuned configs (`AttentionLaunchConfig`): each must give the same
+# Kernel variants of the tuned configs (`AttentionLaunchConfig`): each must give the same
 # attention. WARP_SPECIALIZE is dropped off NVIDIA sm_90+ (here: the interpreter), so its row
 # checks that a config asking for it still runs, with the tl.range loop it implies.
 LOOP_VARIANTS = {
@@ -413,6 +413,13 @@ LOOP_VARIANTS = {
     "loop_stages": {"LOOP_STAGES": 3},
     "prefetch_lazy_loop_stages": {"PREFETCH_BLOCK_IDS": True, "LAZY_RESCALE": True, "LOOP_STAGES": 3},
     "warp_specialize_prefetch": {"WARP_SPECIALIZE": True, "PREFETCH_BLOCK_IDS": True},
+    "longest_first": {"LONGEST_FIRST": True},
+    "all_but_warp_specialize": {
+        "PREFETCH_BLOCK_IDS": True,
+        "LAZY_RESCALE": True,
+        "LOOP_STAGES": 3,
+        "LONGEST_FIRST": True,
+    },
 }
 
 

@@ -186,15 +186,27 @@ def test_loop_variant_params_default_to_the_plain_loop() -> None:
         0,
         False,
     )
-    plain = {"PREFETCH_BLOCK_IDS": False, "LAZY_RESCALE": False, "LOOP_STAGES": 0, "WARP_SPECIALIZE": False}
-    assert cfg.loop_constexprs(warp_specialize_supported=True) == plain
+    plain = {
+        "PREFETCH_BLOCK_IDS": False,
+        "LAZY_RESCALE": False,
+        "LOOP_STAGES": 0,
+        "WARP_SPECIALIZE": False,
+        "LONGEST_FIRST": False,
+    }
+    assert cfg.variant_constexprs(warp_specialize_supported=True) == plain
     # The shipped files keep today's loop for every class unless they name a variant.
     shipped = _lookup(LaunchParams())
-    assert shipped.loop_constexprs(warp_specialize_supported=False)["LOOP_STAGES"] == 0
+    assert shipped.variant_constexprs(warp_specialize_supported=False)["LOOP_STAGES"] == 0
 
 
 def test_loop_variant_params_are_read_and_resolved() -> None:
-    every = {"PREFETCH_BLOCK_IDS": True, "LAZY_RESCALE": True, "LOOP_STAGES": 3, "WARP_SPECIALIZE": True}
+    every = {
+        "PREFETCH_BLOCK_IDS": True,
+        "LAZY_RESCALE": True,
+        "LOOP_STAGES": 3,
+        "WARP_SPECIALIZE": True,
+        "LONGEST_FIRST": True,
+    }
     cfg = _lookup(_one_entry(every))
     assert (cfg.prefetch_block_ids, cfg.lazy_rescale, cfg.loop_stages, cfg.warp_specialize) == (
         True,
@@ -202,23 +214,20 @@ def test_loop_variant_params_are_read_and_resolved() -> None:
         3,
         True,
     )
-    assert cfg.loop_constexprs(warp_specialize_supported=True) == {
-        "PREFETCH_BLOCK_IDS": True,
-        "LAZY_RESCALE": True,
-        "LOOP_STAGES": 3,
-        "WARP_SPECIALIZE": True,
-    }
+    assert cfg.longest_first
+    assert cfg.variant_constexprs(warp_specialize_supported=True) == every
     # Off NVIDIA sm_90+ the flag is dropped and the loop keeps its own depth.
-    assert cfg.loop_constexprs(warp_specialize_supported=False)["WARP_SPECIALIZE"] is False
+    assert cfg.variant_constexprs(warp_specialize_supported=False)["WARP_SPECIALIZE"] is False
     # Warp specialisation alone gets a tl.range loop at the kernel's num_stages (2 here).
     alone = _lookup(_one_entry({"WARP_SPECIALIZE": True}))
-    assert alone.loop_constexprs(warp_specialize_supported=True) == {
+    assert alone.variant_constexprs(warp_specialize_supported=True) == {
         "PREFETCH_BLOCK_IDS": False,
         "LAZY_RESCALE": False,
         "LOOP_STAGES": 2,
         "WARP_SPECIALIZE": True,
+        "LONGEST_FIRST": False,
     }
-    assert alone.loop_constexprs(warp_specialize_supported=False)["LOOP_STAGES"] == 0
+    assert alone.variant_constexprs(warp_specialize_supported=False)["LOOP_STAGES"] == 0
 
 
 @pytest.mark.parametrize(
@@ -227,6 +236,7 @@ def test_loop_variant_params_are_read_and_resolved() -> None:
         ({"PREFETCH_BLOCK_IDS": 1}, "'PREFETCH_BLOCK_IDS' must be true or false"),
         ({"LAZY_RESCALE": "yes"}, "'LAZY_RESCALE' must be true or false"),
         ({"WARP_SPECIALIZE": 0}, "'WARP_SPECIALIZE' must be true or false"),
+        ({"LONGEST_FIRST": "true"}, "'LONGEST_FIRST' must be true or false"),
         ({"LOOP_STAGES": True}, "'LOOP_STAGES' must be an integer"),
         ({"LOOP_STAGES": -1}, "'LOOP_STAGES' must be >= 0"),
     ],

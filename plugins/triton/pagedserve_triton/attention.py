@@ -392,7 +392,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             DOT_IN_FP32=query.dtype == torch.bfloat16 and INTERPRETED,
             NUM_GRID_GROUPS=self.grid_groups(query.device),
             KV_CACHE_MODIFIER=cfg.kv_cache_modifier,
-            **cfg.loop_constexprs(warp_specialize_supported=warp_specialize_supported(query.device)),
+            **cfg.variant_constexprs(warp_specialize_supported=warp_specialize_supported(query.device)),
         )
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **dict(cfg.backend_options)}
         if plan.kind == "2d":

@@ -15,9 +15,9 @@ Shape keys passed to the lookup (every file's `match` may use any of them, exact
   "copy_blocks": block_elems (block_size * num_kv_heads * head_size)
 
 Params of the attention kernels: num_warps, num_stages, TILE_SIZE, BLOCK_M (required) and the
-interior-loop variants (optional, default off): PREFETCH_BLOCK_IDS, LAZY_RESCALE (true/false),
+kernel variants (optional, default off): PREFETCH_BLOCK_IDS, LAZY_RESCALE (true/false),
 LOOP_STAGES (integer >= 0, 0 = the kernel's num_stages), WARP_SPECIALIZE (true/false; honoured on
-NVIDIA sm_90+ only). `AttentionLaunchConfig` says what each does.
+NVIDIA sm_90+ only), LONGEST_FIRST (true/false). `AttentionLaunchConfig` says what each does.
 """
 
 from __future__ import annotations
@@ -53,14 +53,16 @@ class AttentionLaunchConfig:
     # Launch options of one Triton backend only (AMD's waves_per_eu, ...), already checked against
     # the backend the launch targets: (name, value) pairs passed beside num_warps and num_stages.
     backend_options: tuple[tuple[str, int], ...] = ()
-    # Variants of the interior (unmasked) KV loop; the defaults are the plain loop.
+    # Kernel variants (the interior, unmasked KV loop and the launch order); the defaults are
+    # the plain loop in the plain order.
     prefetch_block_ids: bool = False  # load the next tile's block ids one iteration ahead
     lazy_rescale: bool = False  # rescale acc only when the running maximum grows by > 2**8
     loop_stages: int = 0  # the loop's own pipelining depth; 0: the kernel's num_stages
     warp_specialize: bool = False  # ask Triton to warp-specialise the loop (NVIDIA sm_90+ only)
+    longest_first: bool = False  # launch query blocks in reverse: longest causal KV ranges first
 
-    def loop_constexprs(self, *, warp_specialize_supported: bool) -> dict[str, bool | int]:
-        """The kernels' loop-variant constexprs for this config. `warp_specialize_supported` is
+    def variant_constexprs(self, *, warp_specialize_supported: bool) -> dict[str, bool | int]:
+        """The kernels' variant constexprs for this config. `warp_specialize_supported` is
         whether the launch targets a GPU where Triton warp-specialises (`warp_specialize_supported`);
         elsewhere the flag is dropped and the loop keeps its other settings. Warp specialisation
         needs a `tl.range` loop, so it gets one with the kernel's num_stages when `loop_stages` is 0.
@@ -72,6 +74,7 @@ class AttentionLaunchConfig:
             "LAZY_RESCALE": self.lazy_rescale,
             "LOOP_STAGES": loop_stages,
             "WARP_SPECIALIZE": specialise,
+            "LONGEST_FIRST": self.longest_first,
         }
 
 
@@ -166,6 +169,7 @@ class LaunchParams:
             lazy_rescale=_bool_param(params, "LAZY_RESCALE", where),
             loop_stages=_int_param(params, "LOOP_STAGES", where) if "LOOP_STAGES" in params else 0,
             warp_specialize=_bool_param(params, "WARP_SPECIALIZE", where),
+            longest_first=_bool_param(params, "LONGEST_FIRST", where),
         )
         if config.loop_stages < 0:
             raise TunedConfigError(f"{where}: param 'LOOP_STAGES' must be >= 0, got {config.loop_stages}")

@@ -41,7 +41,13 @@ a bfloat16 value). The scales never enter the loop: `k_scale` is folded into the
 
 Launch order: the 1-D program id goes through `remap_program_id` (the arithmetic of
 `pagedserve.platforms.api.GridOrder.remap`), then tiles are numbered KV-head-major, so tiles that
-read the same KV data (same head, neighbouring query blocks of one request) are adjacent.
+read the same KV data (same head, neighbouring query blocks of one request) are adjacent. With
+`LONGEST_FIRST` the query blocks are numbered backwards within each KV head, so the blocks with the
+longest causal KV ranges (the ends of prefills) are launched first and the short ones fill the tail.
+
+Variants of the interior (unmasked) KV loop, chosen by the tuned configs and all computing the
+same attention, are described in `_attend_kv_tiles` and `_attend_tile`: block-id prefetching,
+lazy rescaling, a per-loop pipelining depth and warp specialisation.
 """
 
 from __future__ import annotations
@@ -605,10 +611,15 @@ def unified_attention_2d_kernel(
     LAZY_RESCALE: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,  # launch order: see the q_block numbering below
 ):
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     kv_head = tile // num_q_blocks
     q_block = tile % num_q_blocks
+    if LONGEST_FIRST:
+        # Query blocks numbered backwards: a request's last blocks (the longest causal KV ranges)
+        # start first, so the grid does not end on a wave of its longest programs.
+        q_block = num_q_blocks - 1 - q_block
     req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -724,12 +735,17 @@ def unified_attention_3d_kernel(
     LAZY_RESCALE: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,  # launch order: see the q_block numbering below
 ):
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     split = tile % NUM_SPLITS
     tile = tile // NUM_SPLITS
     kv_head = tile // num_q_blocks
     q_block = tile % num_q_blocks
+    if LONGEST_FIRST:
+        # Query blocks numbered backwards: a request's last blocks (the longest causal KV ranges)
+        # start first, so the grid does not end on a wave of its longest programs.
+        q_block = num_q_blocks - 1 - q_block
     req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start

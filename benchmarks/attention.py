@@ -1,4 +1,4 @@
-"""Time the Triton unified attention backend on a GPU, against torch SDPA (and FlexAttention with
+r"""Time the Triton unified attention backend on a GPU, against torch SDPA (and FlexAttention with
 --flex), and optionally sweep launch parameters to write tuned-config files.
 
 Every timing replays a CUDA graph of one layer's attention call (no launch overhead, as the engine
@@ -25,6 +25,15 @@ numbers and the table's goals beside them. "ctx N" of a decode or speculative re
 and the CPU plumbing check (tiny shapes, Triton interpreter, timings meaningless):
 
     TRITON_INTERPRET=1 PYTHONPATH=core:plugins/triton python benchmarks/attention.py --table --smoke
+
+--variants times the unified kernels' variants (`LOOP_VARIANTS`: block-id prefetching, lazy
+rescaling, a per-loop pipelining depth, warp specialisation, longest-first launch order) across
+`PREFILL_POINTS` (BLOCK_M, TILE_SIZE, warps, stages) on the table's prefill and chunked-prefill
+cases, then the decode cases and the mixed batch as a no-regression check, in one compact table
+(about 3-4 minutes on an H100, mostly compiling); --write-configs writes the winners:
+
+    PYTHONPATH=core:plugins/triton python benchmarks/attention.py --variants \
+        --write-configs plugins/triton/pagedserve_triton/configs --json variants.json
 """
 
 from __future__ import annotations
@@ -1180,25 +1189,39 @@ class VariantRun:
         return {"unified_attention_2d": [entry]}
 
 
+def sweep_order(
+    variants: list[str], points: tuple[tuple[int, int, int, int], ...]
+) -> list[tuple[str, tuple[int, int, int, int]]]:
+    """(variant, point) pairs in the order the sweep times them: point by point, and the variants
+    that ask for warp specialisation (the least proven compiler path) after all the others, so a
+    budget cut or a failure there costs the rest nothing. Pure."""
+    late = [v for v in variants if LOOP_VARIANTS[v].get("WARP_SPECIALIZE")]
+    early = [v for v in variants if v not in late]
+    return [(v, p) for p in points for v in early] + [(v, p) for p in points for v in late]
+
+
 def sweep_prefill(
-    run: VariantRun, cases: list[TableCase], points: tuple[tuple[int, int, int, int], ...], deadline_s: float
+    run: VariantRun,
+    cases: list[TableCase],
+    pairs: list[tuple[str, tuple[int, int, int, int]]],
+    deadline_s: float,
 ) -> tuple[list[VariantResult], int]:
-    """Every variant at every launch point on the prefill `cases`, until `deadline_s` seconds after
-    the start; returns the results and how many combinations the deadline skipped."""
+    """Each (variant, launch point) of `pairs` on the prefill `cases`, until `deadline_s` seconds
+    after the start; returns the results, best first, and how many pairs the deadline skipped."""
     batches = run.batches(cases)
     flops = {c.name: run.flops[c.name] for c in cases}
     results: list[VariantResult] = []
     skipped = 0
-    for point in points:
-        for name, flags in LOOP_VARIANTS.items():
-            if time.perf_counter() - run.started > deadline_s:
-                skipped += 1
-                continue
-            params = point_params(point, flags)
-            configs = configs_with(run.device_name, run.prefill_entry(params))
-            res = run_variant_group(name, params, batches, configs, run.timer)
-            results.append(res)
-            run.log(f"{name} {point}: {res.error or f'{prefill_score(res, flops):.1f} TFLOP/s'}")
+    for name, point in pairs:
+        if time.perf_counter() - run.started > deadline_s:
+            skipped += 1
+            continue
+        run.log(f"{name} {point} ...")
+        params = point_params(point, LOOP_VARIANTS[name])
+        configs = configs_with(run.device_name, run.prefill_entry(params))
+        res = run_variant_group(name, params, batches, configs, run.timer)
+        results.append(res)
+        run.log(f"{name} {point}: {res.error or f'{prefill_score(res, flops):.1f} TFLOP/s'}")
     del batches
     if run.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -1313,7 +1336,11 @@ def run_variants(args: argparse.Namespace) -> None:
     prefill_cases = [c for c in cases if c.kind in ("prefill", "chunked")]
     points = SMOKE_POINTS if smoke else PREFILL_POINTS
     # The decode and mixed check keeps the last 80 s of the budget (15 s in a smoke run).
-    ranked, skipped = sweep_prefill(run, prefill_cases, points, args.budget_s - (15 if smoke else 80))
+    unknown = sorted(set(args.skip_variant) - set(LOOP_VARIANTS))
+    if unknown:
+        raise SystemExit(f"--skip-variant: unknown {unknown}; variants: {list(LOOP_VARIANTS)}")
+    pairs = sweep_order([v for v in LOOP_VARIANTS if v not in args.skip_variant], points)
+    ranked, skipped = sweep_prefill(run, prefill_cases, pairs, args.budget_s - (15 if smoke else 80))
     prefill_flops = {c.name: run.flops[c.name] for c in prefill_cases}
     winner = next(
         (r for r in ranked if prefill_score(r, prefill_flops) > 0 and r.max_diff <= run.tolerance), None
@@ -1420,6 +1447,13 @@ def main() -> None:
         metavar="OUT_DIR",
         help="with --variants: write the winners' tuned-config files here (the plugin's configs "
         "directory to update them in place)",
+    )
+    parser.add_argument(
+        "--skip-variant",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --variants: leave this variant out (repeatable; names in LOOP_VARIANTS)",
     )
     parser.add_argument(
         "--budget-s",

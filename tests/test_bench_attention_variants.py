@@ -169,6 +169,7 @@ def test_smoke_run_prints_the_tables_and_writes_the_winner(
         block_size=16,
         budget_s=600.0,
         json=tmp_path / "v.json",
+        skip_variant=[],
         write_configs=tmp_path / "out",
     )
     bench.run_variants(args)
@@ -180,3 +181,18 @@ def test_smoke_run_prints_the_tables_and_writes_the_winner(
     assert payload["winner"]["params"]["BLOCK_M"] == 16
     written = json.loads((tmp_path / "out" / "unified_attention_2d-default.json").read_text())
     assert payload["winner"]["params"] in [e["params"] for e in written["configs"]]
+
+
+def test_sweep_order_keeps_warp_specialisation_last() -> None:
+    points = ((64, 64, 4, 2), (128, 64, 8, 2))
+    pairs = bench.sweep_order(["plain", "ws", "prefetch"], points)
+    assert pairs == [
+        ("plain", points[0]),
+        ("prefetch", points[0]),
+        ("plain", points[1]),
+        ("prefetch", points[1]),
+        ("ws", points[0]),
+        ("ws", points[1]),
+    ]
+    every = bench.sweep_order(list(bench.LOOP_VARIANTS), bench.PREFILL_POINTS)
+    assert len(every) == len(set(every)) == len(bench.LOOP_VARIANTS) * len(bench.PREFILL_POINTS)

@@ -28,6 +28,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import GridOrder, UnsupportedCase
 from pagedserve.platforms.tuned_configs import TunedConfigFile, TunedConfigs
+from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.unified_attention import unified_attention_2d_kernel
 
@@ -433,7 +434,14 @@ def test_loop_variants_match_reference(variant: str, num_splits: int) -> None:
     backend = TritonUnifiedAttentionBackend(
         tuned_configs=_configs(16, 16, LOOP_VARIANTS[variant]), num_splits=num_splits
     )
-    run_case(Case([37, 9, 1, 1], [37, 40, 40, 3]), backend)
+    case = Case([37, 9, 1, 1], [37, 40, 40, 3])
+    run_case(case, backend)
+    # ... and the cpu_reference platform's attention on the same batch.
+    batch = make_batch(case)
+    got = backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=0.125)
+    expected = ReferenceAttentionBackend().forward(batch.query, batch.kv_cache, batch.metadata, scale=0.125)
+    n = batch.metadata.num_actual_tokens
+    assert (got[:n] - expected[:n]).abs().max().item() <= TOLERANCE[case.dtype]
     run_case(
         Case(
             [6, 1, 9],

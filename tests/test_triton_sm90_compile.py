@@ -22,6 +22,7 @@ H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may u
 VARIANTS = [
     ("plain", 64, 64, 4, 2, {}),
     ("prefetch", 64, 64, 4, 3, {"PREFETCH_BLOCK_IDS": True}),
+    ("prefetch_tile128_3stages", 64, 128, 4, 3, {"PREFETCH_BLOCK_IDS": True}),
     ("lazy", 64, 64, 4, 2, {"LAZY_RESCALE": True}),
     ("prefetch_loop3", 128, 64, 8, 2, {"PREFETCH_BLOCK_IDS": True, "LOOP_STAGES": 3}),
     ("warp_specialize_prefetch", 128, 64, 8, 2, {"WARP_SPECIALIZE": True, "PREFETCH_BLOCK_IDS": True}),

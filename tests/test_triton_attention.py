@@ -28,6 +28,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import GridOrder, UnsupportedCase
 from pagedserve.platforms.tuned_configs import TunedConfigFile, TunedConfigs
+from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.unified_attention import unified_attention_2d_kernel
 
@@ -189,11 +190,13 @@ def test_matches_reference(name: str) -> None:
     run_case(CASES[name])
 
 
-def _configs(block_m: int, tile_size: int) -> TunedConfigs:
-    """Tuned configs forcing one BLOCK_M / TILE_SIZE for every attention shape."""
+def _configs(block_m: int, tile_size: int, extra: dict[str, int | bool] | None = None) -> TunedConfigs:
+    """Tuned configs forcing one BLOCK_M / TILE_SIZE (and the `extra` params) for every attention
+    shape."""
     files = []
     for kernel in ("unified_attention_2d", "unified_attention_3d"):
         params = {"num_warps": 4, "num_stages": 1, "TILE_SIZE": tile_size, "BLOCK_M": block_m}
+        params.update(extra or {})
         content = {
             "schema_version": 1,
             "kernel": kernel,
@@ -400,3 +403,75 @@ def test_changed_layout_within_a_step_is_checked_in_full() -> None:
     out = backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=1.0)
     expected = _expected(batch, case, batch.query, batch.kv_cache, 1.0)
     assert (out.double() - expected).abs().max().item() <= TOLERANCE[torch.float32]
+
+
+# Kernel variants of the tuned configs (`AttentionLaunchConfig`): each must give the same
+# attention. WARP_SPECIALIZE is dropped off NVIDIA sm_90+ (here: the interpreter), so its row
+# checks that a config asking for it still runs, with the tl.range loop it implies.
+LOOP_VARIANTS = {
+    "prefetch": {"PREFETCH_BLOCK_IDS": True},
+    "lazy_rescale": {"LAZY_RESCALE": True},
+    "loop_stages": {"LOOP_STAGES": 3},
+    "prefetch_lazy_loop_stages": {"PREFETCH_BLOCK_IDS": True, "LAZY_RESCALE": True, "LOOP_STAGES": 3},
+    "warp_specialize_prefetch": {"WARP_SPECIALIZE": True, "PREFETCH_BLOCK_IDS": True},
+    "longest_first": {"LONGEST_FIRST": True},
+    "all_but_warp_specialize": {
+        "PREFETCH_BLOCK_IDS": True,
+        "LAZY_RESCALE": True,
+        "LOOP_STAGES": 3,
+        "LONGEST_FIRST": True,
+    },
+}
+
+
+@pytest.mark.parametrize("num_splits", [1, 2], ids=["2d", "split3d"])
+@pytest.mark.parametrize("variant", list(LOOP_VARIANTS))
+def test_loop_variants_match_reference(variant: str, num_splits: int) -> None:
+    """Prefill, chunked prefill and decode rows in one batch, with several interior (unmasked)
+    KV tiles per query block (16-key tiles, 40-key sequences), under each loop variant; then a
+    sliding window with softcap (the interior run starts past the window's masked edge) in
+    bfloat16, and query blocks whose interior run is empty."""
+    backend = TritonUnifiedAttentionBackend(
+        tuned_configs=_configs(16, 16, LOOP_VARIANTS[variant]), num_splits=num_splits
+    )
+    case = Case([37, 9, 1, 1], [37, 40, 40, 3])
+    run_case(case, backend)
+    # ... and the cpu_reference platform's attention on the same batch.
+    batch = make_batch(case)
+    got = backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=0.125)
+    expected = ReferenceAttentionBackend().forward(batch.query, batch.kv_cache, batch.metadata, scale=0.125)
+    n = batch.metadata.num_actual_tokens
+    assert (got[:n] - expected[:n]).abs().max().item() <= TOLERANCE[case.dtype]
+    run_case(
+        Case(
+            [6, 1, 9],
+            [6, 40, 38],
+            num_q_heads=6,
+            num_kv_heads=2,
+            dtype=torch.bfloat16,
+            sliding_window=19,
+            softcap=4.0,
+        ),
+        backend,
+    )
+
+
+def test_lazy_rescale_survives_growing_scores() -> None:
+    """Keys whose scores grow by far more than the rescale threshold from tile to tile (the
+    running maximum must move) and then shrink (it must not): same result as the plain loop's."""
+    case = Case([1, 33], [48, 48], num_q_heads=2, num_kv_heads=1, head_size=32)
+    batch = make_batch(case)
+    positions = torch.arange(batch.kv_cache.shape[1] * case.block_size, dtype=torch.float32)
+    ramp = (positions % 48 - 24).abs().reshape(batch.kv_cache.shape[1], case.block_size, 1, 1)
+    keys = batch.kv_cache[0]
+    batch.kv_cache[0] = torch.where(keys.isnan(), keys, keys.abs() * ramp)
+    batch.query.abs_()
+    backend = TritonUnifiedAttentionBackend(
+        tuned_configs=_configs(16, 16, {"LAZY_RESCALE": True}), num_splits=1
+    )
+    out = backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=1.0)
+    expected = reference_attention(
+        batch.query, batch.kv_cache, case.query_lens, case.seq_lens, batch.block_table, 1.0, None, None
+    )
+    err = (out[: batch.metadata.num_actual_tokens].double() - expected).abs().max().item()
+    assert err <= TOLERANCE[torch.float32]

@@ -35,7 +35,12 @@ from pagedserve_triton.attention import (
     TritonUnifiedAttentionBackend,
     choose_split,
 )
-from pagedserve_triton.launch_params import LaunchParams, tuned_config_files
+from pagedserve_triton.launch_params import (
+    AttentionLaunchConfig,
+    LaunchParams,
+    tuned_config_files,
+    warp_specialize_supported,
+)
 from pagedserve_triton.unified_attention import remap_program_id
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -149,6 +154,100 @@ def test_bad_params_are_rejected_with_the_file_context() -> None:
             dtype=torch.float16,
             max_query_len=1,
         )
+
+
+def _one_entry(params: dict[str, object]) -> LaunchParams:
+    content = {
+        "schema_version": 1,
+        "kernel": "unified_attention_2d",
+        "device": "default",
+        "configs": [{"params": {"num_warps": 8, "num_stages": 2, "TILE_SIZE": 64, "BLOCK_M": 128, **params}}],
+    }
+    return LaunchParams(TunedConfigs([(Path("<test>"), TunedConfigFile.model_validate(content))]))
+
+
+def _lookup(params: LaunchParams) -> AttentionLaunchConfig:
+    return params.attention(
+        "unified_attention_2d",
+        "cpu",
+        head_size=128,
+        block_size=16,
+        num_queries_per_kv=4,
+        dtype=torch.bfloat16,
+        max_query_len=2048,
+    )
+
+
+def test_loop_variant_params_default_to_the_plain_loop() -> None:
+    cfg = _lookup(_one_entry({}))
+    assert (cfg.prefetch_block_ids, cfg.lazy_rescale, cfg.loop_stages, cfg.warp_specialize) == (
+        False,
+        False,
+        0,
+        False,
+    )
+    plain = {
+        "PREFETCH_BLOCK_IDS": False,
+        "LAZY_RESCALE": False,
+        "LOOP_STAGES": 0,
+        "WARP_SPECIALIZE": False,
+        "LONGEST_FIRST": False,
+    }
+    assert cfg.variant_constexprs(warp_specialize_supported=True) == plain
+    # The shipped files keep today's loop for every class unless they name a variant.
+    shipped = _lookup(LaunchParams())
+    assert shipped.variant_constexprs(warp_specialize_supported=False)["LOOP_STAGES"] == 0
+
+
+def test_loop_variant_params_are_read_and_resolved() -> None:
+    every = {
+        "PREFETCH_BLOCK_IDS": True,
+        "LAZY_RESCALE": True,
+        "LOOP_STAGES": 3,
+        "WARP_SPECIALIZE": True,
+        "LONGEST_FIRST": True,
+    }
+    cfg = _lookup(_one_entry(every))
+    assert (cfg.prefetch_block_ids, cfg.lazy_rescale, cfg.loop_stages, cfg.warp_specialize) == (
+        True,
+        True,
+        3,
+        True,
+    )
+    assert cfg.longest_first
+    assert cfg.variant_constexprs(warp_specialize_supported=True) == every
+    # Off NVIDIA sm_90+ the flag is dropped and the loop keeps its own depth.
+    assert cfg.variant_constexprs(warp_specialize_supported=False)["WARP_SPECIALIZE"] is False
+    # Warp specialisation alone gets a tl.range loop at the kernel's num_stages (2 here).
+    alone = _lookup(_one_entry({"WARP_SPECIALIZE": True}))
+    assert alone.variant_constexprs(warp_specialize_supported=True) == {
+        "PREFETCH_BLOCK_IDS": False,
+        "LAZY_RESCALE": False,
+        "LOOP_STAGES": 2,
+        "WARP_SPECIALIZE": True,
+        "LONGEST_FIRST": False,
+    }
+    assert alone.variant_constexprs(warp_specialize_supported=False)["LOOP_STAGES"] == 0
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"PREFETCH_BLOCK_IDS": 1}, "'PREFETCH_BLOCK_IDS' must be true or false"),
+        ({"LAZY_RESCALE": "yes"}, "'LAZY_RESCALE' must be true or false"),
+        ({"WARP_SPECIALIZE": 0}, "'WARP_SPECIALIZE' must be true or false"),
+        ({"LONGEST_FIRST": "true"}, "'LONGEST_FIRST' must be true or false"),
+        ({"LOOP_STAGES": True}, "'LOOP_STAGES' must be an integer"),
+        ({"LOOP_STAGES": -1}, "'LOOP_STAGES' must be >= 0"),
+    ],
+)
+def test_bad_loop_variant_params_are_rejected(params: dict[str, object], message: str) -> None:
+    with pytest.raises(TunedConfigError, match=message):
+        _lookup(_one_entry(params))
+
+
+def test_warp_specialization_is_never_asked_off_nvidia() -> None:
+    assert warp_specialize_supported(torch.device("cpu")) is False
 
 
 # --- 2D / 3D heuristic ---------------------------------------------------------------------------

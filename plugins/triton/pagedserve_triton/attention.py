@@ -26,7 +26,13 @@ from pagedserve.platforms.api import (
 )
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
-from pagedserve_triton.launch_params import AttentionLaunchConfig, CachedLaunch, LaunchParams, device_name_of
+from pagedserve_triton.launch_params import (
+    AttentionLaunchConfig,
+    CachedLaunch,
+    LaunchParams,
+    device_name_of,
+    warp_specialize_supported,
+)
 from pagedserve_triton.unified_attention import (
     INTERPRETED,
     LOG2E,
@@ -386,6 +392,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             DOT_IN_FP32=query.dtype == torch.bfloat16 and INTERPRETED,
             NUM_GRID_GROUPS=self.grid_groups(query.device),
             KV_CACHE_MODIFIER=cfg.kv_cache_modifier,
+            **cfg.variant_constexprs(warp_specialize_supported=warp_specialize_supported(query.device)),
         )
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **dict(cfg.backend_options)}
         if plan.kind == "2d":

@@ -13,6 +13,11 @@ Shape keys passed to the lookup (every file's `match` may use any of them, exact
       max_query_len (rounded UP to a power of two, so write bounds as powers of two)
   "reduce_segments", "reshape_and_cache": head_size
   "copy_blocks": block_elems (block_size * num_kv_heads * head_size)
+
+Params of the attention kernels: num_warps, num_stages, TILE_SIZE, BLOCK_M (required) and the
+kernel variants (optional, default off): PREFETCH_BLOCK_IDS, LAZY_RESCALE (true/false),
+LOOP_STAGES (integer >= 0, 0 = the kernel's num_stages), WARP_SPECIALIZE (true/false; honoured on
+NVIDIA sm_90+ only), LONGEST_FIRST (true/false). `AttentionLaunchConfig` says what each does.
 """
 
 from __future__ import annotations
@@ -48,6 +53,29 @@ class AttentionLaunchConfig:
     # Launch options of one Triton backend only (AMD's waves_per_eu, ...), already checked against
     # the backend the launch targets: (name, value) pairs passed beside num_warps and num_stages.
     backend_options: tuple[tuple[str, int], ...] = ()
+    # Kernel variants (the interior, unmasked KV loop and the launch order); the defaults are
+    # the plain loop in the plain order.
+    prefetch_block_ids: bool = False  # load the next tile's block ids one iteration ahead
+    lazy_rescale: bool = False  # rescale acc only when the running maximum grows by > 2**8
+    loop_stages: int = 0  # the loop's own pipelining depth; 0: the kernel's num_stages
+    warp_specialize: bool = False  # ask Triton to warp-specialise the loop (NVIDIA sm_90+ only)
+    longest_first: bool = False  # launch query blocks in reverse: longest causal KV ranges first
+
+    def variant_constexprs(self, *, warp_specialize_supported: bool) -> dict[str, bool | int]:
+        """The kernels' variant constexprs for this config. `warp_specialize_supported` is
+        whether the launch targets a GPU where Triton warp-specialises (`warp_specialize_supported`);
+        elsewhere the flag is dropped and the loop keeps its other settings. Warp specialisation
+        needs a `tl.range` loop, so it gets one with the kernel's num_stages when `loop_stages` is 0.
+        Pure."""
+        specialise = self.warp_specialize and warp_specialize_supported
+        loop_stages = self.loop_stages or (self.num_stages if specialise else 0)
+        return {
+            "PREFETCH_BLOCK_IDS": self.prefetch_block_ids,
+            "LAZY_RESCALE": self.lazy_rescale,
+            "LOOP_STAGES": loop_stages,
+            "WARP_SPECIALIZE": specialise,
+            "LONGEST_FIRST": self.longest_first,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +100,23 @@ def _warps(params: Params, where: str) -> int:
     if warps not in _VALID_WARPS:
         raise TunedConfigError(f"{where}: num_warps={warps} must be one of {_VALID_WARPS}")
     return warps
+
+
+def _bool_param(params: Params, name: str, where: str) -> bool:
+    value = params.get(name, False)
+    if not isinstance(value, bool):
+        raise TunedConfigError(f"{where}: param {name!r} must be true or false, got {value!r}")
+    return value
+
+
+@functools.cache
+def warp_specialize_supported(device: torch.device) -> bool:
+    """Whether `WARP_SPECIALIZE` may be set for launches on `device`: an NVIDIA GPU of compute
+    capability 9.0 or newer (Triton's warp specialisation targets Hopper and Blackwell); never
+    on ROCm or under the interpreter. Cached per device."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def dtype_key(dtype: torch.dtype) -> str:
@@ -120,7 +165,14 @@ class LaunchParams:
             num_stages=_int_param(params, "num_stages", where),
             tile_size=_int_param(params, "TILE_SIZE", where, power_of_two_ge=16),
             block_m=_int_param(params, "BLOCK_M", where, power_of_two_ge=16),
+            prefetch_block_ids=_bool_param(params, "PREFETCH_BLOCK_IDS", where),
+            lazy_rescale=_bool_param(params, "LAZY_RESCALE", where),
+            loop_stages=_int_param(params, "LOOP_STAGES", where) if "LOOP_STAGES" in params else 0,
+            warp_specialize=_bool_param(params, "WARP_SPECIALIZE", where),
+            longest_first=_bool_param(params, "LONGEST_FIRST", where),
         )
+        if config.loop_stages < 0:
+            raise TunedConfigError(f"{where}: param 'LOOP_STAGES' must be >= 0, got {config.loop_stages}")
         self._attention[key] = config
         return config
 

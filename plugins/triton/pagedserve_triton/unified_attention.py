@@ -41,7 +41,13 @@ a bfloat16 value). The scales never enter the loop: `k_scale` is folded into the
 
 Launch order: the 1-D program id goes through `remap_program_id` (the arithmetic of
 `pagedserve.platforms.api.GridOrder.remap`), then tiles are numbered KV-head-major, so tiles that
-read the same KV data (same head, neighbouring query blocks of one request) are adjacent.
+read the same KV data (same head, neighbouring query blocks of one request) are adjacent. With
+`LONGEST_FIRST` the query blocks are numbered backwards within each KV head, so the blocks with the
+longest causal KV ranges (the ends of prefills) are launched first and the short ones fill the tail.
+
+Variants of the interior (unmasked) KV loop, chosen by the tuned configs and all computing the
+same attention, are described in `_attend_kv_tiles` and `_attend_tile`: block-id prefetching,
+lazy rescaling, a per-loop pipelining depth and warp specialisation.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ kernel is decorated, i.e. when this module is imported."""
 
 LOG2E = 1.4426950408889634  # host side: the wrapper passes scale * LOG2E
 _LOG2E_K = tl.constexpr(LOG2E)  # kernel side: jit code may only read constexpr globals
+# LAZY_RESCALE moves the running maximum only when it grows by more than this (base 2: a factor 256).
+_RESCALE_THRESHOLD = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -129,6 +137,114 @@ def _load_query_tile(
 
 
 @triton.jit
+def _tile_block_ids(block_table_row_ptr, kv_tile, seq_len, BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr):
+    """The physical cache block of each of the tile's keys [TILE_SIZE] (int64), 0 past `seq_len`.
+    A tile may span several cache blocks (TILE_SIZE > BLOCK_SIZE) or part of one; gathering the
+    block per key covers both."""
+    offs_n = kv_tile * TILE_SIZE + tl.arange(0, TILE_SIZE)
+    return tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    kv_ptr,
+    v_ptr,
+    block,
+    kv_tile,
+    head_off,
+    q_pos,
+    seq_len,
+    scale_log2,
+    softcap,
+    window,
+    stride_kv_block,
+    stride_kv_slot,
+    offs_d,
+    d_mask,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    KV_CACHE_MODIFIER: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+):
+    """One step of the online softmax: keys and values of KV tile `kv_tile`, whose per-key cache
+    blocks are `block` [TILE_SIZE]. Returns the updated (acc, m_i, l_i)."""
+    offs_n = kv_tile * TILE_SIZE + tl.arange(0, TILE_SIZE)
+    if MASKED:
+        n_mask = offs_n < seq_len
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        kv_mask = d_mask[None, :]
+    kv_off = block * stride_kv_block + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
+    # KV_CACHE_MODIFIER ("" or ".cg"): a streaming hint where no other program re-reads the tile.
+    # The cast is a no-op for a cache in the query's dtype and widens an FP8 cache exactly.
+    k = tl.load(
+        kv_ptr + kv_off[:, None] + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+        cache_modifier=KV_CACHE_MODIFIER,
+    ).to(q.dtype)
+    v = tl.load(
+        v_ptr + kv_off[:, None] + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+        cache_modifier=KV_CACHE_MODIFIER,
+    ).to(q.dtype)
+
+    p_ty = v.dtype
+    if DOT_IN_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if USE_SOFTCAP:  # noqa: SIM108 (a constexpr branch)
+        s = softcap * _tanh(s * (scale_log2 / _LOG2E_K) / softcap) * _LOG2E_K
+    else:
+        s = s * scale_log2
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+
+    if LAZY_RESCALE:
+        # Only for unmasked tiles (every score finite). The running maximum m_i moves only when
+        # some row's maximum grows by more than _RESCALE_THRESHOLD (base 2); until then the tile's
+        # probabilities are taken against the stale maximum (each at most 2**threshold, exact in
+        # float32 and in the 16-bit p), and acc and l_i are not rescaled. The result is the same
+        # softmax: acc and l_i always share one reference maximum.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if tl.max(m_new - m_i, axis=0) > _RESCALE_THRESHOLD:
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i = l_i + tl.sum(p, axis=1)
+        acc = acc + tl.dot(p.to(p_ty).to(v.dtype), v, input_precision="ieee")
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if MASKED:  # noqa: SIM108 (a constexpr branch: the unmasked loop compiles without the guard)
+            # A row that has seen no visible key yet keeps m == -inf; exp2(-inf - -inf) is NaN.
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new  # every key of an unmasked tile is visible, so m_new is finite
+        alpha = tl.exp2(m_i - m_new_safe)
+        p = tl.exp2(s - m_new_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # p is rounded to the KV dtype as the tensor cores need; DOT_IN_FP32 then widens it again.
+        acc = acc * alpha[:, None] + tl.dot(p.to(p_ty).to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attend_kv_tiles(
     q,
     acc,
@@ -157,69 +273,113 @@ def _attend_kv_tiles(
     MASKED: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     KV_CACHE_MODIFIER: tl.constexpr,
+    PREFETCH_BLOCK_IDS: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Online softmax over KV tiles [kv_tile_start, kv_tile_end) of one request and KV head.
     `q_pos` [BLOCK_M] is each row's absolute position. Returns the updated (acc, m_i, l_i), where
     acc is unnormalised and m_i is in base 2. With MASKED false the caller promises that every key
-    of every tile is visible to every row (interior tiles), so no mask is built or applied."""
+    of every tile is visible to every row (interior tiles), so no mask is built or applied.
+
+    Loop variants (meant for the unmasked interior loop; `_attend_span` passes False / 0 for the
+    masked edge loops, and PREFETCH_BLOCK_IDS and LAZY_RESCALE need an unmasked loop):
+    PREFETCH_BLOCK_IDS loads the next tile's block ids one iteration ahead, so the K/V addresses of
+    tile j + 1 are known while tile j computes and the pipeliner can issue their loads early (the
+    last iteration re-reads its own ids: never past the range). LAZY_RESCALE: see `_attend_tile`.
+    LOOP_STAGES > 0 gives this loop its own pipelining depth (`tl.range(num_stages=...)`), with
+    WARP_SPECIALIZE asking Triton to warp-specialise it; 0 keeps a plain loop under the kernel's
+    num_stages."""
     v_ptr = kv_ptr + stride_kv_kind
     if DOT_IN_FP32:
         q = q.to(tl.float32)
     head_off = kv_head.to(tl.int64) * stride_kv_head
-    for kv_tile in range(kv_tile_start, kv_tile_end):
-        offs_n = kv_tile * TILE_SIZE + tl.arange(0, TILE_SIZE)
-        # A tile may span several cache blocks (TILE_SIZE > BLOCK_SIZE) or part of one; gathering
-        # the physical block per key covers both.
-        if MASKED:
-            n_mask = offs_n < seq_len
-            block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-        else:
-            block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
-            kv_mask = d_mask[None, :]
-        kv_off = block * stride_kv_block + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
-        # KV_CACHE_MODIFIER ("" or ".cg"): a streaming hint where no other program re-reads the tile.
-        # The cast is a no-op for a cache in the query's dtype and widens an FP8 cache exactly.
-        k = tl.load(
-            kv_ptr + kv_off[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-            cache_modifier=KV_CACHE_MODIFIER,
-        ).to(q.dtype)
-        v = tl.load(
-            v_ptr + kv_off[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-            cache_modifier=KV_CACHE_MODIFIER,
-        ).to(q.dtype)
-
-        p_ty = v.dtype
-        if DOT_IN_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        if USE_SOFTCAP:
-            s = softcap * _tanh(s * (scale_log2 / _LOG2E_K) / softcap) * _LOG2E_K
-        else:
-            s = s * scale_log2
-        if MASKED:
-            visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-            if USE_WINDOW:
-                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if MASKED:  # noqa: SIM108 (a constexpr branch: the unmasked loop compiles without the guard)
-            # A row that has seen no visible key yet keeps m == -inf; exp2(-inf - -inf) is NaN.
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new_safe = m_new  # every key of an unmasked tile is visible, so m_new is finite
-        alpha = tl.exp2(m_i - m_new_safe)
-        p = tl.exp2(s - m_new_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        # p is rounded to the KV dtype as the tensor cores need; DOT_IN_FP32 then widens it again.
-        acc = acc * alpha[:, None] + tl.dot(p.to(p_ty).to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    if PREFETCH_BLOCK_IDS:
+        # Masked only so that an empty range reads nothing (every key is < end * TILE_SIZE otherwise).
+        next_block = _tile_block_ids(
+            block_table_row_ptr, kv_tile_start, kv_tile_end * TILE_SIZE, BLOCK_SIZE, TILE_SIZE
+        )
+    if LOOP_STAGES == 0:
+        for kv_tile in range(kv_tile_start, kv_tile_end):
+            if PREFETCH_BLOCK_IDS:
+                block = next_block
+                offs_next = tl.minimum(kv_tile + 1, kv_tile_end - 1) * TILE_SIZE + tl.arange(0, TILE_SIZE)
+                next_block = tl.load(block_table_row_ptr + offs_next // BLOCK_SIZE).to(tl.int64)
+            elif MASKED:
+                block = _tile_block_ids(block_table_row_ptr, kv_tile, seq_len, BLOCK_SIZE, TILE_SIZE)
+            else:
+                offs_n = kv_tile * TILE_SIZE + tl.arange(0, TILE_SIZE)
+                block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
+            acc, m_i, l_i = _attend_tile(
+                q,
+                acc,
+                m_i,
+                l_i,
+                kv_ptr,
+                v_ptr,
+                block,
+                kv_tile,
+                head_off,
+                q_pos,
+                seq_len,
+                scale_log2,
+                softcap,
+                window,
+                stride_kv_block,
+                stride_kv_slot,
+                offs_d,
+                d_mask,
+                BLOCK_SIZE,
+                TILE_SIZE,
+                USE_SOFTCAP,
+                USE_WINDOW,
+                MASKED,
+                DOT_IN_FP32,
+                KV_CACHE_MODIFIER,
+                LAZY_RESCALE,
+            )
+    else:
+        for kv_tile in tl.range(
+            kv_tile_start, kv_tile_end, num_stages=LOOP_STAGES, warp_specialize=WARP_SPECIALIZE
+        ):
+            if PREFETCH_BLOCK_IDS:
+                block = next_block
+                offs_next = tl.minimum(kv_tile + 1, kv_tile_end - 1) * TILE_SIZE + tl.arange(0, TILE_SIZE)
+                next_block = tl.load(block_table_row_ptr + offs_next // BLOCK_SIZE).to(tl.int64)
+            elif MASKED:
+                block = _tile_block_ids(block_table_row_ptr, kv_tile, seq_len, BLOCK_SIZE, TILE_SIZE)
+            else:
+                offs_n = kv_tile * TILE_SIZE + tl.arange(0, TILE_SIZE)
+                block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
+            acc, m_i, l_i = _attend_tile(
+                q,
+                acc,
+                m_i,
+                l_i,
+                kv_ptr,
+                v_ptr,
+                block,
+                kv_tile,
+                head_off,
+                q_pos,
+                seq_len,
+                scale_log2,
+                softcap,
+                window,
+                stride_kv_block,
+                stride_kv_slot,
+                offs_d,
+                d_mask,
+                BLOCK_SIZE,
+                TILE_SIZE,
+                USE_SOFTCAP,
+                USE_WINDOW,
+                MASKED,
+                DOT_IN_FP32,
+                KV_CACHE_MODIFIER,
+                LAZY_RESCALE,
+            )
     return acc, m_i, l_i
 
 
@@ -279,9 +439,15 @@ def _attend_span(
     USE_WINDOW: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     KV_CACHE_MODIFIER: tl.constexpr,
+    PREFETCH_BLOCK_IDS: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Tiles [lo, hi) in three runs: masked edge tiles before the interior (window start),
-    unmasked interior tiles [full_start, full_end), masked edge tiles after it (causal diagonal)."""
+    unmasked interior tiles [full_start, full_end), masked edge tiles after it (causal diagonal).
+    The loop variants (`_attend_kv_tiles`) apply to the interior run only: the edge runs are a
+    tile or two each."""
     mid_lo = tl.minimum(tl.maximum(full_start, lo), hi)
     mid_hi = tl.maximum(tl.minimum(full_end, hi), mid_lo)
     acc, m_i, l_i = _attend_kv_tiles(
@@ -312,6 +478,10 @@ def _attend_span(
         True,
         DOT_IN_FP32,
         KV_CACHE_MODIFIER,
+        False,
+        False,
+        0,
+        False,
     )
     acc, m_i, l_i = _attend_kv_tiles(
         q,
@@ -341,6 +511,10 @@ def _attend_span(
         False,
         DOT_IN_FP32,
         KV_CACHE_MODIFIER,
+        PREFETCH_BLOCK_IDS,
+        LAZY_RESCALE,
+        LOOP_STAGES,
+        WARP_SPECIALIZE,
     )
     acc, m_i, l_i = _attend_kv_tiles(
         q,
@@ -370,6 +544,10 @@ def _attend_span(
         True,
         DOT_IN_FP32,
         KV_CACHE_MODIFIER,
+        False,
+        False,
+        0,
+        False,
     )
     return acc, m_i, l_i
 
@@ -429,10 +607,19 @@ def unified_attention_2d_kernel(
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
     NUM_GRID_GROUPS: tl.constexpr,
     KV_CACHE_MODIFIER: tl.constexpr,  # cache_modifier of the K/V loads: "" (default policy) or ".cg"
+    PREFETCH_BLOCK_IDS: tl.constexpr,  # interior loop variants: see _attend_kv_tiles
+    LAZY_RESCALE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,  # launch order: see the q_block numbering below
 ):
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     kv_head = tile // num_q_blocks
     q_block = tile % num_q_blocks
+    if LONGEST_FIRST:
+        # Query blocks numbered backwards: a request's last blocks (the longest causal KV ranges)
+        # start first, so the grid does not end on a wave of its longest programs.
+        q_block = num_q_blocks - 1 - q_block
     req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -491,6 +678,10 @@ def unified_attention_2d_kernel(
         USE_WINDOW,
         DOT_IN_FP32,
         KV_CACHE_MODIFIER,
+        PREFETCH_BLOCK_IDS,
+        LAZY_RESCALE,
+        LOOP_STAGES,
+        WARP_SPECIALIZE,
     )
 
     # Every valid row sees at least its own key, so l_i > 0 there; masked rows are not stored.
@@ -540,12 +731,21 @@ def unified_attention_3d_kernel(
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
     NUM_GRID_GROUPS: tl.constexpr,
     KV_CACHE_MODIFIER: tl.constexpr,  # cache_modifier of the K/V loads: "" (default policy) or ".cg"
+    PREFETCH_BLOCK_IDS: tl.constexpr,  # interior loop variants: see _attend_kv_tiles
+    LAZY_RESCALE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,  # launch order: see the q_block numbering below
 ):
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     split = tile % NUM_SPLITS
     tile = tile // NUM_SPLITS
     kv_head = tile // num_q_blocks
     q_block = tile % num_q_blocks
+    if LONGEST_FIRST:
+        # Query blocks numbered backwards: a request's last blocks (the longest causal KV ranges)
+        # start first, so the grid does not end on a wave of its longest programs.
+        q_block = num_q_blocks - 1 - q_block
     req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -609,6 +809,10 @@ def unified_attention_3d_kernel(
         USE_WINDOW,
         DOT_IN_FP32,
         KV_CACHE_MODIFIER,
+        PREFETCH_BLOCK_IDS,
+        LAZY_RESCALE,
+        LOOP_STAGES,
+        WARP_SPECIALIZE,
     )
 
     segm = ((q_start + tok).to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split

@@ -1,0 +1,112 @@
+"""The 2D unified attention kernel's variants compiled for an H100 (sm_90) by
+Triton's NVIDIA backend, without a GPU: each variant the tuned configs can select must compile at
+the H100 prefill shape (32 query / 8 KV heads, head 128, bfloat16, block 16) and its launch points
+of `benchmarks/attention.py --variants`, within an H100's shared memory. The compilations run in
+one child process without TRITON_INTERPRET (kernels decorated under the interpreter cannot be
+compiled)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia.compiler")
+
+H100_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may use on sm_90
+
+# (name, BLOCK_M, TILE_SIZE, num_warps, num_stages, variant params)
+VARIANTS = [
+    ("plain", 64, 64, 4, 2, {}),
+    ("prefetch", 64, 64, 4, 3, {"PREFETCH_BLOCK_IDS": True}),
+    ("prefetch_tile128_3stages", 64, 128, 4, 3, {"PREFETCH_BLOCK_IDS": True}),
+    ("lazy", 64, 64, 4, 2, {"LAZY_RESCALE": True}),
+    ("prefetch_loop3", 128, 64, 8, 2, {"PREFETCH_BLOCK_IDS": True, "LOOP_STAGES": 3}),
+    ("warp_specialize_prefetch", 128, 64, 8, 2, {"WARP_SPECIALIZE": True, "PREFETCH_BLOCK_IDS": True}),
+    (
+        "prefetch_lazy_longest_first",
+        128,
+        128,
+        8,
+        2,
+        {"PREFETCH_BLOCK_IDS": True, "LAZY_RESCALE": True, "LONGEST_FIRST": True},
+    ),
+]
+
+_CHILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedserve_triton.launch_params import AttentionLaunchConfig
+from pagedserve_triton.unified_attention import unified_attention_2d_kernel as kernel
+
+POINTERS = {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
+FLOATS = {"scale_log2", "out_scale", "softcap"}
+results = {}
+for name, block_m, tile, warps, stages, params in json.loads(sys.argv[1]):
+    config = AttentionLaunchConfig(
+        num_warps=warps, num_stages=stages, tile_size=tile, block_m=block_m,
+        prefetch_block_ids=params.get("PREFETCH_BLOCK_IDS", False),
+        lazy_rescale=params.get("LAZY_RESCALE", False),
+        loop_stages=params.get("LOOP_STAGES", 0),
+        warp_specialize=params.get("WARP_SPECIALIZE", False),
+        longest_first=params.get("LONGEST_FIRST", False),
+    )
+    constexprs = dict(
+        QUERIES_PER_KV=4, BLOCK_M=block_m, BLOCK_Q=block_m // 4, HEAD_SIZE=128, HEAD_SIZE_PADDED=128,
+        BLOCK_SIZE=16, TILE_SIZE=tile, USE_SOFTCAP=False, USE_WINDOW=False, DOT_IN_FP32=False,
+        NUM_GRID_GROUPS=1, KV_CACHE_MODIFIER="",
+        **config.variant_constexprs(warp_specialize_supported=True),
+    )
+    signature, attrs = {}, {}
+    for index, arg in enumerate(kernel.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = POINTERS.get(arg, "*bf16")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "fp32" if arg in FLOATS else "i32"
+            if arg.startswith("stride"):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    try:
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": warps, "num_stages": stages},
+        )
+        results[name] = {"shared": compiled.metadata.shared, "error": None}
+    except Exception as e:
+        results[name] = {"shared": None, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict[str, object]]:
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(VARIANTS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    results: dict[str, dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.parametrize("name", [v[0] for v in VARIANTS])
+def test_variant_compiles_for_sm90_within_shared_memory(
+    name: str, compiled: dict[str, dict[str, object]]
+) -> None:
+    result = compiled[name]
+    assert result["error"] is None, result["error"]
+    shared = result["shared"]
+    assert isinstance(shared, int) and 0 < shared <= H100_SHARED_BYTES

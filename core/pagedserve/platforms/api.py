@@ -19,6 +19,13 @@ dtype. Each layer then has `KVCacheScales`: `reshape_and_cache` stores `fp8(clam
 range) and attention reads `stored * scale`. A backend opts in by listing the FP8 dtypes it reads
 in `AttentionCapabilities.kv_cache_dtypes`; the core passes `kv_scales=` only for FP8 caches, so
 a plugin written for API 1.0 is never called with it.
+
+Full-graph plans (API 1.2): `AttentionBackend.full_graph_key` tells the engine what a backend's
+launches for a batch depend on besides tensor addresses (its plan: kernel, grid, split count), for
+one layer shape (`AttentionLayerShape`). Full decode graphs are captured once per padded request
+count and per distinct key over a ladder of `max_seq_len` bounds, so a batch of short sequences
+replays a graph planned for short sequences. The default (`None`) says the launches do not change
+with `max_seq_len`: one graph per padded size, as with API 1.1.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 import enum
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,9 +41,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.1"
+PLUGIN_API_VERSION = "1.2"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.1"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.2"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -97,6 +104,23 @@ class AttentionCapabilities:
     kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionLayerShape:
+    """What an attention backend sees of one layer besides the batch and tensor addresses: the
+    shapes and dtypes of its query and KV cache, its device and its options (API 1.2). A model
+    has one per distinct (sliding window, softcap) of its layers."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype  # the queries' (the model's compute dtype)
+    kv_cache_dtype: torch.dtype  # `dtype`, or the FP8 dtype of a quantized cache
+    device: torch.device
+    sliding_window: int | None = None  # None: the layer attends to the whole context
+    logit_softcap: float | None = None  # None: no softcap
+
+
 class UnsupportedCase(ValueError):
     """Raised by a backend asked for something outside its declared capabilities."""
 
@@ -127,6 +151,21 @@ class AttentionBackend(ABC):
     # upper bound of the real sequence lengths. Padding requests (query length 0, `seq_len` 0, at
     # the end of the batch) attend to nothing and write no real token's output row.
     supports_full_cuda_graph: ClassVar[bool] = False
+
+    def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> Hashable | None:
+        """API 1.2. What this backend's launches for `metadata` on a layer of shape `layer` depend
+        on besides tensor addresses (its plan: kernels, grids, split counts), as a hashable value:
+        two batches with equal keys get the same launches. Only the metadata's host fields are
+        read; they are those a full decode graph is captured with (`num_reqs` the padded size,
+        `max_seq_len` an upper bound of the real sequences). The engine captures one graph per
+        padded size and distinct key over a ladder of `max_seq_len` bounds, each at the largest
+        bound of its key, and replays the one planned for the smallest bound that holds the
+        step (`pagedserve.worker.full_cuda_graphs`).
+
+        The default, None, means the launches do not change with `max_seq_len`: one graph per
+        padded size, planned for `max_model_len`. Host-only (no device sync); may fill the
+        backend's caches. Meaningful only with `supports_full_cuda_graph`."""
+        return None
 
     def check_supported(
         self,

@@ -244,6 +244,8 @@ def measure(args: argparse.Namespace, model_dir: str, mode: str) -> dict[str, An
         out["num_graphs"] = graphs.num_graphs
     if full is not None:
         out["full_graph_sizes"] = list(full.sizes)
+        out["full_graph_buckets"] = list(full.buckets)
+        out["num_full_graphs"] = full.num_graphs
     what = set(args.what.split(","))
     if "latency" in what:
         out["single_stream"] = single_stream(engine, args.prompt_len, args.output_len)

@@ -3,7 +3,8 @@ compiled forward equal those of `enforce_eager=True`, for tiny float32 Llama, Mi
 window) and Qwen3 models, through a whole-batch prefill that replays a piecewise graph, chunked
 prefill mixed with decodes, preemption, and a step too large for any graph; every
 `cudagraph_mode` on the triton and cuda platforms; the graphs captured are the ones the ladders
-name; and once the engine is built, serving compiles no kernel.
+name; a short context replays a full graph planned for its sequence-length bucket; and once the
+engine is built, serving compiles no kernel.
 
 Skipped without a CUDA GPU. On a GPU machine run this file in its own pytest process (the
 interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernels on the CPU).
@@ -175,6 +176,27 @@ def test_a_step_beyond_the_ladder_runs_eagerly(checkpoints: dict[str, Path]) -> 
     # replays the one-request full graph.
     assert runner.cuda_graphs.num_replays == 0
     assert runner.full_graphs.num_replays == MAX_NEW - 1
+
+
+@pytest.mark.parametrize("platform", ["triton", "cuda"])
+def test_short_contexts_replay_graphs_planned_for_their_bucket(
+    checkpoints: dict[str, Path], platform: str
+) -> None:
+    # max_model_len 1024 gives the buckets 256, 512, 1024. One request (2 KV heads: a split-KV
+    # plan, or v2 partitions, that follow the bound) of 250 prompt tokens decodes at sequence
+    # lengths 251..273: six steps replay the one-request graph planned for 256 tokens, the other
+    # seventeen the one planned for 512, and the tokens are the eager ones.
+    path = checkpoints["llama"]
+    prompts = _prompts([250])
+    engine = {"num_kv_blocks": 64, "max_num_seqs": 4, "platform": platform}
+    eager, _ = _run(path, prompts, enforce_eager=True, **engine)
+    graphed, llm = _run(path, prompts, **engine)
+    assert graphed == eager
+    full = llm.engine.core.runner.full_graphs
+    assert full is not None and full.buckets == (256, 512, 1024)
+    assert (1, 256) in full.graphs and (1, 512) in full.graphs and full.num_graphs > len(full.sizes)
+    assert full.index.graph_for(1, 256) == (1, 256) and full.index.graph_for(1, 257) == (1, 512)
+    assert dict(full.replays) == {(1, 256): 6, (1, 512): MAX_NEW - 1 - 6}
 
 
 def test_enforce_eager_captures_and_compiles_nothing(checkpoints: dict[str, Path]) -> None:

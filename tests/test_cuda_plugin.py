@@ -5,6 +5,7 @@ NVRTC compilation of every kernel family when libnvrtc is installed (skipped oth
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import struct
 import types
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.platforms.api import UnsupportedCase
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.api import PLUGIN_API_VERSION, AttentionLayerShape, UnsupportedCase
 from pagedserve.platforms.tuned_configs import TunedConfigError, TunedConfigs
 from pagedserve_cuda import compiler, plugin
 from pagedserve_cuda.attention import CudaPagedAttentionBackend
@@ -451,6 +453,69 @@ def test_tuned_configs_can_route_decode_to_triton() -> None:
     tuning = DecodeTuning(128, 512, 128, 2, 4096, decode_kernels="triton")
     choice = explain(_llama(64, 2048), H100, tuning)
     assert choice.kernel == "triton" and "route decode batches to the Triton kernel" in choice.reason
+
+
+# --- the plan key of full decode graphs ---------------------------------------------------------
+
+CUDA0 = torch.device("cuda", 0)
+LLAMA_LAYER = AttentionLayerShape(32, 8, 128, 16, BF16, BF16, CUDA0)
+BUCKETS = (256, 512, 1024, 2048, 4096)
+
+
+@pytest.fixture
+def fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda:0 answers as an H100: the kernel choice is host-only, so no GPU is needed."""
+    props = types.SimpleNamespace(name=H100.name, multi_processor_count=132, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _=0: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _=0: H100.name)
+
+
+def _capture_metadata(num_reqs: int, max_seq_len: int) -> AttentionMetadata:
+    """The host fields a full decode graph of `num_reqs` requests is captured with."""
+    table = torch.zeros((num_reqs, 1), dtype=torch.int32)
+    md = AttentionMetadata.build([1] * num_reqs, [1] * num_reqs, table, 16)
+    return dataclasses.replace(md, max_seq_len=max_seq_len)  # a bound, as in a capture
+
+
+def test_plugin_declares_the_current_api() -> None:
+    assert plugin.PAGEDSERVE_PLUGIN_API == PLUGIN_API_VERSION
+
+
+@pytest.mark.usefixtures("fake_h100")
+def test_full_graph_key_is_the_decode_kernel_and_its_launch() -> None:
+    backend = CudaPagedAttentionBackend(tuning=TUNING)
+    keys = {b: backend.full_graph_key(_capture_metadata(1, b), LLAMA_LAYER) for b in BUCKETS}
+    for bucket, key in keys.items():
+        choice = explain(_llama(1, bucket), H100, TUNING)
+        assert key == (choice.kernel, choice.launch)
+    # One sequence: v2 with a partition count that follows the bound, so every bucket differs.
+    assert [k[1].num_partitions for k in keys.values()] == [2, 4, 8, 16, 32]  # type: ignore[union-attr]
+    # 64 sequences fill the GPU with v1 up to v1_max_seq_len: one key at every bucket.
+    assert {backend.full_graph_key(_capture_metadata(64, b), LLAMA_LAYER) for b in BUCKETS} == {
+        ("cuda_v1", explain(_llama(64, 4096), H100, TUNING).launch)
+    }
+    # A sliding window bounds the span: bounds past the window plan alike.
+    windowed = AttentionLayerShape(32, 8, 128, 16, BF16, BF16, CUDA0, sliding_window=1024)
+    assert len({backend.full_graph_key(_capture_metadata(1, b), windowed) for b in (1024, 2048, 4096)}) == 1
+
+
+@pytest.mark.usefixtures("fake_h100")
+def test_full_graph_key_of_decode_routed_to_triton_is_the_triton_plan() -> None:
+    # Imported here, not at collection: the Triton test files set TRITON_INTERPRET=1 before triton
+    # is first imported, and a worker may collect this file first.
+    from pagedserve_triton.attention import PLAN_2D, SplitPlan, TritonUnifiedAttentionBackend
+
+    routed = DecodeTuning(128, 512, 128, 2, 4096, decode_kernels="triton")  # as the H100 table says
+    backend = CudaPagedAttentionBackend(tuning=routed)
+    triton = TritonUnifiedAttentionBackend(tuned_configs=TunedConfigs.from_files(tuned_config_files()))
+    for bucket in BUCKETS:
+        md = _capture_metadata(1, bucket)
+        assert backend.full_graph_key(md, LLAMA_LAYER) == ("triton", triton.full_graph_key(md, LLAMA_LAYER))
+    assert backend.full_graph_key(_capture_metadata(1, 600), LLAMA_LAYER) == ("triton", SplitPlan("3d", 8))
+    # Off CUDA `forward` always runs Triton (one interpreter "SM": the 2D kernel).
+    forced = CudaPagedAttentionBackend(tuning=TUNING)
+    on_cpu = AttentionLayerShape(32, 8, 128, 16, BF16, BF16, torch.device("cpu"))
+    assert forced.full_graph_key(_capture_metadata(1, 4096), on_cpu) == ("triton", PLAN_2D)
 
 
 def test_backend_checks_each_layout_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,10 @@
 """Full decode CUDA graphs, compiled GPU forwards and the start-up warm-up, the parts that run
 without a GPU: `cudagraph_mode` resolution and its fallbacks, the per-step routing (decode ->
 full, mixed -> piecewise, too large -> no graph), the persistent padded buffers, the model
-runner's dispatch with stand-in graphs, the warm-up batch sweep and the compile-cache
-directories. Capture and replay on a GPU are in `test_cuda_graphs_gpu.py`; the padding contract
-of the Triton kernels is in `test_triton_full_graph_padding.py`."""
+runner's dispatch with stand-in graphs, the sequence-length buckets and the choice of graph by
+(size, longest sequence), the warm-up batch sweep and the compile-cache directories. Capture and
+replay on a GPU are in `test_cuda_graphs_gpu.py`; the padding contract of the Triton kernels is
+in `test_triton_full_graph_padding.py`; the backends' plan keys are in the plugins' tests."""
 
 from __future__ import annotations
 
@@ -21,12 +22,21 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.cli.engine_options import add_engine_options, engine_args_from
 from pagedserve.config import EngineArgs
 from pagedserve.models.spec import ModelSpec
+from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape
 from pagedserve.worker.cuda_graphs import default_graph_sizes, padded_size
-from pagedserve.worker.full_cuda_graphs import PADDING_SLOT, DecodeGraphBuffers, FullDecodeGraphs
+from pagedserve.worker.full_cuda_graphs import (
+    PADDING_SLOT,
+    DecodeGraphBuffers,
+    DecodeGraphIndex,
+    FullDecodeGraphs,
+    attention_layer_shapes,
+    forward_graph_key,
+    seq_len_buckets,
+)
 from pagedserve.worker.gpu_compile import configure_compile_caches
 from pagedserve.worker.graph_modes import GraphPlan, plan_graphs, step_path
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.warmup import attention_warmup_batches, prepare_runner, warm_up_attention
+from pagedserve.worker.warmup import WarmupBatch, attention_warmup_batches, prepare_runner, warm_up_attention
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 
@@ -179,6 +189,160 @@ def test_full_graphs_refuse_a_cpu_device() -> None:
         FullDecodeGraphs(lambda i, p: i, torch.device("cpu"), [1], max_blocks_per_req=4, max_seq_len=64)
 
 
+# ----------------------------------------------------------------------------- sequence-length buckets
+@pytest.mark.parametrize(
+    ("max_model_len", "block_size", "expected"),
+    [
+        (4096, 16, (256, 512, 1024, 2048, 4096)),
+        (3000, 16, (256, 512, 1024, 2048, 3000)),  # the last bucket is max_model_len, not a power
+        (257, 32, (256, 257)),
+        (256, 16, (256,)),
+        (64, 16, (64,)),  # shorter than the first bucket: one bucket
+        (1000, 48, (288, 576, 1000)),  # the first multiple of the block size >= 256
+    ],
+)
+def test_bucket_ladder(max_model_len: int, block_size: int, expected: tuple[int, ...]) -> None:
+    assert seq_len_buckets(max_model_len, block_size) == expected
+
+
+def test_bucket_ladder_refuses_bad_limits() -> None:
+    with pytest.raises(ValueError, match="must be >= 1"):
+        seq_len_buckets(0, 16)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        seq_len_buckets(4096, 0)
+
+
+BUCKETS = (256, 512, 1024, 2048, 4096)
+
+
+def _split_like_key(size: int, bucket: int) -> object:
+    """A stand-in plan: small batches split by length up to 1024 keys, larger ones never."""
+    return ("3d", min(bucket, 1024) // 64) if size <= 2 else ("2d",)
+
+
+def test_equal_keys_share_one_graph_captured_at_their_largest_bucket() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def key(size: int, bucket: int) -> object:
+        calls.append((size, bucket))
+        return _split_like_key(size, bucket)
+
+    index = DecodeGraphIndex((4, 1, 2), BUCKETS, key, max_model_len=4096)
+    assert sorted(calls) == sorted((s, b) for s in (1, 2, 4) for b in BUCKETS)  # once each
+    # Sizes 1 and 2: 256 and 512 plan alone, 1024..4096 alike (captured at 4096); size 4: one plan.
+    assert index.graphs == ((4, 4096), (2, 4096), (2, 512), (2, 256), (1, 4096), (1, 512), (1, 256))
+    assert index.sizes == (1, 2, 4)
+
+
+def test_keys_group_even_when_not_adjacent() -> None:
+    # 256 and 4096 plan alike, the buckets between them differently: 256 replays the 4096 graph.
+    index = DecodeGraphIndex((1,), BUCKETS, lambda s, b: "a" if b in (256, 4096) else b, max_model_len=4096)
+    assert index.graphs == ((1, 4096), (1, 2048), (1, 1024), (1, 512))
+    assert index.graph_for(1, 200) == (1, 4096)
+
+
+@pytest.mark.parametrize(
+    ("num_reqs", "max_seq_len", "expected"),
+    [
+        (1, 1, (1, 256)),
+        (1, 255, (1, 256)),
+        (1, 256, (1, 256)),  # a bucket holds sequences as long as itself
+        (1, 257, (1, 512)),
+        (1, 600, (1, 4096)),  # bucket 1024 plans like 4096: its group's graph
+        (1, 4096, (1, 4096)),
+        (2, 512, (2, 512)),
+        (3, 100, (4, 4096)),  # padded to 4 requests, whose only plan is captured at 4096
+        (4, 4096, (4, 4096)),
+    ],
+)
+def test_a_step_replays_the_graph_of_its_size_and_bucket(
+    num_reqs: int, max_seq_len: int, expected: tuple[int, int]
+) -> None:
+    index = DecodeGraphIndex((1, 2, 4), BUCKETS, _split_like_key, max_model_len=4096)
+    assert index.graph_for(num_reqs, max_seq_len) == expected
+    assert expected in index.graphs
+
+
+def test_steps_beyond_the_ladders_have_no_graph() -> None:
+    index = DecodeGraphIndex((1, 2, 4), BUCKETS, _split_like_key, max_model_len=4096)
+    with pytest.raises(ValueError, match="max_seq_len=4097 is longer than the last"):
+        index.graph_for(1, 4097)
+    with pytest.raises(ValueError, match="5 requests are more than the largest full graph"):
+        index.graph_for(5, 100)
+
+
+def test_buckets_must_ascend_and_end_at_max_model_len() -> None:
+    def key(size: int, bucket: int) -> object:
+        return None
+
+    with pytest.raises(ValueError, match="last sequence-length bucket must be max_model_len=4096, got 8192"):
+        DecodeGraphIndex((1,), (256, 8192), key, max_model_len=4096)  # a bucket past max_model_len
+    with pytest.raises(ValueError, match="last sequence-length bucket must be max_model_len=4096, got 2048"):
+        DecodeGraphIndex((1,), (256, 2048), key, max_model_len=4096)  # long steps would have none
+    with pytest.raises(ValueError, match="strictly ascending"):
+        DecodeGraphIndex((1,), (512, 256, 4096), key, max_model_len=4096)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        DecodeGraphIndex((1,), (), key, max_model_len=4096)
+    with pytest.raises(ValueError, match="non-empty list of positive ints"):
+        DecodeGraphIndex((0, 1), (4096,), key, max_model_len=4096)
+
+
+def _index_of(
+    backend: AttentionBackend, spec: ModelSpec, sizes: tuple[int, ...], buckets: tuple[int, ...]
+) -> DecodeGraphIndex:
+    """The index `FullDecodeGraphs` builds for `backend` and `spec`, from capture metadata on CPU
+    buffers."""
+    layers = attention_layer_shapes(spec, block_size=4, kv_cache_dtype=spec.dtype, device=torch.device("cpu"))
+    key = forward_graph_key(backend, layers)
+    buffers = DecodeGraphBuffers(max(sizes), 16, torch.device("cpu"))
+    return DecodeGraphIndex(
+        sizes, buckets, lambda size, bucket: key(buffers.metadata(size, bucket)), max_model_len=buckets[-1]
+    )
+
+
+def test_a_backend_with_the_default_key_gets_one_graph_per_size() -> None:
+    # The reference backend keeps the API's default key (None): today's one graph per size,
+    # planned for max_model_len, whatever the buckets.
+    assert ReferenceAttentionBackend().full_graph_key(_decode_metadata([3]), _layer()) is None
+    index = _index_of(ReferenceAttentionBackend(), _spec(), (1, 2, 4, 8), (16, 32, 64))
+    assert index.graphs == ((8, 64), (4, 64), (2, 64), (1, 64))
+    assert index.graph_for(1, 5) == (1, 64) and index.graph_for(3, 64) == (4, 64)
+
+
+def _layer(window: int | None = None) -> AttentionLayerShape:
+    return AttentionLayerShape(4, 2, 16, 4, torch.float32, torch.float32, torch.device("cpu"), window, None)
+
+
+def test_layer_shapes_are_the_distinct_windows_of_the_model() -> None:
+    spec = _spec(windows=(4, None, 4, None))
+    shapes = attention_layer_shapes(
+        spec, block_size=16, kv_cache_dtype=torch.float8_e4m3fn, device=torch.device("cpu")
+    )
+    assert [s.sliding_window for s in shapes] == [4, None]
+    assert shapes[0] == AttentionLayerShape(
+        num_q_heads=4, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.float32,
+        kv_cache_dtype=torch.float8_e4m3fn, device=torch.device("cpu"), sliding_window=4,
+    )  # fmt: skip
+
+
+def test_the_forward_key_asks_every_layer_shape() -> None:
+    seen: list[tuple[int, int | None]] = []
+
+    class Windowed(ReferenceAttentionBackend):
+        def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> object:
+            seen.append((metadata.max_seq_len, layer.sliding_window))
+            # Like a kernel whose work is bounded by the window: longer bounds plan alike.
+            span = metadata.max_seq_len if layer.sliding_window is None else min(metadata.max_seq_len, 32)
+            return (metadata.num_reqs, span)
+
+    index = _index_of(Windowed(), _spec(windows=(32, None)), (1, 2), (16, 32, 64))
+    assert set(seen) == {(b, w) for b in (16, 32, 64) for w in (32, None)}
+    # The full-attention layer plans differently at every bucket, so every bucket has a graph.
+    assert index.graphs == ((2, 64), (2, 32), (2, 16), (1, 64), (1, 32), (1, 16))
+    windowed_only = _index_of(Windowed(), _spec(windows=(32, 32)), (1,), (16, 32, 64))
+    assert windowed_only.graphs == ((1, 64), (1, 16))  # 32 and 64 both plan for the window
+
+
 # ----------------------------------------------------------------------------- persistent buffers
 def _decode_metadata(seq_lens: list[int], width: int = 4, block_size: int = 4) -> AttentionMetadata:
     n = len(seq_lens)
@@ -253,6 +417,10 @@ class _EagerStandIn:
 
 
 class _FullStandIn(_EagerStandIn):
+    def __init__(self, runner: ModelRunner, sizes: tuple[int, ...]) -> None:
+        super().__init__(runner, sizes)
+        self.index = DecodeGraphIndex(sizes, (64,), lambda size, bucket: None, max_model_len=64)
+
     def covers(self, metadata: AttentionMetadata) -> bool:
         return FullDecodeGraphs.covers(self, metadata)  # type: ignore[arg-type]
 
@@ -341,6 +509,21 @@ def test_warmup_sweep_of_a_tiny_engine_and_bad_limits() -> None:
 
 
 WARMUP_TINY = {((1,), (8,)), ((1, 1), (8, 1)), ((2, 2), (2, 2)), ((4,), (8,))}
+
+
+def test_warmup_sweep_runs_the_batch_of_every_full_graph() -> None:
+    graphs = ((256, 4096), (8, 4096), (1, 4096), (1, 1024), (1, 256))
+    with pytest.raises(ValueError, match="max_model_len=3000"):  # a graph planned past max_model_len
+        attention_warmup_batches(
+            max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=3000, decode_graphs=graphs
+        )
+    graphs = ((256, 3000), (8, 3000), (1, 3000), (1, 1024), (1, 256))
+    batches = attention_warmup_batches(
+        max_num_seqs=256, max_num_batched_tokens=128, max_model_len=3000, decode_graphs=graphs
+    )
+    assert len(batches) == len(set(batches))
+    for size, bucket in graphs:  # even the 256-request graph, more requests than the token budget
+        assert WarmupBatch((1,) * size, (bucket,) + (1,) * (size - 1)) in batches
 
 
 def test_warm_up_attention_runs_every_batch_and_leaves_the_cache_alone() -> None:

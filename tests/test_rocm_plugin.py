@@ -350,3 +350,35 @@ def test_xcd_order_and_cache_modifier_can_be_switched_off(monkeypatch: pytest.Mo
     monkeypatch.setenv(DISABLE_ENV, "xcd")
     with pytest.raises(ValueError, match="unknown \\['xcd'\\]"):
         RocmUnifiedAttentionBackend()
+
+
+def test_full_graph_key_is_the_inherited_plan_with_the_amd_thresholds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pagedserve.platforms.api import PLUGIN_API_VERSION, AttentionLayerShape
+    from pagedserve.worker.full_cuda_graphs import DecodeGraphBuffers
+    from pagedserve_rocm.attention import RocmUnifiedAttentionBackend
+    from pagedserve_triton.attention import TritonUnifiedAttentionBackend
+
+    assert plugin.PAGEDSERVE_PLUGIN_API == PLUGIN_API_VERSION
+    assert RocmUnifiedAttentionBackend.full_graph_key is TritonUnifiedAttentionBackend.full_graph_key
+    monkeypatch.delenv(ARCH_ENV, raising=False)
+    _fake_gpu(monkeypatch, hip="6.4", arch="gfx942:sramecc+:xnack-")  # an MI300X, 304 CUs
+    backend = RocmUnifiedAttentionBackend()
+    device = torch.device("cuda", 0)
+    layer = AttentionLayerShape(32, 8, 128, 16, torch.bfloat16, torch.bfloat16, device)
+    keys = []
+    for bucket in (256, 1024, 4096):
+        md = DecodeGraphBuffers(1, 4, torch.device("cpu")).metadata(1, bucket)
+        key = backend.full_graph_key(md, layer)
+        assert key == backend.plan(
+            md,
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_size=128,
+            block_size=16,
+            dtype=torch.bfloat16,
+            device=device,
+        )
+        keys.append(key)
+    assert len(set(keys)) == 3 and all(k.kind == "3d" for k in keys)  # one request splits by length

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton (and the kernels) are imported
@@ -18,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from pagedserve.platforms.api import GridOrder
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.api import PLUGIN_API_VERSION, AttentionLayerShape, GridOrder
 from pagedserve.platforms.registry import PlatformRegistry
 from pagedserve.platforms.tuned_configs import (
     TunedConfigError,
@@ -26,6 +28,7 @@ from pagedserve.platforms.tuned_configs import (
     TunedConfigs,
     load_tuned_config_file,
 )
+from pagedserve.worker.full_cuda_graphs import DecodeGraphBuffers, DecodeGraphIndex
 from pagedserve_triton import plugin
 from pagedserve_triton.attention import (
     MAX_SPLITS,
@@ -70,7 +73,7 @@ def test_plugin_registers_cleanly_and_is_unavailable_without_gpu() -> None:
 
 
 def test_hooks_ignore_other_platforms() -> None:
-    assert plugin.PAGEDSERVE_PLUGIN_API == "1.2"
+    assert plugin.PAGEDSERVE_PLUGIN_API == PLUGIN_API_VERSION == "1.2"
     assert plugin.pagedserve_attention_backends(platform="cpu_reference") is None
     assert plugin.pagedserve_cache_ops(platform="cpu_reference") is None
     assert plugin.pagedserve_tuned_config_files(platform="cpu_reference") is None
@@ -286,6 +289,73 @@ def test_heuristic_respects_length_and_split_caps() -> None:
 def test_heuristic_splits_fall_as_the_batch_grows() -> None:
     splits = [choose_split(b, 1, 8192, 8, 132).num_splits for b in (1, 2, 4, 8, 16, 17)]
     assert splits == sorted(splits, reverse=True) and splits[-1] == 1
+
+
+# --- the plan key of full decode graphs ---------------------------------------------------------
+
+CUDA0 = torch.device("cuda", 0)
+LLAMA_8B = AttentionLayerShape(32, 8, 128, 16, torch.bfloat16, torch.bfloat16, CUDA0)
+BUCKETS = (256, 512, 1024, 2048, 4096)
+
+
+@pytest.fixture
+def fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda:0 answers as an H100 (its name picks the tuned configs, its SMs the split counts):
+    the plan is host-only, so no GPU is needed."""
+    props = types.SimpleNamespace(name=H100, multi_processor_count=132, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _=0: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _=0: H100)
+
+
+def _capture_metadata(num_reqs: int, max_seq_len: int) -> AttentionMetadata:
+    """The host fields a full decode graph of `num_reqs` requests is captured with."""
+    return DecodeGraphBuffers(num_reqs, 4, torch.device("cpu")).metadata(num_reqs, max_seq_len)
+
+
+def _plan_of(backend: TritonUnifiedAttentionBackend, num_reqs: int, max_seq_len: int) -> SplitPlan:
+    layer = LLAMA_8B
+    return backend.plan(
+        _capture_metadata(num_reqs, max_seq_len), num_q_heads=layer.num_q_heads,
+        num_kv_heads=layer.num_kv_heads, head_size=layer.head_size, block_size=layer.block_size,
+        dtype=layer.dtype, device=layer.device,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("fake_h100")
+def test_full_graph_key_is_the_plan_forward_makes() -> None:
+    backend = TritonUnifiedAttentionBackend()
+    keys = {b: backend.full_graph_key(_capture_metadata(1, b), LLAMA_8B) for b in BUCKETS}
+    assert keys == {b: _plan_of(backend, 1, b) for b in BUCKETS}
+    # One request of 600 tokens plans 8 splits; planned for 4096 it would launch 64.
+    assert backend.full_graph_key(_capture_metadata(1, 600), LLAMA_8B) == SplitPlan("3d", 8)
+    assert keys[4096] == SplitPlan("3d", 64)
+    splits = [keys[b].num_splits for b in BUCKETS]
+    assert splits == sorted(splits) and len(set(splits)) == len(BUCKETS)
+    # 64 decodes x 8 KV heads fill the GPU: the 2D kernel at every length.
+    assert {backend.full_graph_key(_capture_metadata(64, b), LLAMA_8B) for b in BUCKETS} == {PLAN_2D}
+    # A forced split count ignores the lengths.
+    forced = TritonUnifiedAttentionBackend(num_splits=4)
+    assert {forced.full_graph_key(_capture_metadata(1, b), LLAMA_8B) for b in BUCKETS} == {SplitPlan("3d", 4)}
+
+
+@pytest.mark.usefixtures("fake_h100")
+def test_full_graphs_of_small_batches_split_by_bucket_and_large_ones_do_not() -> None:
+    backend = TritonUnifiedAttentionBackend()
+    index = DecodeGraphIndex(
+        (1, 2, 16, 64),
+        BUCKETS,
+        lambda size, bucket: backend.full_graph_key(_capture_metadata(size, bucket), LLAMA_8B),
+        max_model_len=4096,
+    )
+    per_size = {size: sorted(b for s, b in index.graphs if s == size) for size in index.sizes}
+    assert per_size[1] == list(BUCKETS)  # 4, 8, 16, 32, 64 splits
+    assert per_size[64] == [4096]  # 2D everywhere: today's single graph
+    assert index.graph_for(1, 600) == (1, 1024)
+    # Every graph is the plan of the bucket it serves: grouping never changes a plan.
+    for size in index.sizes:
+        for bucket in BUCKETS:
+            captured = index.graph_for(size, bucket)[1]
+            assert _plan_of(backend, size, captured) == _plan_of(backend, size, bucket)
 
 
 # --- grid remap (interpreter) --------------------------------------------------------------------

@@ -24,6 +24,13 @@ Linear kernels (API 1.2): a platform may run the matrix products of a model's li
 (`LinearKernel`, hook `pagedserve_linear_kernel`); the core then routes every linear layer of the
 decoder through its operator, which must compute `x @ (weight * scale[:, None]).T + bias` for any
 number of rows.
+
+Full-graph plans (API 1.2): `AttentionBackend.full_graph_key` tells the engine what a backend's
+launches for a batch depend on besides tensor addresses (its plan: kernel, grid, split count), for
+one layer shape (`AttentionLayerShape`). Full decode graphs are captured once per padded request
+count and per distinct key over a ladder of `max_seq_len` bounds, so a batch of short sequences
+replays a graph planned for short sequences. The default (`None`) says the launches do not change
+with `max_seq_len`: one graph per padded size, as with API 1.1.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from __future__ import annotations
 import enum
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -123,6 +130,23 @@ class LinearKernel:
     weight_dtypes: frozenset[torch.dtype]  # weight dtypes `op` takes besides the activation's
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionLayerShape:
+    """What an attention backend sees of one layer besides the batch and tensor addresses: the
+    shapes and dtypes of its query and KV cache, its device and its options (API 1.2). A model
+    has one per distinct (sliding window, softcap) of its layers."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype  # the queries' (the model's compute dtype)
+    kv_cache_dtype: torch.dtype  # `dtype`, or the FP8 dtype of a quantized cache
+    device: torch.device
+    sliding_window: int | None = None  # None: the layer attends to the whole context
+    logit_softcap: float | None = None  # None: no softcap
+
+
 class UnsupportedCase(ValueError):
     """Raised by a backend asked for something outside its declared capabilities."""
 
@@ -153,6 +177,21 @@ class AttentionBackend(ABC):
     # upper bound of the real sequence lengths. Padding requests (query length 0, `seq_len` 0, at
     # the end of the batch) attend to nothing and write no real token's output row.
     supports_full_cuda_graph: ClassVar[bool] = False
+
+    def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> Hashable | None:
+        """API 1.2. What this backend's launches for `metadata` on a layer of shape `layer` depend
+        on besides tensor addresses (its plan: kernels, grids, split counts), as a hashable value:
+        two batches with equal keys get the same launches. Only the metadata's host fields are
+        read; they are those a full decode graph is captured with (`num_reqs` the padded size,
+        `max_seq_len` an upper bound of the real sequences). The engine captures one graph per
+        padded size and distinct key over a ladder of `max_seq_len` bounds, each at the largest
+        bound of its key, and replays the one planned for the smallest bound that holds the
+        step (`pagedserve.worker.full_cuda_graphs`).
+
+        The default, None, means the launches do not change with `max_seq_len`: one graph per
+        padded size, planned for `max_model_len`. Host-only (no device sync); may fill the
+        backend's caches. Meaningful only with `supports_full_cuda_graph`."""
+        return None
 
     def check_supported(
         self,

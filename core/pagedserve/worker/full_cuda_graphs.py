@@ -12,12 +12,22 @@ How. A graph freezes pointers and host-side decisions, so:
   the rest as padding: padding requests have query length 0 and `seq_len` 0 (they attend to
   nothing and write no real row), and padding tokens have slot -1 (the cache ops write nothing
   for them: `CacheOps.skips_negative_slots`).
-* The backend's plan is fixed per captured size: it is made from the capture metadata, whose
-  host fields are the padded request count and `max_seq_len = max_model_len`, an upper bound of
-  every real sequence. The backend promises that its kernels stay correct for shorter sequences
-  (`AttentionBackend.supports_full_cuda_graph`); a split-KV kernel then has empty splits.
-* One graph per size of the request ladder (`default_graph_sizes` over `max_num_seqs`), captured
-  largest first into one memory pool; a batch replays the smallest size that holds it.
+* The backend's plan is fixed per graph: it is made from the capture metadata, whose host fields
+  are the padded request count and a `max_seq_len` bound. The backend promises that its kernels
+  stay correct for shorter sequences (`AttentionBackend.supports_full_cuda_graph`); a split-KV
+  kernel then has empty splits.
+* Which bound? Planned for `max_model_len` (4096), a single request of 600 tokens of a model
+  with 8 KV heads would run the Triton backend's split-KV kernel with 64 splits on an H100,
+  where its eager plan uses 8. So each padded size is
+  planned over a ladder of bounds (`seq_len_buckets`: 256, 512, ... up to `max_model_len`), and
+  the backend says which of those plans differ (`AttentionBackend.full_graph_key`, for every
+  distinct layer shape of the model): buckets with equal keys share one graph, captured at the
+  largest of them (correct for every shorter sequence by the promise above). A backend whose
+  plan ignores `max_seq_len` (key None) gets one graph per size, planned for `max_model_len`.
+* Sizes come from the request ladder (`default_graph_sizes` over `max_num_seqs`). Graphs are
+  captured largest first into one memory pool; a step replays the graph of the smallest size
+  that holds its requests and the smallest bucket that holds its longest sequence
+  (`DecodeGraphIndex`).
 
 Padding rows go through the dense layers like real ones (no layer mixes rows) and their hidden
 states are dropped. The capture runs the forward on all-padding metadata, so the KV caches are
@@ -26,9 +36,12 @@ never touched.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +49,8 @@ from tqdm import tqdm
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
+from pagedserve.models.spec import ModelSpec
+from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape, CacheOps, KVCacheScales
 from pagedserve.worker.cuda_graphs import padded_size
 from pagedserve.worker.graph_modes import step_path
 
@@ -45,6 +59,133 @@ logger = logging.getLogger(__name__)
 PADDING_SLOT = -1  # slot_mapping value of a padding token: the cache ops write nothing for it
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, positions) -> hidden
+GraphKey = Callable[[AttentionMetadata], Hashable]  # capture metadata -> the plan of the whole forward
+
+# The smallest sequence-length bucket: below a few hundred keys the split-KV plans stop changing
+# much (the Triton backend needs 64 keys per split), and every bucket costs capture time.
+MIN_SEQ_LEN_BUCKET = 256
+
+
+def seq_len_buckets(
+    max_model_len: int, block_size: int, smallest: int = MIN_SEQ_LEN_BUCKET
+) -> tuple[int, ...]:
+    """The `max_seq_len` bounds full decode graphs are planned for, ascending: the first multiple
+    of `block_size` that is >= `smallest`, doubled while below `max_model_len`, then
+    `max_model_len` itself, always the last (so every step has a bucket). Pure."""
+    if min(max_model_len, block_size, smallest) < 1:
+        raise ValueError(
+            f"max_model_len={max_model_len}, block_size={block_size} and smallest={smallest} must be >= 1"
+        )
+    buckets = []
+    bound = -(-smallest // block_size) * block_size
+    while bound < max_model_len:
+        buckets.append(bound)
+        bound *= 2
+    return (*buckets, max_model_len)
+
+
+def attention_layer_shapes(
+    spec: ModelSpec, *, block_size: int, kv_cache_dtype: torch.dtype, device: torch.device
+) -> tuple[AttentionLayerShape, ...]:
+    """The distinct layer shapes of a model's attention layers, in the order of their first
+    layer (one for most models; two for models alternating sliding-window and full layers).
+    `spec` is the model as this process holds it (a tensor-parallel rank's own head counts).
+    Pure."""
+    shapes = {
+        AttentionLayerShape(
+            num_q_heads=spec.num_q_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            block_size=block_size,
+            dtype=spec.dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            device=device,
+            sliding_window=window,
+            logit_softcap=spec.logit_softcap,
+        ): None
+        for window in spec.sliding_windows
+    }
+    return tuple(shapes)
+
+
+def forward_graph_key(backend: AttentionBackend, layers: Sequence[AttentionLayerShape]) -> GraphKey:
+    """The plan of a whole decode forward: the backend's `full_graph_key` of every layer shape,
+    or None when all of them are None (the backend's plan ignores `max_seq_len`). Host-only."""
+    shapes = tuple(layers)
+
+    def key(metadata: AttentionMetadata) -> Hashable:
+        keys = tuple(backend.full_graph_key(metadata, shape) for shape in shapes)
+        return None if all(k is None for k in keys) else keys
+
+    return key
+
+
+class DecodeGraphIndex:
+    """Which full decode graphs exist and which one serves a step. Pure bookkeeping: built from
+    the request ladder, the bucket ladder and the plan key of each (size, bucket), it captures
+    nothing.
+
+    For each size, buckets whose keys are equal share one graph, captured at the largest bucket
+    of the group; a step of `n` requests whose longest sequence is `L` replays the graph of
+    (smallest size >= n, the group of the smallest bucket >= L)."""
+
+    def __init__(
+        self,
+        sizes: Sequence[int],  # padded request counts
+        buckets: Sequence[int],  # ascending max_seq_len bounds; the last is max_model_len
+        key_of: Callable[[int, int], Hashable],  # (size, bucket) -> plan key; equal keys share a graph
+        *,
+        max_model_len: int,
+    ) -> None:
+        """Calls `key_of` once per (size, bucket). Raises ValueError for an empty or non-positive
+        ladder, buckets that are not strictly ascending, or a last bucket other than
+        `max_model_len` (a bucket above it plans for sequences no step has; below it, long steps
+        would have no graph)."""
+        if not sizes or any(s < 1 for s in sizes):
+            raise ValueError(f"full-graph sizes must be a non-empty list of positive ints, got {sizes}")
+        buckets = tuple(buckets)
+        if not buckets or buckets[0] < 1 or any(a >= b for a, b in itertools.pairwise(buckets)):
+            raise ValueError(
+                f"sequence-length buckets must be positive and strictly ascending, got {buckets}"
+            )
+        if buckets[-1] != max_model_len:
+            raise ValueError(
+                f"the last sequence-length bucket must be max_model_len={max_model_len}, got {buckets[-1]}"
+            )
+        self.sizes = tuple(sorted(set(sizes)))  # ascending
+        self.buckets = buckets
+        self._capture_bucket: dict[tuple[int, int], int] = {}  # (size, bucket) -> its graph's bucket
+        for size in self.sizes:
+            keys = [key_of(size, bucket) for bucket in buckets]
+            largest: dict[Hashable, int] = {}
+            for bucket, key in zip(buckets, keys, strict=True):
+                largest[key] = bucket  # ascending: the last one seen is the largest
+            for bucket, key in zip(buckets, keys, strict=True):
+                self._capture_bucket[(size, bucket)] = largest[key]
+
+    @property
+    def graphs(self) -> tuple[tuple[int, int], ...]:
+        """(size, capture bucket) of every graph, largest size first, then largest bucket. Pure."""
+        return tuple(sorted(set((s, c) for (s, _), c in self._capture_bucket.items()), reverse=True))
+
+    def bucket_of(self, max_seq_len: int) -> int:
+        """The smallest bucket >= `max_seq_len`. Raises ValueError past the last bucket. Pure."""
+        i = bisect.bisect_left(self.buckets, max_seq_len)
+        if i == len(self.buckets):
+            raise ValueError(
+                f"max_seq_len={max_seq_len} is longer than the last sequence-length bucket "
+                f"({self.buckets[-1]} = max_model_len)"
+            )
+        return self.buckets[i]
+
+    def graph_for(self, num_reqs: int, max_seq_len: int) -> tuple[int, int]:
+        """(size, capture bucket) of the graph that replays a decode step of `num_reqs` requests
+        whose longest sequence has `max_seq_len` tokens. Raises ValueError when no graph holds
+        it. Pure."""
+        size = padded_size(self.sizes, num_reqs)
+        if size is None:
+            raise ValueError(f"{num_reqs} requests are more than the largest full graph ({self.sizes[-1]})")
+        return size, self._capture_bucket[(size, self.bucket_of(max_seq_len))]
 
 
 class DecodeGraphBuffers:
@@ -131,16 +272,18 @@ class DecodeGraphBuffers:
 
 
 @dataclass(frozen=True, slots=True)
-class _SizeGraph:
-    """The captured forward of one padded request count."""
+class _Graph:
+    """The captured forward of one padded request count, planned for one sequence-length bound."""
 
     size: int
+    bucket: int  # the capture metadata's max_seq_len
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # [size, hidden_size], owned output of the graph
 
 
 class FullDecodeGraphs:
-    """Whole-forward graphs of decode batches for a ladder of request counts, and their replay.
+    """Whole-forward graphs of decode batches for a ladder of request counts and of sequence-length
+    bounds, and their replay.
 
     Built once at engine start, after the KV cache exists and after the kernels are warm (capture
     cannot compile). `run` replaces the model call of a decode step that `covers` accepts."""
@@ -153,10 +296,15 @@ class FullDecodeGraphs:
         *,
         max_blocks_per_req: int,
         max_seq_len: int,
+        buckets: Sequence[int] | None = None,  # ascending, the last max_seq_len; None: (max_seq_len,)
+        graph_key: GraphKey | None = None,  # the forward's plan for capture metadata; None: no plan
         kv_scales: list[KVCacheScales] | None = None,  # layer_idx -> scales, exactly for an FP8 cache
     ) -> None:
         """`forward` is the model (or its compiled form); `max_seq_len` bounds every sequence a
-        replay may see (the engine's max_model_len). Allocates the buffers; captures nothing."""
+        replay may see (the engine's max_model_len). `buckets` (`seq_len_buckets`) are the bounds
+        graphs may be planned for and `graph_key` (`forward_graph_key`) says which of them plan
+        alike; without a key every bucket of a size shares one graph. Allocates the buffers and
+        asks the key of every (size, bucket); captures nothing."""
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         if not sizes or any(s < 1 for s in sizes):
@@ -167,17 +315,34 @@ class FullDecodeGraphs:
         self.max_seq_len = max_seq_len
         self.kv_scales = kv_scales
         self.buffers = DecodeGraphBuffers(self.sizes[-1], max_blocks_per_req, device)
+
+        def key_of(size: int, bucket: int) -> Hashable:
+            return None if graph_key is None else graph_key(self.buffers.metadata(size, bucket))
+
+        self.index = DecodeGraphIndex(
+            self.sizes, buckets if buckets is not None else (max_seq_len,), key_of, max_model_len=max_seq_len
+        )
         self._pool = torch.cuda.graph_pool_handle()
-        self._by_size: dict[int, _SizeGraph] = {}  # padded num_reqs -> its graph
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # (padded num_reqs, capture bucket) -> graph
         self.num_replays = 0  # steps served since capture (for tests and logs)
+        self.replays: Counter[tuple[int, int]] = Counter()  # (size, capture bucket) -> steps served
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.index.buckets
+
+    @property
+    def graphs(self) -> tuple[tuple[int, int], ...]:
+        """(size, capture bucket) of every graph `capture` records, in capture order."""
+        return self.index.graphs
 
     @property
     def num_graphs(self) -> int:
-        return len(self._by_size)
+        return len(self._graphs)
 
     def covers(self, metadata: AttentionMetadata) -> bool:
         """Whether this step replays a full graph: a decode batch no larger than the largest size
-        (`graph_modes.step_path`). Pure."""
+        (`graph_modes.step_path`) whose sequences fit the last bucket. Pure."""
         path = step_path(
             metadata.num_actual_tokens,
             metadata.num_reqs,
@@ -185,12 +350,13 @@ class FullDecodeGraphs:
             full_sizes=self.sizes,
             piecewise_sizes=(),
         )
-        return path == "full"
+        return path == "full" and metadata.max_seq_len <= self.index.buckets[-1]
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor], backend: AttentionBackend, cache_ops: CacheOps) -> None:
-        """Capture every size, largest first, on all-padding inputs (the KV caches are read by
-        nothing and written by nothing). Mutates this object; slow (two forwards per size)."""
+        """Capture every graph of the index, largest first, on all-padding inputs (the KV caches
+        are read by nothing and written by nothing). Mutates this object; slow (two forwards per
+        graph)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
@@ -198,36 +364,43 @@ class FullDecodeGraphs:
         self.buffers.pad_all()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        wanted = self.index.graphs
         with torch.cuda.stream(stream):
-            sizes = tqdm(reversed(self.sizes), total=len(self.sizes), desc="full decode graphs", disable=None)
-            for size in sizes:
-                self._by_size[size] = self._capture_size(size, stream, kv_caches, backend, cache_ops)
+            for size, bucket in tqdm(wanted, desc="full decode graphs", disable=None):
+                self._graphs[(size, bucket)] = self._capture_one(
+                    size, bucket, stream, kv_caches, backend, cache_ops
+                )
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         logger.info(
-            "full CUDA graphs: %d decode graphs (%d..%d requests) captured in %.1f s; graph memory %.0f MiB",
+            "full CUDA graphs: %d decode graphs for %d sizes (%d..%d requests) and %d sequence-length "
+            "buckets (%s) captured in %.1f s; graph memory %.0f MiB",
             self.num_graphs,
+            len(self.sizes),
             self.sizes[0],
             self.sizes[-1],
+            len(self.buckets),
+            ", ".join(map(str, self.buckets)),
             time.perf_counter() - start,
             (torch.cuda.memory_reserved(self.device) - reserved_before) / 2**20,
         )
 
-    def _capture_size(
+    def _capture_one(
         self,
         size: int,
+        bucket: int,
         stream: torch.cuda.Stream,
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
         cache_ops: CacheOps,
-    ) -> _SizeGraph:
+    ) -> _Graph:
         ids = self.buffers.input_ids[:size]
         positions = self.buffers.positions[:size]
 
         def context() -> ForwardContext:
             return ForwardContext(
-                self.buffers.metadata(size, self.max_seq_len),
+                self.buffers.metadata(size, bucket),
                 kv_caches,
                 backend,
                 cache_ops,
@@ -255,13 +428,13 @@ class FullDecodeGraphs:
                 except RuntimeError as end_exc:
                     exc.add_note(f"ending the broken capture also failed: {end_exc}")
                 exc.add_note(
-                    f"while capturing the full decode CUDA graph for {size} requests with backend "
-                    f"{type(ctx.backend).__name__}; cudagraph_mode='piecewise' or enforce_eager=True "
-                    "avoids it"
+                    f"while capturing the full decode CUDA graph for {size} requests (max_seq_len "
+                    f"{bucket}) with backend {type(ctx.backend).__name__}; cudagraph_mode='piecewise' "
+                    "or enforce_eager=True avoids it"
                 )
                 raise
             graph.capture_end()
-        return _SizeGraph(size, graph, hidden)
+        return _Graph(size, bucket, graph, hidden)
 
     def run(
         self,
@@ -269,20 +442,22 @@ class FullDecodeGraphs:
         input_ids: torch.Tensor,  # [num_reqs] int64
         positions: torch.Tensor,  # [num_reqs] int64
     ) -> torch.Tensor:  # [num_reqs, hidden_size]
-        """The model forward of one decode step by one replay. The result is a view of graph
-        memory, valid until the next replay. Mutates the KV caches (the new tokens' keys and
-        values), the buffers and the graph's memory. Raises ValueError if the step is not covered."""
+        """The model forward of one decode step by one replay, of the graph of the smallest size
+        and bucket that hold the step. The result is a view of graph memory, valid until the next
+        replay. Mutates the KV caches (the new tokens' keys and values), the buffers and the
+        graph's memory. Raises ValueError if the step is not covered."""
         if not self.covers(metadata):
             raise ValueError(
                 f"a step of {metadata.num_actual_tokens} tokens for {metadata.num_reqs} requests "
-                f"(max_query_len {metadata.max_query_len}) is not a decode batch of at most "
-                f"{self.sizes[-1]} requests: run it another way"
+                f"(max_query_len {metadata.max_query_len}, max_seq_len {metadata.max_seq_len}) is not "
+                f"a decode batch of at most {self.sizes[-1]} requests of at most "
+                f"{self.index.buckets[-1]} tokens: run it another way"
             )
         n = metadata.num_reqs
-        size = padded_size(self.sizes, n)
-        assert size is not None  # covers() checked it
-        self.buffers.fill(size, input_ids, positions, metadata)
-        captured = self._by_size[size]
+        which = self.index.graph_for(n, metadata.max_seq_len)
+        self.buffers.fill(which[0], input_ids, positions, metadata)
+        captured = self._graphs[which]
         captured.graph.replay()
         self.num_replays += 1
+        self.replays[which] += 1
         return captured.hidden[:n]

@@ -10,11 +10,13 @@ What. `prepare_runner` runs, in order and with the time of each in the log:
 1. compile the GPU forward (`gpu_compile`), when the plan says so;
 2. run the attention backend (and the cache write) over a sweep of synthetic batches
    (`attention_warmup_batches`): decode batches of every request count class and context length
-   that picks a different plan, speculative and mixed batches with short queries, and prefills
-   of every power-of-two length up to the token budget; nothing is written to the KV cache
-   (padding slots) and the backend only reads it;
+   that picks a different plan, the exact decode batch of every full graph to be captured (its
+   padded size at its sequence-length bucket, so every plan a graph records is compiled),
+   speculative and mixed batches with short queries, and prefills of every power-of-two length
+   up to the token budget; nothing is written to the KV cache (padding slots) and the backend
+   only reads it;
 3. capture the full decode graphs, then the piecewise graphs (their capture runs the compiled
-   forward once per size, which compiles anything the sweep missed).
+   forward once per graph, which compiles anything the sweep missed).
 
 The sweep is a list of batch shapes, not a list of kernels: it is what makes it backend-agnostic.
 It covers each axis a backend plans on (request count, longest query, longest context) at the
@@ -37,7 +39,13 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs, default_graph_sizes
-from pagedserve.worker.full_cuda_graphs import PADDING_SLOT, FullDecodeGraphs
+from pagedserve.worker.full_cuda_graphs import (
+    PADDING_SLOT,
+    FullDecodeGraphs,
+    attention_layer_shapes,
+    forward_graph_key,
+    seq_len_buckets,
+)
 from pagedserve.worker.gpu_compile import GpuCompiledForward
 from pagedserve.worker.graph_modes import GraphPlan
 
@@ -83,13 +91,27 @@ def _powers_of_two(low: int, high: int) -> list[int]:
 
 
 def attention_warmup_batches(
-    *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    decode_graphs: Sequence[tuple[int, int]] = (),
 ) -> list[WarmupBatch]:
     """The sweep of batch shapes `warm_up_attention` runs (module docstring), every one within the
     engine's limits: at most `max_num_seqs` requests, `max_num_batched_tokens` tokens and
-    `max_model_len` tokens per sequence. Pure; deterministic order, no duplicates."""
+    `max_model_len` tokens per sequence. `decode_graphs` are the (padded size, bucket) of the full
+    decode graphs to be captured (`FullDecodeGraphs.graphs`): each adds the decode batch its
+    capture plans for (`size` requests, the longest `bucket` tokens), within `max_model_len`
+    whatever the other limits, since the capture runs it. Pure; deterministic order, no
+    duplicates."""
     if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
         raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+    for size, bucket in decode_graphs:
+        if size < 1 or not 1 <= bucket <= max_model_len:
+            raise ValueError(
+                f"decode graph ({size} requests, max_seq_len {bucket}): needs >= 1 request and "
+                f"1 <= max_seq_len <= max_model_len={max_model_len}"
+            )
     max_reqs = min(max_num_seqs, max_num_batched_tokens)
     counts = sorted({*default_graph_sizes(max_reqs), *_EXTRA_REQUEST_COUNTS} & set(range(1, max_reqs + 1)))
     contexts = _powers_of_two(16, max_model_len) or [max_model_len]
@@ -117,6 +139,8 @@ def attention_warmup_batches(
             add((q,), (2 * q,))  # a chunk after cached context
         for r in (2, 3, 16):
             add((q,) * r, (q,) * r)
+    for size, bucket in decode_graphs:  # what each full-graph capture plans for
+        batches[WarmupBatch((1,) * size, (bucket,) + (1,) * (size - 1))] = None
     return list(batches)
 
 
@@ -197,12 +221,24 @@ def prepare_runner(
         compiled = GpuCompiledForward(runner.model)
         compile_s = compiled.warm_up(runner.kv_caches, runner.backend, runner.cache_ops)
         runner.compiled = compiled
+    # Before the sweep: which full graphs will be captured decides which plans it must compile.
+    full = (
+        _full_decode_graphs(
+            runner,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            cuda_graph_max_tokens=cuda_graph_max_tokens,
+        )
+        if plan.full_decode
+        else None
+    )
     if plan.warm_up_kernels:
         start = time.perf_counter()
         batches = attention_warmup_batches(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
+            decode_graphs=full.graphs if full is not None else (),
         )
         scales = None if runner.kv_scales is None else runner.kv_scales[0]
         warm_up_attention(runner.backend, runner.cache_ops, runner.kv_caches[0], runner.spec, batches, scales)
@@ -214,9 +250,8 @@ def prepare_runner(
         _capture_graphs(
             runner,
             plan,
-            max_num_seqs=max_num_seqs,
+            full,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
             cuda_graph_max_tokens=cuda_graph_max_tokens,
         )
         capture_s = time.perf_counter() - start
@@ -230,28 +265,43 @@ def prepare_runner(
     return StartupTimes(compile_s, kernels_s, capture_s, num_batches)
 
 
+def _full_decode_graphs(
+    runner: ModelRunner, *, max_num_seqs: int, max_model_len: int, cuda_graph_max_tokens: int
+) -> FullDecodeGraphs:
+    """The full decode graphs `runner` will replay, not yet captured: one per padded size of the
+    request ladder and per distinct plan of the backend over the sequence-length buckets, run
+    from the compiled forward where there is one."""
+    layers = attention_layer_shapes(
+        runner.spec,
+        block_size=runner.block_size,
+        kv_cache_dtype=runner.kv_caches[0].dtype,
+        device=runner.device,
+    )
+    return FullDecodeGraphs(
+        runner.compiled if runner.compiled is not None else runner.model,
+        runner.device,
+        default_graph_sizes(max_num_seqs, cuda_graph_max_tokens),
+        max_blocks_per_req=runner.batch.block_table.np.shape[1],
+        max_seq_len=max_model_len,
+        buckets=seq_len_buckets(max_model_len, runner.block_size),
+        graph_key=forward_graph_key(runner.backend, layers),
+        kv_scales=runner.kv_scales,
+    )
+
+
 def _capture_graphs(
     runner: ModelRunner,
     plan: GraphPlan,
+    full: FullDecodeGraphs | None,  # exactly when plan.full_decode
     *,
-    max_num_seqs: int,
     max_num_batched_tokens: int,
-    max_model_len: int,
     cuda_graph_max_tokens: int,
 ) -> None:
-    """Capture full decode graphs, then piecewise ones, as `plan` asks, from the compiled forward
-    where there is one. Mutates the runner (`full_graphs`, `cuda_graphs`)."""
+    """Capture `full`, then piecewise graphs as `plan` asks, from the compiled forward where there
+    is one. Mutates the runner (`full_graphs`, `cuda_graphs`)."""
     caches, backend, cache_ops = runner.kv_caches, runner.backend, runner.cache_ops
     forward = runner.compiled if runner.compiled is not None else runner.model
-    if plan.full_decode:
-        full = FullDecodeGraphs(
-            forward,
-            runner.device,
-            default_graph_sizes(max_num_seqs, cuda_graph_max_tokens),
-            max_blocks_per_req=runner.batch.block_table.np.shape[1],
-            max_seq_len=max_model_len,
-            kv_scales=runner.kv_scales,
-        )
+    if full is not None:
         full.capture(caches, backend, cache_ops)
         runner.full_graphs = full
     if plan.piecewise:

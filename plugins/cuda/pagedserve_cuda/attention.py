@@ -9,13 +9,20 @@ together: everything Triton declares, since Triton covers every case the CUDA ke
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales, UnsupportedCase
+from pagedserve.platforms.api import (
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionLayerShape,
+    KVCacheScales,
+    UnsupportedCase,
+)
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_cuda.compiler import INSTALL_HINT
 from pagedserve_cuda.paged_attention import check_decode_layout, launch_decode, vector_load_problem
@@ -180,6 +187,36 @@ class CudaPagedAttentionBackend(AttentionBackend):
                 ) from e
             self._triton = TritonUnifiedAttentionBackend(tuned_configs=self._configs)
         return self._triton
+
+    def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> Hashable:
+        """What `forward` runs for `metadata` on a layer of shape `layer`: the CUDA kernel and its
+        launch shape (v2's partition count follows `max_seq_len`), or the Triton backend's split
+        plan for batches that go to Triton (prefill, unsupported shapes, tuned configs that
+        route decode there, non-CUDA devices). `forward` also sends a call whose tensors the
+        CUDA kernels' 16-byte loads cannot read to Triton; the key sees no tensors and assumes
+        aligned ones (the models' layouts). Were that wrong, graphs would be grouped by the CUDA
+        choice instead of the Triton plan: still correct, only planned for a longer bound than
+        needed. Host-only; mutates only the decision caches."""
+        if metadata.num_actual_tokens == 0 or metadata.num_reqs == 0:
+            return ("none",)  # `forward` launches nothing
+        choice = KernelChoice("triton", "", None)
+        if layer.device.type == "cuda":
+            shape = BatchShape(
+                num_seqs=metadata.num_reqs,
+                max_query_len=metadata.max_query_len,
+                max_seq_len=metadata.max_seq_len,
+                num_q_heads=layer.num_q_heads,
+                num_kv_heads=layer.num_kv_heads,
+                head_size=layer.head_size,
+                dtype=layer.dtype,
+                block_size=layer.block_size,
+                sliding_window=layer.sliding_window,
+                logit_softcap=layer.logit_softcap,
+            )
+            choice = self.choose(shape, layer.device)
+        if choice.launch is None:
+            return ("triton", self._triton_backend().full_graph_key(metadata, layer))
+        return (choice.kernel, choice.launch)  # not the reason: it names the lengths
 
     def forward(
         self,

@@ -21,6 +21,7 @@ from pagedserve.platforms.api import (
     IDENTITY_GRID_ORDER,
     AttentionBackend,
     AttentionCapabilities,
+    AttentionLayerShape,
     GridOrder,
     KVCacheScales,
 )
@@ -295,6 +296,23 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             layer.attention(query, kv_cache)
             layer.reduce(out)
         return out
+
+    def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> SplitPlan:
+        """The plan `forward` makes for `metadata` on a layer of shape `layer`: the split count is
+        the only launch choice that depends on `max_seq_len` (grids, tile configs and scalar
+        arguments follow from the request and token counts, `max_query_len` and the layout).
+        Host-only; mutates only the launch-parameter cache."""
+        if metadata.num_actual_tokens == 0 or metadata.num_reqs == 0:
+            return PLAN_2D  # `forward` launches nothing
+        return self.plan(
+            metadata,
+            num_q_heads=layer.num_q_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_size=layer.head_size,
+            block_size=layer.block_size,
+            dtype=layer.dtype,
+            device=layer.device,
+        )
 
     def reset_step_cache(self) -> None:
         """Forget the cached step, so the next call checks and plans from scratch (benchmarks of

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from pagedserve.models.fp8 import quantize_rows, scaled_linear
-from pagedserve_triton.linear_op import LINEAR_KERNEL, choose_config, linear
+from pagedserve_triton.linear_op import LINEAR_KERNEL, SHARED_MEMORY_BUDGET, choose_config, linear
 from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, skinny_linear
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative to max |y|
@@ -71,15 +71,17 @@ def test_refuses_what_it_does_not_take() -> None:
         SkinnyGemmConfig(24, 32, 1, 4, 2)
 
 
-def test_configs_follow_the_measured_rules() -> None:
-    assert choose_config(6144, 4096, torch.bfloat16).block_n == 64  # qkv-like: 64-column blocks
-    assert choose_config(4096, 4096, torch.bfloat16) == choose_config(28672, 4096, torch.bfloat16)
-    fp8 = torch.float8_e4m3fn
-    assert [choose_config(n, k, fp8).split_k for n, k in [(4096, 4096), (4096, 14336), (28672, 4096)]] == [
-        2,
-        4,
-        1,
-    ]
+def test_configs_follow_the_measured_rules_and_fit_shared_memory() -> None:
+    bf16, fp8, fp32 = torch.bfloat16, torch.float8_e4m3fn, torch.float32
+    assert choose_config(6144, 4096, bf16, bf16).block_n == 64  # qkv-like: 64-column blocks
+    assert choose_config(4096, 4096, bf16, bf16) == choose_config(28672, 4096, bf16, bf16)
+    splits = [choose_config(n, k, fp8, bf16).split_k for n, k in [(4096, 4096), (4096, 14336), (28672, 4096)]]
+    assert splits == [2, 4, 1]
+    for w, x in [(bf16, bf16), (fp8, bf16), (fp32, fp32), (fp8, fp32)]:
+        for n in (256, 6144, 28672):
+            c = choose_config(n, 4096, w, x)
+            tiles = c.num_stages * c.block_k * (MAX_ROWS * x.itemsize + c.block_n * w.itemsize)
+            assert tiles <= SHARED_MEMORY_BUDGET, (w, x, n, c)
 
 
 def test_operator_falls_back_to_torch_above_the_kernel_or_off_the_gpu() -> None:

@@ -32,6 +32,7 @@ from pagedserve.models.layers import (
 )
 from pagedserve.models.packed_int4 import PackedInt4Linear, RecoveredCodes, pack_linear_layers
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
+from pagedserve.platforms.api import LinearKernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +181,7 @@ class DecoderForCausalLM(PagedCausalLM):
         )
         # Set by `pack_quantized_weights`: the head as packed 4-bit codes (CPU decode).
         self.packed_head: PackedInt4Linear | None = None
+        self.head_kernel: LinearKernel | None = None  # set by `platform_linear.route_linear_layers`
         # Set by `distributed.sharding.shard_model`: the head holds one rank's vocabulary rows.
         self.vocab_parallel: VocabParallelLogits | None = None
         self.spec = ModelSpec(
@@ -211,7 +213,10 @@ class DecoderForCausalLM(PagedCausalLM):
         if self.packed_head is not None:
             return self.packed_head(hidden_states).float()
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden_states, head)
+        if self.head_kernel is not None:  # the platform's GEMM (`platform_linear`)
+            logits = self.head_kernel.op(hidden_states, head, None, None)
+        else:
+            logits = F.linear(hidden_states, head)
         if self.vocab_parallel is not None:
             logits = self.vocab_parallel.gather(logits)
         return logits.float()

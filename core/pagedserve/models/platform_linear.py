@@ -8,7 +8,8 @@ weight with bf16 activations, where `torch._scaled_mm` first quantizes the activ
 
 How. `route_linear_layers` swaps every `nn.Linear` of the decoder (fused ones included) for a
 `PlatformLinear` holding the same parameters, and hands the kernel to every `Fp8Linear`. The LM
-head is left alone (it is read by the logits computation, outside the decoder). The platform's
+head lives outside the decoder: the runner hands the kernel to the model's logits computation
+(`DecoderForCausalLM.head_kernel`). The platform's
 operator is opaque to `torch.compile` and decides per call, from the row count, whether it runs
 its own kernel or the library's, so one compiled graph serves every step size.
 """

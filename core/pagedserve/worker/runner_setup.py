@@ -152,6 +152,9 @@ def _route_linear_layers(model: PagedCausalLM, platform: LoadedPlatform, dtype: 
     if kernel is None or not isinstance(model, DecoderForCausalLM):
         return
     routed = route_linear_layers(model.model, kernel, dtype)
+    if model.vocab_parallel is None and model.packed_head is None:  # a plain LM head in `dtype`
+        model.head_kernel = kernel
+        routed += 1
     logger.info("linear layers: %d on %s", routed, kernel.name)
 
 

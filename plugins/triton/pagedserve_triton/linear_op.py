@@ -10,6 +10,8 @@ kernel has no AMD measurements).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -21,18 +23,30 @@ _NARROW = SkinnyGemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_
 _WIDE_OR_SQUARE = SkinnyGemmConfig(block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=4)
 
 
-def choose_config(n: int, k: int, weight_dtype: torch.dtype) -> SkinnyGemmConfig:
-    """Launch parameters of `skinny_linear` for an [n, k] weight of `weight_dtype`. Pure.
+_FLOAT32 = SkinnyGemmConfig(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=3)
+SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined tiles: below every sm_80+ GPU's limit
+
+
+def choose_config(n: int, k: int, weight_dtype: torch.dtype, x_dtype: torch.dtype) -> SkinnyGemmConfig:
+    """Launch parameters of `skinny_linear` for an [n, k] weight of `weight_dtype` and
+    activations of `x_dtype`. Pure.
 
     16-bit weights: one K pass per program (the grid over N alone fills an H100 from N = 4096);
     64-column blocks for mid-sized outputs (qkv-like). FP8 weights carry half the bytes per
     program, so outputs narrower than 16384 columns split K (2 ways, 4 for K > 8192) to keep
-    enough loads in flight."""
-    if weight_dtype.itemsize >= 2:
-        return _NARROW if 6144 <= n < 16384 else _WIDE_OR_SQUARE
-    split = 1 if n >= 16384 else (2 if k <= 8192 else 4)
-    block_k = 128 if 16384 <= n < 65536 else 256
-    return SkinnyGemmConfig(block_n=32, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
+    enough loads in flight. float32 (tiny test models) gets small tiles. The pipeline depth is
+    then cut until the stages' tiles fit `SHARED_MEMORY_BUDGET`."""
+    if weight_dtype.itemsize == 4 or x_dtype.itemsize == 4:
+        config = _FLOAT32
+    elif weight_dtype.itemsize == 2:
+        config = _NARROW if 6144 <= n < 16384 else _WIDE_OR_SQUARE
+    else:
+        split = 1 if n >= 16384 else (2 if k <= 8192 else 4)
+        block_k = 128 if 16384 <= n < 65536 else 256
+        config = SkinnyGemmConfig(block_n=32, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
+    per_stage = config.block_k * (MAX_ROWS * x_dtype.itemsize + config.block_n * weight_dtype.itemsize)
+    stages = max(1, min(config.num_stages, SHARED_MEMORY_BUDGET // per_stage))
+    return config if stages == config.num_stages else replace(config, num_stages=stages)
 
 
 @torch.library.custom_op("pagedserve_triton::linear", mutates_args=())
@@ -47,7 +61,7 @@ def linear(
     rows = x.shape[0]
     if x.is_cuda and 1 <= rows <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
         n, k = weight.shape
-        return skinny_linear(x, weight, choose_config(n, k, weight.dtype), scale=scale, bias=bias)
+        return skinny_linear(x, weight, choose_config(n, k, weight.dtype, x.dtype), scale=scale, bias=bias)
     if weight.dtype == FP8_WEIGHT_DTYPE:
         if scale is None:
             raise ValueError("pagedserve_triton::linear: FP8 weights need their per-channel scale")

@@ -4,8 +4,10 @@ For each variant (bfloat16; FP8 KV cache; FP8 weights; FP8 weights + FP8 KV cach
 built with the KV pool sized from memory at `--gpu-memory-utilization` (0.9), and measured:
 
   * KV tokens that fit: the pool the engine sized (blocks x block size);
-  * single stream: one `--prompt-len` prompt, `--output-len` tokens out, TPOT the median decode
-    step (`gpu_latency.single_stream`; CUDA graphs on);
+  * single stream: one `--prompt-len` prompt, `--output-len` tokens out, TTFT and TPOT from the
+    wall times at which the engine hands out each token (`gpu_async_scheduling.single_stream`, the
+    scoreboard's method: no per-step synchronisation, which would expose the host time that
+    asynchronous scheduling hides);
   * throughput (with `--workload FILE`): every request of the shared workload at once, each run to
     its `output_len` (`pagedserve bench throughput`'s loop), after `--warmup-requests` requests.
 
@@ -28,7 +30,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_latency import llama_8b_config, single_stream
+from gpu_async_scheduling import single_stream
+from gpu_latency import llama_8b_config
 
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput

@@ -107,3 +107,14 @@ def test_platform_answers_are_checked() -> None:
     assert registry.get("none").linear_kernel() is None
     assert registry.get("bad").linear_kernel() is None
     assert any("not a LinearKernel" in str(problem) for problem in registry.load_errors)
+
+
+def test_the_command_line_turns_the_routing_off() -> None:
+    import argparse
+
+    from pagedserve.cli.engine_options import add_engine_options, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    assert engine_args_from(parser.parse_args([]), None).platform_linear is True
+    assert engine_args_from(parser.parse_args(["--no-platform-linear"]), None).platform_linear is False

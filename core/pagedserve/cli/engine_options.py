@@ -55,6 +55,11 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--enforce-eager": ("enforce_eager", True, "no CUDA graphs, no compilation"),
     "--cpu-compile": ("cpu_compile", True, "CPU: torch.compile steps of up to 32 tokens (slow first start)"),
     "--no-gpu-compile": ("gpu_compile", False, "GPU: run the forward's dense parts uncompiled"),
+    "--no-platform-linear": (
+        "platform_linear",
+        False,
+        "GPU: linear layers on torch's GEMMs, not the platform's",
+    ),
     "--skip-tokenizer-init": ("skip_tokenizer_init", True, "no tokenizer: token-id prompts only"),
     "--async-scheduling": ("async_scheduling", True, "schedule step N+1 while step N runs (default on GPUs)"),
     "--no-async-scheduling": ("async_scheduling", False, "every step synchronous (for debugging)"),

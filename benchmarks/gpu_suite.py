@@ -20,6 +20,10 @@ still run:
               fresh machine's first run), then again with the caches it filled (warm)
   peers       HF transformers + static cache + torch.compile single stream, and HF continuous
               batching on the 256-request workload (scripts from PEERS_DIR)
+  gemm        the linear layers of a decode step (1-16 rows, 8B shapes), the Triton GEMM the
+              engine uses against cuBLAS and torch._scaled_mm (`benchmarks/skinny_gemm.py --fp8`)
+  fp8         FP8 weights + FP8 KV cache against bfloat16: KV tokens, TPOT, throughput on the
+              256-request workload (`benchmarks/gpu_fp8.py`)
 
 Each stage writes `stage_NAME.json` and `logs/NAME.log` under OUT; stages can be run apart
 (`--stages latency,peers`) into the same OUT, and every run rewrites `suite.json` (all stages
@@ -48,7 +52,18 @@ WORKLOADS = {
     "256": ROOT / "benchmarks" / "workloads" / "sharegpt_like_256.json",
     "1000": ROOT / "benchmarks" / "workloads" / "sharegpt_like_1000.json",
 }
-STAGES = ("env", "tests", "conformance", "engine", "attention", "latency", "throughput", "peers")
+STAGES = (
+    "env",
+    "tests",
+    "conformance",
+    "engine",
+    "attention",
+    "latency",
+    "throughput",
+    "peers",
+    "gemm",
+    "fp8",
+)
 PLATFORMS = ("cuda", "triton")
 # Environment variables naming the on-disk caches of compiled kernels and graphs. A cold run gets
 # all of them pointed at empty directories, which is what a fresh machine has.
@@ -220,6 +235,24 @@ def stage_peers(suite: Suite) -> dict[str, Any]:
     res["result"] = read_json(path)
     out["hf_throughput_256"] = res
     return out
+
+
+def stage_gemm(suite: Suite) -> dict[str, Any]:
+    path = suite.out / "raw" / "skinny_gemm.json"
+    res = suite.run(
+        "gemm", [suite.python, "benchmarks/skinny_gemm.py", "--fp8", "--json", str(path)], timeout_s=600
+    )
+    res["result"] = read_json(path)
+    return res
+
+
+def stage_fp8(suite: Suite) -> dict[str, Any]:
+    path = suite.out / "raw" / "fp8.json"
+    argv = [suite.python, "benchmarks/gpu_fp8.py", "--platform", "cuda", "--variants", "bf16,w_fp8+kv_fp8"]
+    argv += ["--workload", str(WORKLOADS["256"]), "--json", str(path)]
+    res = suite.run("fp8", argv, timeout_s=1200)
+    res["result"] = read_json(path)
+    return res
 
 
 def pytest_summary(tail: list[str]) -> str | None:
@@ -408,8 +441,69 @@ def check_rows(stages: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def gemm_rows(stages: dict[str, Any]) -> list[Row]:
+    per_step = dig(stages, "gemm", "result", "per_step_us", "1") or {}
+    ours, cublas = per_step.get("skinny_us"), per_step.get("torch_us")
+    ours_fp8, scaled = per_step.get("skinny_fp8_us"), per_step.get("torch_fp8_us")
+    return [
+        Row(
+            "GEMMs of a one-row decode step, bf16 weights (32 layers + LM head)",
+            fmt(ours, ",.0f", " us"),
+            f"cuBLAS {fmt(cublas, ',.0f', ' us')}",
+            "faster than cuBLAS",
+            judge(ours, "<", cublas) if cublas is not None else "not run",
+        ),
+        Row(
+            "GEMMs of a one-row decode step, FP8 weights",
+            fmt(ours_fp8, ",.0f", " us"),
+            f"torch._scaled_mm {fmt(scaled, ',.0f', ' us')}",
+            "",
+            "n/a",
+        ),
+    ]
+
+
+def fp8_rows(stages: dict[str, Any]) -> list[Row]:
+    bf16 = dig(stages, "fp8", "result", "bf16") or {}
+    fp8 = dig(stages, "fp8", "result", "w_fp8+kv_fp8") or {}
+    tpot = dig(fp8, "single_stream", "tpot_median_ms")
+    tput, base = dig(fp8, "throughput", "output_tokens_per_s"), dig(bf16, "throughput", "output_tokens_per_s")
+    ratio = None if tput is None or not base else tput / base
+    kv, kv_base = fp8.get("kv_tokens"), bf16.get("kv_tokens")
+    return [
+        Row(
+            "FP8 weights + KV: single stream TPOT",
+            fmt(tpot, ".2f", " ms"),
+            "",
+            "<= 3.6 ms",
+            judge(tpot, "<=", 3.6),
+        ),
+        Row(
+            "FP8 weights + KV: throughput, 256 requests",
+            fmt(ratio, ".2f", "x bf16"),
+            f"bf16 {fmt(base, ',.0f', ' tok/s')}",
+            ">= 1.3x",
+            judge(ratio, ">=", 1.3),
+        ),
+        Row(
+            "FP8 weights + KV: KV tokens at 0.9 of GPU memory",
+            fmt(kv, ",d"),
+            f"bf16 {fmt(kv_base, ',d')}",
+            "",
+            "n/a",
+        ),
+    ]
+
+
 def scoreboard(stages: dict[str, Any]) -> list[Row]:
-    return throughput_rows(stages) + latency_rows(stages) + attention_rows(stages) + check_rows(stages)
+    return (
+        throughput_rows(stages)
+        + latency_rows(stages)
+        + attention_rows(stages)
+        + gemm_rows(stages)
+        + fp8_rows(stages)
+        + check_rows(stages)
+    )
 
 
 def markdown(stages: dict[str, Any]) -> str:
@@ -476,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             "latency": lambda: stage_latency(suite),
             "throughput": lambda: stage_throughput(suite, workloads),
             "peers": lambda: stage_peers(suite),
+            "gemm": lambda: stage_gemm(suite),
+            "fp8": lambda: stage_fp8(suite),
         }
         # The environment is recorded with every run: stages run apart may meet different hosts.
         for name in ["env", *(s for s in stages if s != "env")]:

@@ -4,8 +4,9 @@ For each weight shape of an 8B Llama layer (qkv, o, gate_up, down) and its LM he
 matrix product at `--rows` activation rows with:
 
   * `torch` — `F.linear` (cuBLAS, what the compiled forward calls);
-  * `skinny` — `pagedserve_triton.skinny_gemm` with the best launch parameters of a sweep
-    (`--sweep`: every combination of the grid below, else the configured table);
+  * `skinny` — `pagedserve_triton.skinny_gemm` with the launch parameters the engine uses
+    (`linear_op.choose_config`), or with `--sweep` the best of every combination of the grid
+    below (then also printed, to update `choose_config` from);
   * with `--fp8`: `torch-fp8` — the FP8 path of `quantization="fp8"` today (activation rows
     quantized, `torch._scaled_mm` with row-wise scales) and `skinny-fp8` — the same kernel
     streaming FP8 weights with per-channel scales and bf16 activations (nothing quantized per step).
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.models.fp8 import quantize_rows
+from pagedserve_triton.linear_op import choose_config
 from pagedserve_triton.skinny_gemm import SkinnyGemmConfig, skinny_linear
 
 SHAPES: dict[str, tuple[int, int]] = {  # name -> (N, K) of Llama-3.1-8B
@@ -84,9 +86,11 @@ def _weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda").to(dtype) for _ in range(copies)]
 
 
-def _configs(sweep: bool) -> list[SkinnyGemmConfig]:
-    grid = list(itertools.product(*GRID.values())) + EXTRA if sweep else EXTRA
-    return [SkinnyGemmConfig(*values) for values in grid]
+def _configs(sweep: bool, n: int, k: int, weight_dtype: torch.dtype) -> list[SkinnyGemmConfig]:
+    """The sweep's grid, or only the engine's own choice for this shape."""
+    if not sweep:
+        return [choose_config(n, k, weight_dtype, torch.bfloat16)]
+    return [SkinnyGemmConfig(*values) for values in [*itertools.product(*GRID.values()), *EXTRA]]
 
 
 def _measure_rows(
@@ -119,46 +123,48 @@ def _measure_rows(
     return row
 
 
-def measure_shape(name: str, rows: list[int], configs: list[SkinnyGemmConfig], fp8: bool) -> dict[str, Any]:
+def _best(
+    configs: list[SkinnyGemmConfig], fn: Callable[[int, SkinnyGemmConfig], object], copies: int
+) -> tuple[SkinnyGemmConfig, list[dict[str, Any]]]:
+    """The fastest of `configs` for `fn(copy, config)` at one row, and every config's time (a
+    config the compiler rejects, for shared memory say, is listed with its error)."""
+    timed: list[dict[str, Any]] = []
+    best: tuple[float, SkinnyGemmConfig] | None = None
+    for cfg in configs:
+        try:
+            us = _graph_time_us(lambda i, c=cfg: fn(i, c), copies)
+        except Exception as exc:
+            timed.append({"config": str(cfg), "error": str(exc)[:200]})
+            continue
+        timed.append({"config": str(cfg), "us": us})
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    if best is None:
+        raise RuntimeError(f"no config ran: {timed[:3]}")
+    return best[1], sorted((t for t in timed if "us" in t), key=lambda t: t["us"])[:8]
+
+
+def measure_shape(name: str, rows: list[int], sweep: bool, fp8: bool) -> dict[str, Any]:
     n, k = SHAPES[name]
     weights = _weights(n, k, torch.bfloat16)
-    out: dict[str, Any] = {"n": n, "k": k, "rows": {}}
-    best_cfg: SkinnyGemmConfig | None = None
-    best_us = float("inf")
     x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    sweep_rows = []
-    for cfg in configs:  # the sweep runs at one row; its winner is then timed at every row count
-        try:
-            us = _graph_time_us(lambda i, c=cfg: skinny_linear(x1, weights[i], c), len(weights))
-        except Exception as exc:  # a config the compiler rejects (shared memory) is skipped
-            sweep_rows.append({"config": str(cfg), "error": str(exc)[:200]})
-            continue
-        sweep_rows.append({"config": str(cfg), "us": us})
-        if us < best_us:
-            best_cfg, best_us = cfg, us
-    assert best_cfg is not None, f"no skinny config ran for {name}"
-    out["best_config"] = str(best_cfg)
-    out["best"] = best_cfg
-    out["sweep_top"] = sorted((r for r in sweep_rows if "us" in r), key=lambda r: r["us"])[:8]
+    config, top = _best(
+        _configs(sweep, n, k, torch.bfloat16), lambda i, c: skinny_linear(x1, weights[i], c), len(weights)
+    )
+    out: dict[str, Any] = {"n": n, "k": k, "config": str(config), "sweep_top": top, "rows": {}}
+    fp8_args = None
     if fp8:
         fp8_weights = _weights(n, k, torch.float8_e4m3fn)
         scale = torch.rand(n, device="cuda") + 0.5  # [N] float32, per output channel
-        fp8_best = min(
-            (
-                (
-                    _graph_time_us(
-                        lambda i, c=cfg: skinny_linear(x1, fp8_weights[i], c, scale=scale), len(fp8_weights)
-                    ),
-                    cfg,
-                )
-                for cfg in [*configs[:: max(1, len(configs) // 24)], best_cfg]
-            ),
-            key=lambda t: t[0],
+        fp8_config, fp8_top = _best(
+            _configs(sweep, n, k, torch.float8_e4m3fn),
+            lambda i, c: skinny_linear(x1, fp8_weights[i], c, scale=scale),
+            len(fp8_weights),
         )
-        out["fp8_best_config"] = str(fp8_best[1])
-    fp8_args = (fp8_weights, scale, fp8_best[1]) if fp8 else None
+        out.update(fp8_config=str(fp8_config), fp8_sweep_top=fp8_top)
+        fp8_args = (fp8_weights, scale, fp8_config)
     for m in rows:
-        out["rows"][m] = _measure_rows(m, weights, best_cfg, fp8_args)
+        out["rows"][m] = _measure_rows(m, weights, config, fp8_args)
     return out
 
 
@@ -175,18 +181,19 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/skinny_gemm.py needs a CUDA GPU")
     rows = [int(r) for r in args.rows.split(",")]
-    configs = _configs(args.sweep)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shapes": {}}
-    print(f"{results['device']}: {len(configs)} configs per shape")
+    print(
+        f"{results['device']}: "
+        + ("sweep of every config per shape" if args.sweep else "the engine's configs")
+    )
     totals: dict[int, dict[str, float]] = {m: {} for m in rows}
     layer_count = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
     for name in args.shapes.split(","):
-        res = measure_shape(name, rows, configs, args.fp8)
-        res.pop("best")
+        res = measure_shape(name, rows, args.sweep, args.fp8)
         results["shapes"][name] = res
         print(
-            f"{name} (N={res['n']}, K={res['k']}): best {res['best_config']}"
-            + (f", fp8 best {res['fp8_best_config']}" if args.fp8 else ""),
+            f"{name} (N={res['n']}, K={res['k']}): {res['config']}"
+            + (f", fp8 {res['fp8_config']}" if args.fp8 else ""),
             flush=True,
         )
         for m, row in res["rows"].items():

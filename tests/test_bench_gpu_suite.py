@@ -74,7 +74,21 @@ def _stages() -> dict[str, Any]:
                 ]
             }
         },
-    }
+        "gemm": {  # JSON keys: row counts as strings
+            "result": {"per_step_us": {"1": {"torch_us": 5600.0, "skinny_us": 5300.0, "torch_fp8_us": 6300.0,
+                                             "skinny_fp8_us": 3300.0}}}
+        },
+        "fp8": {
+            "result": {
+                "bf16": {"kv_tokens": 430000, "throughput": {"output_tokens_per_s": 5400.0}},
+                "w_fp8+kv_fp8": {
+                    "kv_tokens": 970000,
+                    "single_stream": {"tpot_median_ms": 4.2},
+                    "throughput": {"output_tokens_per_s": 7300.0},
+                },
+            }
+        },
+    }  # fmt: skip
 
 
 def _verdicts() -> dict[str, str]:
@@ -107,6 +121,16 @@ def test_checks_and_attention_rows() -> None:
     assert verdicts["GPU tests (pytest -m gpu)"] == "met"
     assert verdicts["attention prefill 4x2048 (32q/8kv)"] == "met"
     assert not any("64q" in name or "decode b1" in name for name in verdicts)  # no goal, no row
+
+
+def test_gemm_and_fp8_rows() -> None:
+    rows = {row.benchmark: row for row in suite.scoreboard(_stages())}
+    gemm = rows["GEMMs of a one-row decode step, bf16 weights (32 layers + LM head)"]
+    assert (gemm.ours, gemm.verdict) == ("5,300 us", "met") and "5,600" in gemm.peer
+    assert rows["FP8 weights + KV: single stream TPOT"].verdict == "missed"  # 4.2 > 3.6 ms
+    tput = rows["FP8 weights + KV: throughput, 256 requests"]
+    assert (tput.ours, tput.verdict) == ("1.35x bf16", "met")  # 7300 / 5400
+    assert rows["FP8 weights + KV: KV tokens at 0.9 of GPU memory"].ours == "970,000"
 
 
 def test_peers_appear_beside_ours() -> None:

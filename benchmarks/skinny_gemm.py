@@ -1,4 +1,4 @@
-"""On a GPU: the linear layers of a decode step (1-16 rows) against cuBLAS, bf16 and FP8 weights.
+"""On a GPU: the linear layers of a decode step (1-64 rows) against cuBLAS, bf16 and FP8 weights.
 
 For each weight shape of an 8B Llama layer (qkv, o, gate_up, down) and its LM head, times one
 matrix product at `--rows` activation rows with:
@@ -172,7 +172,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="sweep the launch-parameter grid per shape")
     parser.add_argument("--fp8", action="store_true", help="also FP8 weights (sm_89+)")

@@ -12,9 +12,32 @@ import torch
 
 pytest.importorskip("triton")
 
+from triton.runtime.interpreter import InterpretedFunction
+
 from pagedserve.models.fp8 import quantize_rows, scaled_linear
-from pagedserve_triton.linear_op import LINEAR_KERNEL, SHARED_MEMORY_BUDGET, choose_config, linear
-from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, skinny_linear
+from pagedserve_triton.linear_op import (
+    LINEAR_KERNEL,
+    ROWS_16BIT,
+    ROWS_FP8,
+    SHARED_MEMORY_BUDGET,
+    choose_config,
+    linear,
+    max_kernel_rows,
+)
+from pagedserve_triton.skinny_gemm import (
+    MAX_ROWS,
+    SkinnyGemmConfig,
+    row_block,
+    skinny_gemm_kernel,
+    skinny_linear,
+)
+
+if not isinstance(skinny_gemm_kernel, InterpretedFunction):
+    pytest.skip(
+        "pagedserve_triton's kernels were imported before TRITON_INTERPRET=1 was set in this process; "
+        "run this file in its own pytest process",
+        allow_module_level=True,
+    )
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative to max |y|
 
@@ -36,6 +59,9 @@ def _reference(
         (5, 48, 96, torch.bfloat16, 1, True, True),
         (7, 32, 512, torch.float16, 8, False, True),  # more splits than K blocks: fewer are used
         (2, 40, 64, torch.bfloat16, 1, False, False),
+        (20, 48, 96, torch.bfloat16, 2, True, True),  # BLOCK_M 32
+        (64, 32, 64, torch.float16, 1, True, False),  # BLOCK_M 64, every row used
+        (37, 16, 32, torch.float32, 1, False, True),  # BLOCK_M 64, rows masked
     ],
 )
 def test_matches_float64(
@@ -79,9 +105,18 @@ def test_configs_follow_the_measured_rules_and_fit_shared_memory() -> None:
     assert splits == [2, 4, 1]
     for w, x in [(bf16, bf16), (fp8, bf16), (fp32, fp32), (fp8, fp32)]:
         for n in (256, 6144, 28672):
-            c = choose_config(n, 4096, w, x)
-            tiles = c.num_stages * c.block_k * (MAX_ROWS * x.itemsize + c.block_n * w.itemsize)
-            assert tiles <= SHARED_MEMORY_BUDGET, (w, x, n, c)
+            for rows in (1, 16, 17, 64):
+                c = choose_config(n, 4096, w, x, rows)
+                tiles = c.num_stages * c.block_k * (row_block(rows) * x.itemsize + c.block_n * w.itemsize)
+                assert tiles <= SHARED_MEMORY_BUDGET, (w, x, n, rows, c)
+
+
+def test_fp8_weights_take_the_kernel_for_more_rows() -> None:
+    """16-bit weights: cuBLAS from 17 rows; FP8 weights: the kernel up to 64 rows (the alternative
+    quantizes activations every step)."""
+    assert max_kernel_rows(torch.bfloat16) == ROWS_16BIT == 16
+    assert max_kernel_rows(torch.float8_e4m3fn) == ROWS_FP8 == MAX_ROWS == 64
+    assert [row_block(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
 
 
 def test_operator_falls_back_to_torch_above_the_kernel_or_off_the_gpu() -> None:

@@ -113,7 +113,7 @@ class EngineArgs(_Config):
     platform_linear: bool = Field(
         True,
         description="GPU platforms that provide their own GEMM for linear layers (triton, cuda: a "
-        "weight-streaming kernel for steps of at most 16 tokens, FP8 weights included): use it; "
+        "weight-streaming kernel for steps of at most 16 tokens, 64 with FP8 weights): use it; "
         "False keeps torch's (cuBLAS / torch._scaled_mm) for every step",
     )
     cpu_compile: bool = Field(

@@ -125,7 +125,7 @@ class LinearKernel:
     computes what `pagedserve.models.fp8.scaled_linear` does for the rows it does not take itself
     (calling it is the simplest way)."""
 
-    name: str  # for logs: "triton skinny GEMM (<= 16 rows), cuBLAS above"
+    name: str  # for logs, e.g. "triton skinny GEMM (steps of <= 16 tokens; torch above)"
     op: LinearOp
     weight_dtypes: frozenset[torch.dtype]  # weight dtypes `op` takes besides the activation's
 

@@ -1,5 +1,10 @@
-"""The `LinearKernel` of the triton and cuda platforms: `skinny_gemm` for steps of at most 16 rows
-(decode), torch above, as one operator `torch.compile` keeps opaque.
+"""The `LinearKernel` of the triton and cuda platforms: `skinny_gemm` for decode steps, torch above,
+as one operator `torch.compile` keeps opaque.
+
+Which steps take the Triton kernel: with 16-bit weights, steps of at most `ROWS_16BIT` tokens
+(where it was measured ahead of cuBLAS); with FP8 weights, steps of at most `ROWS_FP8` tokens,
+because the alternative, `torch._scaled_mm`, first quantizes the activations of every step and
+was measured behind even at 16 rows (6.3 against 3.3 ms of GEMMs per step).
 
 Launch parameters per weight shape come from `choose_config`, fitted to the sweep of
 `benchmarks/skinny_gemm.py --sweep --fp8` on an H100 (8B Llama shapes, 1 row): the winners differ
@@ -17,7 +22,10 @@ import torch.nn.functional as F
 
 from pagedserve.models.fp8 import FP8_WEIGHT_DTYPE, scaled_linear
 from pagedserve.platforms.api import LinearKernel
-from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, skinny_linear
+from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, row_block, skinny_linear
+
+ROWS_16BIT = 16  # the most rows 16-bit (and float32) weights take the Triton kernel for
+ROWS_FP8 = MAX_ROWS  # the most rows FP8 weights take it for
 
 _NARROW = SkinnyGemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6)
 _WIDE_OR_SQUARE = SkinnyGemmConfig(block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=4)
@@ -27,9 +35,11 @@ _FLOAT32 = SkinnyGemmConfig(block_n=32, block_k=128, split_k=1, num_warps=4, num
 SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined tiles: below every sm_80+ GPU's limit
 
 
-def choose_config(n: int, k: int, weight_dtype: torch.dtype, x_dtype: torch.dtype) -> SkinnyGemmConfig:
-    """Launch parameters of `skinny_linear` for an [n, k] weight of `weight_dtype` and
-    activations of `x_dtype`. Pure.
+def choose_config(
+    n: int, k: int, weight_dtype: torch.dtype, x_dtype: torch.dtype, rows: int = 16
+) -> SkinnyGemmConfig:
+    """Launch parameters of `skinny_linear` for an [n, k] weight of `weight_dtype` and `rows`
+    activation rows of `x_dtype`. Pure.
 
     16-bit weights: one K pass per program (the grid over N alone fills an H100 from N = 4096);
     64-column blocks for mid-sized outputs (qkv-like). FP8 weights carry half the bytes per
@@ -44,9 +54,14 @@ def choose_config(n: int, k: int, weight_dtype: torch.dtype, x_dtype: torch.dtyp
         split = 1 if n >= 16384 else (2 if k <= 8192 else 4)
         block_k = 128 if 16384 <= n < 65536 else 256
         config = SkinnyGemmConfig(block_n=32, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
-    per_stage = config.block_k * (MAX_ROWS * x_dtype.itemsize + config.block_n * weight_dtype.itemsize)
+    per_stage = config.block_k * (row_block(rows) * x_dtype.itemsize + config.block_n * weight_dtype.itemsize)
     stages = max(1, min(config.num_stages, SHARED_MEMORY_BUDGET // per_stage))
     return config if stages == config.num_stages else replace(config, num_stages=stages)
+
+
+def max_kernel_rows(weight_dtype: torch.dtype) -> int:
+    """The most rows a step may have to take the Triton kernel with weights of `weight_dtype`. Pure."""
+    return ROWS_FP8 if weight_dtype == FP8_WEIGHT_DTYPE else ROWS_16BIT
 
 
 @torch.library.custom_op("pagedserve_triton::linear", mutates_args=())
@@ -56,12 +71,14 @@ def linear(
     scale: torch.Tensor | None,  # [N] float32 per output channel (FP8 weights)
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """`x @ (weight * scale[:, None]).T + bias`: the Triton kernel for 1..16 rows on a CUDA
-    device, else cuBLAS (`F.linear`) or, for FP8 weights, `scaled_linear`."""
+    """`x @ (weight * scale[:, None]).T + bias`: the Triton kernel for decode steps on a CUDA
+    device (`max_kernel_rows`), else cuBLAS (`F.linear`) or, for FP8 weights, `scaled_linear`."""
     rows = x.shape[0]
-    if x.is_cuda and 1 <= rows <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
+    kernel_rows = max_kernel_rows(weight.dtype)
+    if x.is_cuda and 1 <= rows <= kernel_rows and x.stride(1) == 1 and weight.stride(1) == 1:
         n, k = weight.shape
-        return skinny_linear(x, weight, choose_config(n, k, weight.dtype, x.dtype), scale=scale, bias=bias)
+        config = choose_config(n, k, weight.dtype, x.dtype, rows)
+        return skinny_linear(x, weight, config, scale=scale, bias=bias)
     if weight.dtype == FP8_WEIGHT_DTYPE:
         if scale is None:
             raise ValueError("pagedserve_triton::linear: FP8 weights need their per-channel scale")
@@ -79,7 +96,7 @@ def _linear_shape(
 
 
 LINEAR_KERNEL = LinearKernel(
-    name=f"triton skinny GEMM (steps of <= {MAX_ROWS} tokens; cuBLAS above)",
+    name=f"triton skinny GEMM (steps of <= {ROWS_16BIT} tokens, <= {ROWS_FP8} with FP8 weights; torch above)",
     op=linear,
     weight_dtypes=frozenset({FP8_WEIGHT_DTYPE}),
 )

@@ -12,8 +12,8 @@ is built for the weight stream only:
   `SPLIT_K > 1` each program covers one contiguous K range and writes float32 partials that
   `_sum_splits_kernel` adds up (plus scale, bias and the cast), so even a narrow output gets
   enough programs to keep every SM streaming.
-* The activation block (`BLOCK_M` = 16 rows, padded with zeros past `M`) is tiny next to the
-  weight tile, so the dot runs on the tensor cores at any `M` up to 16.
+* The activation block (`BLOCK_M` = 16, 32 or 64 rows, padded with zeros past `M`) is small next
+  to the weight tile, so the dot runs on the tensor cores at any `M` up to 64.
 * FP8 weights (`float8_e4m3fn`/`e5m2`) are widened to the activation dtype right after the load
   (exact) and the per-output-channel scale multiplies the float32 accumulator once, so a decode
   step streams one byte per weight and never quantizes its activations.
@@ -119,8 +119,14 @@ def _sum_splits_kernel(
     tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-MAX_ROWS = 16
-"""The most activation rows one launch takes (`BLOCK_M`); larger batches use a regular GEMM."""
+MAX_ROWS = 64
+"""The most activation rows one launch takes; larger batches use a regular GEMM."""
+
+
+def row_block(rows: int) -> int:
+    """`BLOCK_M` for `rows` activation rows: a power of two from 16 (the tensor cores' smallest
+    tile) to MAX_ROWS. Pure."""
+    return max(16, triton.next_power_of_2(rows))
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +182,7 @@ def skinny_linear(
     skinny_gemm_kernel[grid](
         x, weight, scale if scale is not None else dummy, bias if bias is not None else dummy, target,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=even_k,
+        BLOCK_M=row_block(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=even_k,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         DOT_IN_FP32=x.dtype == torch.bfloat16 and INTERPRETED,
         num_warps=config.num_warps, num_stages=config.num_stages,

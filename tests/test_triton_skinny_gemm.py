@@ -27,6 +27,7 @@ from pagedserve_triton.linear_op import (
 from pagedserve_triton.skinny_gemm import (
     MAX_ROWS,
     SkinnyGemmConfig,
+    quantize_rows_fused,
     row_block,
     skinny_gemm_kernel,
     skinny_linear,
@@ -83,6 +84,21 @@ def test_matches_float64(
     assert y.dtype == dtype and y.shape == (rows, n)
     error = (y.double() - expected).abs().max().item()
     assert error <= TOLERANCE[dtype] * expected.abs().max().item(), error
+
+
+@pytest.mark.parametrize(("rows", "k"), [(3, 96), (2, 4096 + 40)])
+def test_fused_activation_quantization_is_bit_exact(rows: int, k: int) -> None:
+    """Magnitudes from 1e-9 to 1e4 (subnormal codes, the clamp at 448 after scaling), an all-zero
+    row, and K past one block: codes and scales equal `quantize_rows` bit for bit."""
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn(rows, k, generator=gen) * torch.exp(torch.randn(rows, k, generator=gen) * 4)).to(
+        torch.bfloat16
+    )
+    x[0] = 0
+    codes, scales = quantize_rows_fused(x)
+    ref_codes, ref_scales = quantize_rows(x)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
 
 
 def test_refuses_what_it_does_not_take() -> None:

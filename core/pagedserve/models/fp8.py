@@ -24,6 +24,8 @@ bfloat16/float16/float32 checkpoint at load time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -32,12 +34,12 @@ from pagedserve.platforms.api import LinearKernel
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 MIN_SM = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90)
-_AMAX_FLOOR = 1e-12  # an all-zero row gets this amax, so its scale is positive and its codes zero
+AMAX_FLOOR = 1e-12  # an all-zero row gets this amax, so its scale is positive and its codes zero
 
 
 def _row_scales(x: torch.Tensor) -> torch.Tensor:  # [rows, 1] float32
     """One scale per row: amax / FP8_MAX (floored so that zero rows divide safely). Pure."""
-    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32).clamp_min(_AMAX_FLOOR)
+    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32).clamp_min(AMAX_FLOOR)
     return amax / FP8_MAX
 
 
@@ -54,10 +56,12 @@ def scaled_linear(
     weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
     weight_scale: torch.Tensor,  # [out_features] float32, per output channel
     bias: torch.Tensor | None,  # [out_features]
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:  # [M, out_features] in x's dtype
-    """The FP8 GEMM of `quantization="fp8"`: `x` quantized per row, `torch._scaled_mm` with
+    """The FP8 GEMM of `quantization="fp8"`: `x` quantized per row (`quantize_rows`, or a
+    `quantize` computing exactly the same codes and scales faster), `torch._scaled_mm` with
     row-wise scales. Pure."""
-    codes, scales = quantize_rows(x)
+    codes, scales = (quantize or quantize_rows)(x)
     y = torch._scaled_mm(
         codes,
         weight.t(),  # column-major [in, out], as _scaled_mm wants its second operand

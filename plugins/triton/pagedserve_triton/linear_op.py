@@ -22,7 +22,13 @@ import torch.nn.functional as F
 
 from pagedserve.models.fp8 import FP8_WEIGHT_DTYPE, scaled_linear
 from pagedserve.platforms.api import LinearKernel
-from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, row_block, skinny_linear
+from pagedserve_triton.skinny_gemm import (
+    MAX_ROWS,
+    SkinnyGemmConfig,
+    quantize_rows_fused,
+    row_block,
+    skinny_linear,
+)
 
 ROWS_16BIT = 16  # the most rows 16-bit (and float32) weights take the Triton kernel for
 ROWS_FP8 = MAX_ROWS  # the most rows FP8 weights take it for
@@ -72,7 +78,8 @@ def linear(
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """`x @ (weight * scale[:, None]).T + bias`: the Triton kernel for decode steps on a CUDA
-    device (`max_kernel_rows`), else cuBLAS (`F.linear`) or, for FP8 weights, `scaled_linear`."""
+    device (`max_kernel_rows`), else cuBLAS (`F.linear`) or, for FP8 weights, `scaled_linear`
+    (its activation quantization in one Triton launch on a CUDA device)."""
     rows = x.shape[0]
     kernel_rows = max_kernel_rows(weight.dtype)
     if x.is_cuda and 1 <= rows <= kernel_rows and x.stride(1) == 1 and weight.stride(1) == 1:
@@ -82,7 +89,8 @@ def linear(
     if weight.dtype == FP8_WEIGHT_DTYPE:
         if scale is None:
             raise ValueError("pagedserve_triton::linear: FP8 weights need their per-channel scale")
-        return scaled_linear(x, weight, scale, bias)
+        fused = quantize_rows_fused if x.is_cuda and x.stride(1) == 1 else None
+        return scaled_linear(x, weight, scale, bias, quantize=fused)
     if scale is not None:
         raise ValueError(f"pagedserve_triton::linear: a scale is for FP8 weights, not {weight.dtype}")
     return F.linear(x, weight, bias)

@@ -40,6 +40,31 @@ def _(
 KERNEL = LinearKernel(
     name="counting test GEMM", op=_counting_linear, weight_dtypes=frozenset({torch.float8_e4m3fn})
 )
+GATED_CALLS: list[int] = []  # rows of every call of the test's gated operator
+
+
+@torch.library.custom_op("pagedserve_tests::gated_linear", mutates_args=())
+def _counting_gated_linear(
+    h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    GATED_CALLS.append(h.shape[0])
+    gate, up = h.float().chunk(2, dim=-1)
+    return _counting_linear((torch.nn.functional.silu(gate) * up).to(h.dtype), weight, scale, bias)
+
+
+@_counting_gated_linear.register_fake
+def _(
+    h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return h.new_empty((h.shape[0], weight.shape[0]))
+
+
+GATED_KERNEL = LinearKernel(
+    name="counting gated test GEMM",
+    op=_counting_linear,
+    weight_dtypes=frozenset(),
+    gated_op=_counting_gated_linear,
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +103,29 @@ class _OwnForwardLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * 2
+
+
+def test_silu_mlps_get_the_fused_down_projection(checkpoint: Path) -> None:
+    model = load_model(checkpoint, dtype=torch.float32).model
+    ids = torch.tensor([3, 7, 11, 5, 9])
+    before = _hidden(model, ids)
+    route_linear_layers(model.model, GATED_KERNEL, torch.float32)
+    assert all(layer.mlp.gated_down is _counting_gated_linear for layer in model.model.layers)
+    GATED_CALLS.clear()
+    CALLS.clear()
+    after = _hidden(model, ids)
+    assert GATED_CALLS == [5]  # the down projection, through the gated operator
+    assert CALLS == [5, 5, 5]  # gate_up, the gated operator's own product, o
+    torch.testing.assert_close(after, before)
+
+
+def test_other_activations_keep_the_model_computation(checkpoint: Path) -> None:
+    model = load_model(checkpoint, dtype=torch.float32).model
+    mlp = model.model.layers[0].mlp
+    mlp.hidden_act = "gelu"
+    route_linear_layers(model.model, GATED_KERNEL, torch.float32)
+    assert mlp.gated_down is None and model.model.layers[1].mlp.gated_down is _counting_gated_linear
+    assert route_linear_layers(nn.Sequential(nn.Linear(4, 4)), KERNEL, torch.float32) == 1  # no gated op
 
 
 def test_fp8_layers_get_the_kernel_only_when_it_takes_fp8() -> None:

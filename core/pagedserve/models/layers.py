@@ -14,6 +14,8 @@ from torch.nn import functional as F
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from pagedserve.platforms.api import LinearOp
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back before the weight multiply."""
@@ -147,9 +149,20 @@ class GatedMLP(nn.Module):
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
         )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.hidden_act = hidden_act
         self.act_fn = ACT2FN[hidden_act]
+        # A platform operator computing down(silu(gate) * up) from the fused gate/up output in one
+        # call (`LinearKernel.gated_op`), set by `platform_linear.route_linear_layers`.
+        self.gated_down: LinearOp | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Does not mutate `x`."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        h = self.gate_up_proj(x)
+        if self.gated_down is not None:
+            rows = h.reshape(-1, 2 * self.intermediate_size)
+            down = self.down_proj
+            scale = getattr(down, "weight_scale", None)  # an Fp8Linear's per-channel scales
+            y = self.gated_down(rows, down.weight, None if scale is None else scale.reshape(-1), down.bias)
+            return y.reshape(*h.shape[:-1], y.shape[-1])
+        gate, up = h.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)

@@ -7,7 +7,9 @@ for one activation row leaves bandwidth unused on some shapes (on an H100, cuBLA
 weight with bf16 activations, where `torch._scaled_mm` first quantizes the activations.
 
 How. `route_linear_layers` swaps every `nn.Linear` of the decoder (fused ones included) for a
-`PlatformLinear` holding the same parameters, and hands the kernel to every `Fp8Linear`. The LM
+`PlatformLinear` holding the same parameters, hands the kernel to every `Fp8Linear`, and gives
+SiLU-gated MLPs the kernel's fused down projection (`LinearKernel.gated_op`: the SiLU and the
+product happen inside the GEMM's activation load), one elementwise kernel fewer per layer. The LM
 head lives outside the decoder: the runner hands the kernel to the model's logits computation
 (`DecoderForCausalLM.head_kernel`). The platform's
 operator is opaque to `torch.compile` and decides per call, from the row count, whether it runs
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from pagedserve.models.fp8 import Fp8Linear
-from pagedserve.models.layers import MergedLinear
+from pagedserve.models.layers import GatedMLP, MergedLinear
 from pagedserve.platforms.api import LinearKernel
 
 
@@ -46,12 +48,25 @@ class PlatformLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel.name}"
 
 
+def _fuse_gated_down(mlp: GatedMLP, kernel: LinearKernel, dtype: torch.dtype) -> None:
+    """Give a SiLU-gated MLP the kernel's fused down projection when its down projection would be
+    routed (a plain `nn.Linear` in `dtype`, or an `Fp8Linear` the kernel takes). Mutates `mlp`."""
+    down = mlp.down_proj
+    takes = (type(down) is nn.Linear and down.weight.dtype == dtype) or (
+        isinstance(down, Fp8Linear) and down.weight.dtype in kernel.weight_dtypes
+    )
+    if kernel.gated_op is not None and mlp.hidden_act == "silu" and takes:
+        mlp.gated_down = kernel.gated_op
+
+
 def route_linear_layers(decoder: nn.Module, kernel: LinearKernel, dtype: torch.dtype) -> int:
     """Route every linear layer inside `decoder` through `kernel`: `nn.Linear` modules in `dtype`
     are replaced by `PlatformLinear`s, `Fp8Linear`s get the kernel when it takes FP8 weights.
     Returns how many layers were routed. Mutates `decoder`."""
     routed = 0
     for name, module in list(decoder.named_modules()):
+        if isinstance(module, GatedMLP):
+            _fuse_gated_down(module, kernel, dtype)
         if isinstance(module, Fp8Linear):
             if module.weight.dtype in kernel.weight_dtypes:
                 module.kernel = kernel

@@ -128,6 +128,10 @@ class LinearKernel:
     name: str  # for logs, e.g. "triton skinny GEMM (steps of <= 16 tokens; torch above)"
     op: LinearOp
     weight_dtypes: frozenset[torch.dtype]  # weight dtypes `op` takes besides the activation's
+    # Optional: `gated_op(h, weight, scale, bias)` = `op(silu(h[:, :K]) * h[:, K:], weight, scale,
+    # bias)` for a gated MLP's down projection, `h` [M, 2K] its fused gate/up output; silu and the
+    # product computed in float32 and rounded once to h's dtype. None: the model computes it.
+    gated_op: LinearOp | None = None
 
 
 @dataclass(frozen=True, slots=True)

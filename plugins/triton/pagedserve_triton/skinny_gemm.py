@@ -38,6 +38,19 @@ from pagedserve_triton.unified_attention import INTERPRETED
 
 
 @triton.jit
+def _load_x(x_rows, offs_k, mask, K, GATED: tl.constexpr):
+    """The activation tile at columns `offs_k`: x itself, or with GATED the SiLU-gated product
+    `silu(x[:, k]) * x[:, K + k]` of a fused gate/up output [M, 2K], computed in float32 and
+    rounded once to x's dtype (what a fused SiLU-and-multiply kernel writes)."""
+    x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
+    if GATED:
+        gate = x.to(tl.float32)
+        up = tl.load(x_rows + K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(x.dtype)
+    return x
+
+
+@triton.jit
 def skinny_gemm_kernel(
     x_ptr,  # [M, K], rows `stride_xm` apart, unit stride along K
     w_ptr,  # [N, K], rows `stride_wn` apart, unit stride along K (activation dtype or FP8)
@@ -59,6 +72,7 @@ def skinny_gemm_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
+    GATED: tl.constexpr = False,  # x is a fused gate/up output [M, 2K]: multiply silu(gate) * up
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -75,11 +89,11 @@ def skinny_gemm_kernel(
     for k in range(k_start, k_end, BLOCK_K):
         offs_k = k + offs_kb
         if EVEN_K:
-            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            x = _load_x(x_rows, offs_k, mask_m[:, None], K, GATED)
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
         else:
             mask_k = offs_k < k_end
-            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            x = _load_x(x_rows, offs_k, mask_m[:, None] & mask_k[None, :], K, GATED)
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if w.dtype != x.dtype:  # FP8 weights: widening is exact
             w = w.to(x.dtype)
@@ -176,6 +190,29 @@ def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+@triton.jit
+def silu_mul_kernel(h_ptr, out_ptr, K, stride_hm, BLOCK: tl.constexpr):
+    """`out[m] = silu(h[m, :K]) * h[m, K:]` in float32, rounded once: the activation of a gated
+    MLP for steps too large for the fused GEMM. Grid (M, cdiv(K, BLOCK))."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    gate = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + row * stride_hm + K + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * K + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:  # [M, K] in h's dtype
+    """`silu(gate) * up` of a fused gate/up output `h` [M, 2K] in one launch. Allocates the result."""
+    m, width = h.shape
+    k = width // 2
+    out = torch.empty((m, k), dtype=h.dtype, device=h.device)
+    if m:
+        block = 1024
+        silu_mul_kernel[(m, triton.cdiv(k, block))](h, out, k, h.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
 MAX_ROWS = 64
 """The most activation rows one launch takes; larger batches use a regular GEMM."""
 
@@ -208,20 +245,24 @@ class SkinnyGemmConfig:
 
 
 def skinny_linear(
-    x: torch.Tensor,  # [M, K], M <= MAX_ROWS, unit stride along K
+    x: torch.Tensor,  # [M, K] ([M, 2K] with `gated`), M <= MAX_ROWS, unit stride along K
     weight: torch.Tensor,  # [N, K] in x's dtype or FP8, unit stride along K
     config: SkinnyGemmConfig,
     *,
     scale: torch.Tensor | None = None,  # [N] float32, per output channel (FP8 weights)
     bias: torch.Tensor | None = None,  # [N]
+    gated: bool = False,  # x is [M, 2K] = [gate | up]: multiply by silu(gate) * up instead of x
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """`x @ (weight * scale[:, None]).T + bias` by streaming the weight once. Allocates the output
-    (and float32 partials when `config.split_k > 1`); raises ValueError for shapes it does not take."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+    """`x @ (weight * scale[:, None]).T + bias` by streaming the weight once (with `gated`, the
+    activation is `silu(gate) * up` of a fused gate/up output). Allocates the output (and float32
+    partials when `config.split_k > 1`); raises ValueError for shapes it does not take."""
+    width = weight.shape[1] * (2 if gated else 1) if weight.dim() == 2 else -1
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != width:
+        what = "a gate/up output [M, 2K] for" if gated else "x"
         raise ValueError(
-            f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply"
+            f"skinny_linear: {what} {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply"
         )
-    m, k = x.shape
+    m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"skinny_linear takes 1..{MAX_ROWS} rows, got {m}")
@@ -241,7 +282,7 @@ def skinny_linear(
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=row_block(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=even_k,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        DOT_IN_FP32=x.dtype == torch.bfloat16 and INTERPRETED,
+        DOT_IN_FP32=x.dtype == torch.bfloat16 and INTERPRETED, GATED=gated,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split > 1:

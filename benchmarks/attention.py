@@ -1193,9 +1193,12 @@ def sweep_order(
     variants: list[str], points: tuple[tuple[int, int, int, int], ...]
 ) -> list[tuple[str, tuple[int, int, int, int]]]:
     """(variant, point) pairs in the order the sweep times them: point by point, and the variants
-    that ask for warp specialisation (the least proven compiler path) after all the others, so a
-    budget cut or a failure there costs the rest nothing. Pure."""
-    late = [v for v in variants if LOOP_VARIANTS[v].get("WARP_SPECIALIZE")]
+    whose interior loop is a `tl.range` with attributes (LOOP_STAGES, WARP_SPECIALIZE: the least
+    proven compiler paths; compiled for sm_90 by Triton 3.9 such a loop is not pipelined at all)
+    after all the others, so a budget cut or a failure there costs the rest nothing. Pure."""
+    late = [
+        v for v in variants if LOOP_VARIANTS[v].get("WARP_SPECIALIZE") or LOOP_VARIANTS[v].get("LOOP_STAGES")
+    ]
     early = [v for v in variants if v not in late]
     return [(v, p) for p in points for v in early] + [(v, p) for p in points for v in late]
 
@@ -1299,9 +1302,14 @@ def print_variant_table(
 
 
 def decode_candidates(winner: VariantResult | None) -> dict[str, dict[str, bool | int]]:
-    """The flag sets the decode check times: the plain loop, plain prefetching, and the prefill
-    winner's flags when they differ from both. Pure."""
-    candidates: dict[str, dict[str, bool | int]] = {"plain": {}, "prefetch": {"PREFETCH_BLOCK_IDS": True}}
+    """The param sets the decode check lays over the shipped decode entries: none (the plain
+    loop), prefetching at 3 stages (the entries run 2, where even prefetched K/V loads get no tile
+    in flight during the dots), and the prefill winner's variant flags when they differ from
+    both. Pure."""
+    candidates: dict[str, dict[str, bool | int]] = {
+        "plain": {},
+        "prefetch+3stages": {"PREFETCH_BLOCK_IDS": True, "num_stages": 3},
+    }
     if winner is not None:
         launch = ("BLOCK_M", "TILE_SIZE", "num_warps", "num_stages")
         flags = {k: v for k, v in winner.params.items() if k not in launch}

@@ -87,12 +87,16 @@ def test_decode_candidates_add_the_winners_flags_once() -> None:
     )
     assert bench.decode_candidates(winner) == {
         "plain": {},
-        "prefetch": {"PREFETCH_BLOCK_IDS": True},
+        "prefetch+3stages": {"PREFETCH_BLOCK_IDS": True, "num_stages": 3},
         "prefetch+lazy (winner)": {"PREFETCH_BLOCK_IDS": True, "LAZY_RESCALE": True},
     }
-    same = bench.VariantResult("prefetch", {**LAUNCH, "PREFETCH_BLOCK_IDS": True})
-    assert list(bench.decode_candidates(same)) == ["plain", "prefetch"]
-    assert list(bench.decode_candidates(bench.VariantResult("plain", LAUNCH))) == ["plain", "prefetch"]
+    # Prefetching alone (at the decode entries' own 2 stages) is a set of its own.
+    same = bench.VariantResult("prefetch", {**LAUNCH, "PREFETCH_BLOCK_IDS": True, "num_stages": 3})
+    assert list(bench.decode_candidates(same)) == ["plain", "prefetch+3stages", "prefetch (winner)"]
+    assert list(bench.decode_candidates(bench.VariantResult("plain", LAUNCH))) == [
+        "plain",
+        "prefetch+3stages",
+    ]
 
 
 def test_overrides_win_for_their_classes_only() -> None:
@@ -185,14 +189,16 @@ def test_smoke_run_prints_the_tables_and_writes_the_winner(
 
 def test_sweep_order_keeps_warp_specialisation_last() -> None:
     points = ((64, 64, 4, 2), (128, 64, 8, 2))
-    pairs = bench.sweep_order(["plain", "ws", "prefetch"], points)
+    pairs = bench.sweep_order(["plain", "ws", "prefetch", "prefetch+loop3"], points)
     assert pairs == [
         ("plain", points[0]),
         ("prefetch", points[0]),
         ("plain", points[1]),
         ("prefetch", points[1]),
         ("ws", points[0]),
+        ("prefetch+loop3", points[0]),
         ("ws", points[1]),
+        ("prefetch+loop3", points[1]),
     ]
     every = bench.sweep_order(list(bench.LOOP_VARIANTS), bench.PREFILL_POINTS)
     assert len(every) == len(set(every)) == len(bench.LOOP_VARIANTS) * len(bench.PREFILL_POINTS)

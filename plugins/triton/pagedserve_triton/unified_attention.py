@@ -216,9 +216,9 @@ def _attend_tile(
     if LAZY_RESCALE:
         # Only for unmasked tiles (every score finite). The running maximum m_i moves only when
         # some row's maximum grows by more than _RESCALE_THRESHOLD (base 2); until then the tile's
-        # probabilities are taken against the stale maximum (each at most 2**threshold, exact in
-        # float32 and in the 16-bit p), and acc and l_i are not rescaled. The result is the same
-        # softmax: acc and l_i always share one reference maximum.
+        # probabilities are taken against the stale maximum (each at most 2**threshold: in range,
+        # at full relative precision, for float32 and for the 16-bit p), and acc and l_i are not
+        # rescaled. The result is the same softmax: acc and l_i always share one reference maximum.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         if tl.max(m_new - m_i, axis=0) > _RESCALE_THRESHOLD:
             alpha = tl.exp2(m_i - m_new)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.models.fp8 import quantize_rows
-from pagedserve_triton.linear_op import choose_config
+from pagedserve_triton.linear_op import choose_config, fit_shared_memory, shared_memory_budget
 from pagedserve_triton.skinny_gemm import SkinnyGemmConfig, skinny_linear
 
 SHAPES: dict[str, tuple[int, int]] = {  # name -> (N, K) of Llama-3.1-8B
@@ -89,7 +89,11 @@ def _weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
 def _configs(sweep: bool, n: int, k: int, weight_dtype: torch.dtype) -> list[SkinnyGemmConfig]:
     """The sweep's grid, or only the engine's own choice for this shape."""
     if not sweep:
-        return [choose_config(n, k, weight_dtype, torch.bfloat16)]
+        return [
+            choose_config(
+                n, k, weight_dtype, torch.bfloat16, 1, shared_memory_budget(torch.cuda.current_device())
+            )
+        ]
     return [SkinnyGemmConfig(*values) for values in [*itertools.product(*GRID.values()), *EXTRA]]
 
 
@@ -101,12 +105,15 @@ def _measure_rows(
 ) -> dict[str, float]:
     n, k = weights[0].shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    budget = shared_memory_budget(torch.cuda.current_device())
+    config = fit_shared_memory(config, m, weights[0].dtype, x.dtype, budget)  # chosen at one row
     row = {
         "torch_us": _graph_time_us(lambda i: F.linear(x, weights[i]), len(weights)),
         "skinny_us": _graph_time_us(lambda i: skinny_linear(x, weights[i], config), len(weights)),
     }
     if fp8 is not None:
         fp8_weights, scale, fp8_config = fp8
+        fp8_config = fit_shared_memory(fp8_config, m, fp8_weights[0].dtype, x.dtype, budget)
         w_t = [w.t() for w in fp8_weights]  # column-major [K, N], as _scaled_mm wants
         scale_b = scale.reshape(1, n)
 

@@ -15,10 +15,12 @@ kernel has no AMD measurements).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from pagedserve.models.fp8 import FP8_WEIGHT_DTYPE, scaled_linear
 from pagedserve.platforms.api import LinearKernel
@@ -36,14 +38,31 @@ ROWS_FP8 = MAX_ROWS  # the most rows FP8 weights take it for
 
 _NARROW = SkinnyGemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6)
 _WIDE_OR_SQUARE = SkinnyGemmConfig(block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=4)
-
-
 _FLOAT32 = SkinnyGemmConfig(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=3)
-SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined tiles: below every sm_80+ GPU's limit
+
+SHARED_MEMORY_BUDGET = 96 * 1024  # bytes of pipelined tiles when the device's limit is unknown
+_SHARED_MEMORY_MARGIN = 8 * 1024  # what the compiled kernel needs besides its pipelined tiles
 
 
+@functools.cache
+def shared_memory_budget(device_index: int) -> int:
+    """Bytes of shared memory the pipelined tiles of one program may take on a CUDA device: its
+    opt-in limit per block (227 KiB on an H100, 99 KiB on Ada GPUs) less a margin. Cached."""
+    props = torch.cuda.get_device_properties(device_index)
+    limit = getattr(props, "shared_memory_per_block_optin", None)
+    if limit is None:
+        limit = triton.runtime.driver.active.utils.get_device_properties(device_index).get("max_shared_mem")
+    return int(limit) - _SHARED_MEMORY_MARGIN if limit else SHARED_MEMORY_BUDGET
+
+
+@functools.cache  # pure: eager steps ask it once per layer per step
 def choose_config(
-    n: int, k: int, weight_dtype: torch.dtype, x_dtype: torch.dtype, rows: int = 16
+    n: int,
+    k: int,
+    weight_dtype: torch.dtype,
+    x_dtype: torch.dtype,
+    rows: int = 16,
+    shared_memory: int = SHARED_MEMORY_BUDGET,  # bytes the pipelined tiles may take
 ) -> SkinnyGemmConfig:
     """Launch parameters of `skinny_linear` for an [n, k] weight of `weight_dtype` and `rows`
     activation rows of `x_dtype`. Pure.
@@ -52,7 +71,7 @@ def choose_config(
     64-column blocks for mid-sized outputs (qkv-like). FP8 weights carry half the bytes per
     program, so outputs narrower than 16384 columns split K (2 ways, 4 for K > 8192) to keep
     enough loads in flight. float32 (tiny test models) gets small tiles. The pipeline depth is
-    then cut until the stages' tiles fit `SHARED_MEMORY_BUDGET`."""
+    then cut until the stages' tiles fit `shared_memory`."""
     if weight_dtype.itemsize == 4 or x_dtype.itemsize == 4:
         config = _FLOAT32
     elif weight_dtype.itemsize == 2:
@@ -61,9 +80,25 @@ def choose_config(
         split = 1 if n >= 16384 else (2 if k <= 8192 else 4)
         block_k = 128 if 16384 <= n < 65536 else 256
         config = SkinnyGemmConfig(block_n=32, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
-    per_stage = config.block_k * (row_block(rows) * x_dtype.itemsize + config.block_n * weight_dtype.itemsize)
-    stages = max(1, min(config.num_stages, SHARED_MEMORY_BUDGET // per_stage))
-    return config if stages == config.num_stages else replace(config, num_stages=stages)
+    return fit_shared_memory(config, rows, weight_dtype, x_dtype, shared_memory)
+
+
+def fit_shared_memory(
+    config: SkinnyGemmConfig, rows: int, weight_dtype: torch.dtype, x_dtype: torch.dtype, shared_memory: int
+) -> SkinnyGemmConfig:
+    """`config` with its pipeline depth (and, if one stage is still too much, its K tile) cut until
+    the tiles of all stages fit `shared_memory` bytes at `rows` activation rows. Pure."""
+    block_k, stages = config.block_k, config.num_stages
+    while True:
+        per_stage = block_k * (row_block(rows) * x_dtype.itemsize + config.block_n * weight_dtype.itemsize)
+        fitting = min(stages, shared_memory // per_stage)
+        if fitting >= 1 or block_k == 16:
+            break
+        block_k //= 2
+    fitting = max(1, fitting)
+    if (block_k, fitting) == (config.block_k, config.num_stages):
+        return config
+    return replace(config, block_k=block_k, num_stages=fitting)
 
 
 def max_kernel_rows(weight_dtype: torch.dtype) -> int:
@@ -85,7 +120,10 @@ def linear(
     kernel_rows = max_kernel_rows(weight.dtype)
     if x.is_cuda and 1 <= rows <= kernel_rows and x.stride(1) == 1 and weight.stride(1) == 1:
         n, k = weight.shape
-        config = choose_config(n, k, weight.dtype, x.dtype, rows)
+        budget = shared_memory_budget(
+            x.device.index if x.device.index is not None else torch.cuda.current_device()
+        )
+        config = choose_config(n, k, weight.dtype, x.dtype, rows, budget)
         return skinny_linear(x, weight, config, scale=scale, bias=bias)
     if weight.dtype == FP8_WEIGHT_DTYPE:
         if scale is None:
@@ -115,7 +153,10 @@ def gated_linear(
         and weight.stride(1) == 1
     ):
         n, k = weight.shape
-        config = choose_config(n, k, weight.dtype, h.dtype, rows)
+        budget = shared_memory_budget(
+            h.device.index if h.device.index is not None else torch.cuda.current_device()
+        )
+        config = choose_config(n, k, weight.dtype, h.dtype, rows, budget)
         return skinny_linear(h, weight, config, scale=scale, bias=bias, gated=True)
     if h.is_cuda and h.stride(1) == 1:
         return linear(silu_mul(h), weight, scale, bias)

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction
 
 from pagedserve.models.fp8 import quantize_rows, scaled_linear
+from pagedserve_triton.linear_activations import quantize_rows_fused, silu_mul
 from pagedserve_triton.linear_op import (
     LINEAR_KERNEL,
     ROWS_16BIT,
@@ -28,9 +29,7 @@ from pagedserve_triton.linear_op import (
 from pagedserve_triton.skinny_gemm import (
     MAX_ROWS,
     SkinnyGemmConfig,
-    quantize_rows_fused,
     row_block,
-    silu_mul,
     skinny_gemm_kernel,
     skinny_linear,
 )

@@ -66,7 +66,7 @@ def test_operator_matches_torch(n: int, k: int, rows: int) -> None:
 
 def test_fused_quantization_is_bit_exact_on_the_gpu() -> None:
     from pagedserve.models.fp8 import quantize_rows
-    from pagedserve_triton.skinny_gemm import quantize_rows_fused
+    from pagedserve_triton.linear_activations import quantize_rows_fused
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(300, 14336, device="cuda", generator=gen)

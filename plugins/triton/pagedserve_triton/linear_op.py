@@ -24,14 +24,8 @@ import triton
 
 from pagedserve.models.fp8 import FP8_WEIGHT_DTYPE, scaled_linear
 from pagedserve.platforms.api import LinearKernel
-from pagedserve_triton.skinny_gemm import (
-    MAX_ROWS,
-    SkinnyGemmConfig,
-    quantize_rows_fused,
-    row_block,
-    silu_mul,
-    skinny_linear,
-)
+from pagedserve_triton.linear_activations import quantize_rows_fused, silu_mul
+from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, row_block, skinny_linear
 
 ROWS_16BIT = 16  # the most rows 16-bit (and float32) weights take the Triton kernel for
 ROWS_FP8 = MAX_ROWS  # the most rows FP8 weights take it for

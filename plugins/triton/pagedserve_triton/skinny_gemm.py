@@ -17,10 +17,6 @@ is built for the weight stream only:
 * FP8 weights (`float8_e4m3fn`/`e5m2`) are widened to the activation dtype right after the load
   (exact) and the per-output-channel scale multiplies the float32 accumulator once, so a decode
   step streams one byte per weight and never quantizes its activations.
-
-Larger steps with FP8 weights run `torch._scaled_mm` on activations quantized per row;
-`quantize_rows_fused` does that quantization in one launch instead of torch's chain of
-elementwise kernels (which nothing fuses inside an operator that `torch.compile` keeps opaque).
 """
 
 from __future__ import annotations
@@ -31,9 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.attention.kv_cache_dtype import FP8_FORMATS
-from pagedserve.models.fp8 import AMAX_FLOOR, FP8_MAX, FP8_WEIGHT_DTYPE
-from pagedserve_triton.cache_kernels import _round_to_fp8_grid
 from pagedserve_triton.unified_attention import INTERPRETED
 
 
@@ -138,79 +131,6 @@ def _sum_splits_kernel(
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def quantize_rows_kernel(
-    x_ptr,  # [M, K], rows `stride_xm` apart
-    codes_ptr,  # [M, K] float8_e4m3fn, contiguous
-    scales_ptr,  # [M] float32
-    K,
-    stride_xm,
-    fp8_max,
-    amax_floor,
-    fp8_min_subnormal,
-    BLOCK: tl.constexpr,
-):
-    """One row per program: `scale = max(amax(|x|), amax_floor) / fp8_max`, then
-    `codes = fp8(clamp(x / scale))`, exactly as `pagedserve.models.fp8.quantize_rows` does on any
-    device (IEEE division, ties to even), in one pass for the amax and one for the codes."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    x_row = x_ptr + row.to(tl.int64) * stride_xm
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(0, K, BLOCK):
-        x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), amax_floor), fp8_max)
-    tl.store(scales_ptr + row, scale)
-    codes_ty = codes_ptr.dtype.element_ty
-    for k in range(0, K, BLOCK):
-        mask = k + offs < K
-        x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-        q = _round_to_fp8_grid(q, fp8_min_subnormal, 3, -6).to(codes_ty)  # e4m3fn: 3 mantissa bits
-        tl.store(codes_ptr + row.to(tl.int64) * K + k + offs, q, mask=mask)
-
-
-def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pagedserve.models.fp8.quantize_rows` in one launch: codes [M, K] float8_e4m3fn and scales
-    [M, 1] float32, bit for bit the same. Allocates both; raises ValueError for a non-2-D `x`."""
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"quantize_rows_fused takes [M, K] with unit stride along K, got {tuple(x.shape)}")
-    m, k = x.shape
-    codes = torch.empty((m, k), dtype=FP8_WEIGHT_DTYPE, device=x.device)
-    scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m:
-        fmt = FP8_FORMATS[FP8_WEIGHT_DTYPE]
-        block = min(4096, triton.next_power_of_2(k))
-        quantize_rows_kernel[(m,)](
-            x, codes, scales, k, x.stride(0), FP8_MAX, AMAX_FLOOR, fmt.min_subnormal, BLOCK=block, num_warps=8
-        )
-    return codes, scales
-
-
-@triton.jit
-def silu_mul_kernel(h_ptr, out_ptr, K, stride_hm, BLOCK: tl.constexpr):
-    """`out[m] = silu(h[m, :K]) * h[m, K:]` in float32, rounded once: the activation of a gated
-    MLP for steps too large for the fused GEMM. Grid (M, cdiv(K, BLOCK))."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < K
-    gate = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + row * stride_hm + K + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * K + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_mul(h: torch.Tensor) -> torch.Tensor:  # [M, K] in h's dtype
-    """`silu(gate) * up` of a fused gate/up output `h` [M, 2K] in one launch. Allocates the result."""
-    m, width = h.shape
-    k = width // 2
-    out = torch.empty((m, k), dtype=h.dtype, device=h.device)
-    if m:
-        block = 1024
-        silu_mul_kernel[(m, triton.cdiv(k, block))](h, out, k, h.stride(0), BLOCK=block, num_warps=4)
-    return out
 
 
 MAX_ROWS = 64

@@ -17,6 +17,9 @@ is built for the weight stream only:
 * FP8 weights (`float8_e4m3fn`/`e5m2`) are widened to the activation dtype right after the load
   (exact) and the per-output-channel scale multiplies the float32 accumulator once, so a decode
   step streams one byte per weight and never quantizes its activations.
+* With `gated`, the input is a gated MLP's fused gate/up output and the activation tile is
+  `silu(gate) * up`, computed as it is loaded: the down projection needs no separate
+  SiLU-and-multiply kernel.
 """
 
 from __future__ import annotations

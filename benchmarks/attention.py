@@ -1398,6 +1398,7 @@ def run_variants(args: argparse.Namespace) -> None:
             "mixed": [asdict(r) for r in mixed_results],
             "winner": None if winner is None else asdict(winner),
             "decode_adopted": None if adopted is None else adopted[1],
+            "flops": prefill_flops,  # case name -> causal FLOPs, for TFLOP/s from "us"
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -13,6 +13,8 @@ still run:
               cpu_reference oracle (`pagedserve conformance`)
   engine      greedy tokens on the cuda and triton platforms equal cpu_reference's (tiny models)
   attention   the attention case table (`benchmarks/attention.py --table`)
+  variants    the prefill kernel variants' sweep (`benchmarks/attention.py --variants`), the winning
+              configs written under OUT/variant_configs for review (not into the plugin)
   latency     single stream 512 -> 128 on Llama-3.1-8B shapes, GPU idle, the decode step at 256
               running requests, the engine as configured by default
               (`benchmarks/gpu_async_scheduling.py`)
@@ -58,6 +60,7 @@ STAGES = (
     "conformance",
     "engine",
     "attention",
+    "variants",
     "latency",
     "throughput",
     "peers",
@@ -185,6 +188,16 @@ def stage_attention(suite: Suite) -> dict[str, Any]:
     argv = [suite.python, "benchmarks/attention.py", "--table", "--flex-budget-s", "120", "--json", str(path)]
     res = suite.run("attention", argv, timeout_s=900)
     res["table"] = read_json(path)
+    return res
+
+
+def stage_variants(suite: Suite) -> dict[str, Any]:
+    path = suite.out / "raw" / "attention_variants.json"
+    configs = suite.out / "variant_configs"
+    configs.mkdir(parents=True, exist_ok=True)
+    argv = [suite.python, "benchmarks/attention.py", "--variants", "--write-configs", str(configs)]
+    res = suite.run("variants", [*argv, "--json", str(path)], timeout_s=900)
+    res["result"] = read_json(path)
     return res
 
 
@@ -441,6 +454,28 @@ def check_rows(stages: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def variant_rows(stages: dict[str, Any]) -> list[Row]:
+    """The best prefill kernel variant of the sweep, per prefill case, against the targets."""
+    result = dig(stages, "variants", "result") or {}
+    winner, flops = result.get("winner") or {}, result.get("flops") or {}
+    targets = {"prefill 4x2048": 450.0, "chunked q1024 ctx7168": 400.0}
+    rows = []
+    for case, goal in targets.items():
+        us = dig(winner, "us", case)
+        tflops = None if us is None or case not in flops else flops[case] / us / 1e6
+        label = winner.get("variant", "")
+        rows.append(
+            Row(
+                f"attention {case}, best kernel variant ({label or 'none'})",
+                fmt(tflops, ".0f", " TFLOP/s"),
+                "",
+                f">= {goal:.0f} TFLOP/s",
+                judge(tflops, ">=", goal),
+            )
+        )
+    return rows
+
+
 def gemm_rows(stages: dict[str, Any]) -> list[Row]:
     per_step = dig(stages, "gemm", "result", "per_step_us", "1") or {}
     ours, cublas = per_step.get("skinny_us"), per_step.get("torch_us")
@@ -500,6 +535,7 @@ def scoreboard(stages: dict[str, Any]) -> list[Row]:
         throughput_rows(stages)
         + latency_rows(stages)
         + attention_rows(stages)
+        + variant_rows(stages)
         + gemm_rows(stages)
         + fp8_rows(stages)
         + check_rows(stages)
@@ -567,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
             "conformance": lambda: stage_conformance(suite),
             "engine": lambda: stage_engine(suite),
             "attention": lambda: stage_attention(suite),
+            "variants": lambda: stage_variants(suite),
             "latency": lambda: stage_latency(suite),
             "throughput": lambda: stage_throughput(suite, workloads),
             "peers": lambda: stage_peers(suite),

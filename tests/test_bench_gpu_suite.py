@@ -78,6 +78,15 @@ def _stages() -> dict[str, Any]:
             "result": {"per_step_us": {"1": {"torch_us": 5600.0, "skinny_us": 5300.0, "torch_fp8_us": 6300.0,
                                              "skinny_fp8_us": 3300.0}}}
         },
+        "variants": {
+            "result": {
+                "winner": {
+                    "variant": "prefetch",
+                    "us": {"prefill 4x2048": 300.0, "chunked q1024 ctx7168": 400.0},
+                },
+                "flops": {"prefill 4x2048": 137_438_953_472, "chunked q1024 ctx7168": 128_849_018_880},
+            }
+        },
         "fp8": {
             "result": {
                 "bf16": {"kv_tokens": 430000, "throughput": {"output_tokens_per_s": 5400.0}},
@@ -131,6 +140,13 @@ def test_gemm_and_fp8_rows() -> None:
     tput = rows["FP8 weights + KV: throughput, 256 requests"]
     assert (tput.ours, tput.verdict) == ("1.35x bf16", "met")  # 7300 / 5400
     assert rows["FP8 weights + KV: KV tokens at 0.9 of GPU memory"].ours == "970,000"
+
+
+def test_variant_rows_turn_the_sweep_winner_into_tflops() -> None:
+    rows = {row.benchmark: row for row in suite.scoreboard(_stages())}
+    prefill = rows["attention prefill 4x2048, best kernel variant (prefetch)"]
+    assert (prefill.ours, prefill.verdict) == ("458 TFLOP/s", "met")  # 137.4 GFLOP in 300 us
+    assert rows["attention chunked q1024 ctx7168, best kernel variant (prefetch)"].verdict == "missed"  # 322
 
 
 def test_peers_appear_beside_ours() -> None:

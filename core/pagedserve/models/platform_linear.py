@@ -48,15 +48,13 @@ class PlatformLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel.name}"
 
 
-def _fuse_gated_down(mlp: GatedMLP, kernel: LinearKernel, dtype: torch.dtype) -> None:
-    """Give a SiLU-gated MLP the kernel's fused down projection when its down projection would be
-    routed (a plain `nn.Linear` in `dtype`, or an `Fp8Linear` the kernel takes). Mutates `mlp`."""
-    down = mlp.down_proj
-    takes = (type(down) is nn.Linear and down.weight.dtype == dtype) or (
-        isinstance(down, Fp8Linear) and down.weight.dtype in kernel.weight_dtypes
-    )
-    if kernel.gated_op is not None and mlp.hidden_act == "silu" and takes:
-        mlp.gated_down = kernel.gated_op
+def _routable(module: nn.Module, kernel: LinearKernel, dtype: torch.dtype) -> bool:
+    """Whether `module` runs on `kernel`: an `Fp8Linear` whose weights the kernel takes, or exactly
+    an `nn.Linear` / `MergedLinear` in `dtype` (subclasses with a forward of their own, like the
+    tensor-parallel RowParallelLinear, which all-reduces, keep it). Pure."""
+    if isinstance(module, Fp8Linear):
+        return module.weight.dtype in kernel.weight_dtypes
+    return type(module) in (nn.Linear, MergedLinear) and module.weight.dtype == dtype
 
 
 def route_linear_layers(decoder: nn.Module, kernel: LinearKernel, dtype: torch.dtype) -> int:
@@ -64,19 +62,16 @@ def route_linear_layers(decoder: nn.Module, kernel: LinearKernel, dtype: torch.d
     are replaced by `PlatformLinear`s, `Fp8Linear`s get the kernel when it takes FP8 weights.
     Returns how many layers were routed. Mutates `decoder`."""
     routed = 0
-    for name, module in list(decoder.named_modules()):
-        if isinstance(module, GatedMLP):
-            _fuse_gated_down(module, kernel, dtype)
-        if isinstance(module, Fp8Linear):
-            if module.weight.dtype in kernel.weight_dtypes:
-                module.kernel = kernel
-                routed += 1
+    for name, module in list(decoder.named_modules()):  # parents before children
+        gated = isinstance(module, GatedMLP) and module.hidden_act == "silu" and kernel.gated_op is not None
+        if gated and _routable(module.down_proj, kernel, dtype):  # before down_proj is swapped
+            module.gated_down = kernel.gated_op
+        if not _routable(module, kernel, dtype):
             continue
-        # Exactly these types: subclasses with a forward of their own (the tensor-parallel
-        # RowParallelLinear, which all-reduces) keep it.
-        if type(module) not in (nn.Linear, MergedLinear) or module.weight.dtype != dtype:
+        routed += 1
+        if isinstance(module, Fp8Linear):
+            module.kernel = kernel
             continue
         owner, _, attr = name.rpartition(".")
         setattr(decoder.get_submodule(owner) if owner else decoder, attr, PlatformLinear(module, kernel))
-        routed += 1
     return routed

@@ -21,6 +21,7 @@ import triton.language as tl
 from pagedserve.attention.kv_cache_dtype import FP8_FORMATS
 from pagedserve.models.fp8 import AMAX_FLOOR, FP8_MAX, FP8_WEIGHT_DTYPE
 from pagedserve_triton.cache_kernels import _round_to_fp8_grid
+from pagedserve_triton.skinny_gemm import silu_times
 
 
 @triton.jit
@@ -80,9 +81,9 @@ def silu_mul_kernel(h_ptr, out_ptr, K, stride_hm, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < K
-    gate = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + row * stride_hm + K + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * K + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0)
+    up = tl.load(h_ptr + row * stride_hm + K + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * K + offs, silu_times(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(h: torch.Tensor) -> torch.Tensor:  # [M, K] in h's dtype

@@ -100,6 +100,20 @@ def max_kernel_rows(weight_dtype: torch.dtype) -> int:
     return ROWS_FP8 if weight_dtype == FP8_WEIGHT_DTYPE else ROWS_16BIT
 
 
+def kernel_config(x: torch.Tensor, weight: torch.Tensor) -> SkinnyGemmConfig | None:
+    """The Triton kernel's launch parameters when this product takes it (a CUDA device, at most
+    `max_kernel_rows` rows, unit stride along K), else None. `x` is the activations [M, K] or a
+    gated MLP's gate/up output [M, 2K]: only its rows, dtype and layout matter. Pure."""
+    rows = x.shape[0]
+    if not (x.is_cuda and 1 <= rows <= max_kernel_rows(weight.dtype)):
+        return None
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        return None
+    n, k = weight.shape
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return choose_config(n, k, weight.dtype, x.dtype, rows, shared_memory_budget(device))
+
+
 @torch.library.custom_op("pagedserve_triton::linear", mutates_args=())
 def linear(
     x: torch.Tensor,  # [M, K]
@@ -110,14 +124,8 @@ def linear(
     """`x @ (weight * scale[:, None]).T + bias`: the Triton kernel for decode steps on a CUDA
     device (`max_kernel_rows`), else cuBLAS (`F.linear`) or, for FP8 weights, `scaled_linear`
     (its activation quantization in one Triton launch on a CUDA device)."""
-    rows = x.shape[0]
-    kernel_rows = max_kernel_rows(weight.dtype)
-    if x.is_cuda and 1 <= rows <= kernel_rows and x.stride(1) == 1 and weight.stride(1) == 1:
-        n, k = weight.shape
-        budget = shared_memory_budget(
-            x.device.index if x.device.index is not None else torch.cuda.current_device()
-        )
-        config = choose_config(n, k, weight.dtype, x.dtype, rows, budget)
+    config = kernel_config(x, weight)
+    if config is not None:
         return skinny_linear(x, weight, config, scale=scale, bias=bias)
     if weight.dtype == FP8_WEIGHT_DTYPE:
         if scale is None:
@@ -139,18 +147,8 @@ def gated_linear(
     """`linear(silu(gate) * up, weight, scale, bias)`: for decode steps on a CUDA device the
     SiLU-and-multiply runs inside the Triton GEMM's activation load (one kernel fewer per layer);
     larger steps run `silu_mul` (one launch) and then `linear`."""
-    rows = h.shape[0]
-    if (
-        h.is_cuda
-        and 1 <= rows <= max_kernel_rows(weight.dtype)
-        and h.stride(1) == 1
-        and weight.stride(1) == 1
-    ):
-        n, k = weight.shape
-        budget = shared_memory_budget(
-            h.device.index if h.device.index is not None else torch.cuda.current_device()
-        )
-        config = choose_config(n, k, weight.dtype, h.dtype, rows, budget)
+    config = kernel_config(h, weight)
+    if config is not None:
         return skinny_linear(h, weight, config, scale=scale, bias=bias, gated=True)
     if h.is_cuda and h.stride(1) == 1:
         return linear(silu_mul(h), weight, scale, bias)

@@ -34,15 +34,21 @@ from pagedserve_triton.unified_attention import INTERPRETED
 
 
 @triton.jit
+def silu_times(gate, up):
+    """`silu(gate) * up` in float32: the gated MLP's activation, before its one rounding."""
+    gate = gate.to(tl.float32)
+    return gate * tl.sigmoid(gate) * up.to(tl.float32)
+
+
+@triton.jit
 def _load_x(x_rows, offs_k, mask, K, GATED: tl.constexpr):
     """The activation tile at columns `offs_k`: x itself, or with GATED the SiLU-gated product
     `silu(x[:, k]) * x[:, K + k]` of a fused gate/up output [M, 2K], computed in float32 and
     rounded once to x's dtype (what a fused SiLU-and-multiply kernel writes)."""
     x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
     if GATED:
-        gate = x.to(tl.float32)
-        up = tl.load(x_rows + K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up).to(x.dtype)
+        up = tl.load(x_rows + K + offs_k[None, :], mask=mask, other=0.0)
+        x = silu_times(x, up).to(x.dtype)
     return x
 
 

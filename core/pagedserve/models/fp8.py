@@ -33,6 +33,10 @@ from pagedserve.platforms.api import LinearKernel
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
+# Scales multiply by the float32 reciprocal rather than divide: torch on CUDA computes a tensor
+# divided by a Python number that way, torch on CPU divides, so only the product is the same
+# float32 result on every device (and in the fused Triton quantization).
+INV_FP8_MAX = 1.0 / FP8_MAX
 MIN_SM = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90)
 AMAX_FLOOR = 1e-12  # an all-zero row gets this amax, so its scale is positive and its codes zero
 
@@ -40,7 +44,7 @@ AMAX_FLOOR = 1e-12  # an all-zero row gets this amax, so its scale is positive a
 def _row_scales(x: torch.Tensor) -> torch.Tensor:  # [rows, 1] float32
     """One scale per row: amax / FP8_MAX (floored so that zero rows divide safely). Pure."""
     amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32).clamp_min(AMAX_FLOOR)
-    return amax / FP8_MAX
+    return amax * INV_FP8_MAX
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,15 +1,11 @@
 # Triton kernel arguments are IR values (pointers, scalars, constexprs) with no Python types.
 # mypy: disable-error-code="no-untyped-def"
-"""The activation work around the linear operator's larger steps, one launch each.
+"""The FP8 activation quantization of the linear operator's larger steps, in one launch.
 
 Inside an operator that `torch.compile` keeps opaque nothing fuses torch's elementwise chains, so
-the steps too large for the weight-streaming GEMM get their activation work as single kernels:
-
-* `quantize_rows_fused`: the per-row FP8 quantization of `quantization="fp8"` before
-  `torch._scaled_mm`, bit for bit `pagedserve.models.fp8.quantize_rows` (one pass for the
-  amax, one for the codes, IEEE division, ties to even);
-* `silu_mul`: a gated MLP's `silu(gate) * up` from its fused gate/up output, in float32 and
-  rounded once (decode steps do this inside the GEMM's activation load instead).
+the steps too large for the weight-streaming GEMM quantize their activations for
+`torch._scaled_mm` with `quantize_rows_fused`: bit for bit `pagedserve.models.fp8.quantize_rows`
+(one pass for the amax, one for the codes, the same float32 operations and rounding).
 """
 
 from __future__ import annotations
@@ -19,9 +15,8 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.kv_cache_dtype import FP8_FORMATS
-from pagedserve.models.fp8 import AMAX_FLOOR, FP8_MAX, FP8_WEIGHT_DTYPE
+from pagedserve.models.fp8 import AMAX_FLOOR, FP8_MAX, FP8_WEIGHT_DTYPE, INV_FP8_MAX
 from pagedserve_triton.cache_kernels import _round_to_fp8_grid
-from pagedserve_triton.skinny_gemm import silu_times
 
 
 @triton.jit
@@ -32,13 +27,15 @@ def quantize_rows_kernel(
     K,
     stride_xm,
     fp8_max,
+    inv_fp8_max,  # float32 1 / fp8_max
     amax_floor,
     fp8_min_subnormal,
     BLOCK: tl.constexpr,
 ):
-    """One row per program: `scale = max(amax(|x|), amax_floor) / fp8_max`, then
-    `codes = fp8(clamp(x / scale))`, exactly as `pagedserve.models.fp8.quantize_rows` does on any
-    device (IEEE division, ties to even), in one pass for the amax and one for the codes."""
+    """One row per program: `scale = max(amax(|x|), amax_floor) * inv_fp8_max`, then
+    `codes = fp8(clamp(x / scale))` (IEEE division, ties to even), exactly as
+    `pagedserve.models.fp8.quantize_rows` does on any device, in one pass for the amax and one for
+    the codes."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
@@ -46,7 +43,7 @@ def quantize_rows_kernel(
     for k in range(0, K, BLOCK):
         x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), amax_floor), fp8_max)
+    scale = tl.maximum(tl.max(amax, axis=0), amax_floor) * inv_fp8_max
     tl.store(scales_ptr + row, scale)
     codes_ty = codes_ptr.dtype.element_ty
     for k in range(0, K, BLOCK):
@@ -69,29 +66,16 @@ def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fmt = FP8_FORMATS[FP8_WEIGHT_DTYPE]
         block = min(4096, triton.next_power_of_2(k))
         quantize_rows_kernel[(m,)](
-            x, codes, scales, k, x.stride(0), FP8_MAX, AMAX_FLOOR, fmt.min_subnormal, BLOCK=block, num_warps=8
+            x,
+            codes,
+            scales,
+            k,
+            x.stride(0),
+            FP8_MAX,
+            INV_FP8_MAX,
+            AMAX_FLOOR,
+            fmt.min_subnormal,
+            BLOCK=block,
+            num_warps=8,
         )
     return codes, scales
-
-
-@triton.jit
-def silu_mul_kernel(h_ptr, out_ptr, K, stride_hm, BLOCK: tl.constexpr):
-    """`out[m] = silu(h[m, :K]) * h[m, K:]` in float32, rounded once: the activation of a gated
-    MLP for steps too large for the fused GEMM. Grid (M, cdiv(K, BLOCK))."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < K
-    gate = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0)
-    up = tl.load(h_ptr + row * stride_hm + K + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * K + offs, silu_times(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_mul(h: torch.Tensor) -> torch.Tensor:  # [M, K] in h's dtype
-    """`silu(gate) * up` of a fused gate/up output `h` [M, 2K] in one launch. Allocates the result."""
-    m, width = h.shape
-    k = width // 2
-    out = torch.empty((m, k), dtype=h.dtype, device=h.device)
-    if m:
-        block = 1024
-        silu_mul_kernel[(m, triton.cdiv(k, block))](h, out, k, h.stride(0), BLOCK=block, num_warps=4)
-    return out

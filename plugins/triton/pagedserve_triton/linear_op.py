@@ -24,7 +24,7 @@ import triton
 
 from pagedserve.models.fp8 import FP8_WEIGHT_DTYPE, scaled_linear
 from pagedserve.platforms.api import LinearKernel
-from pagedserve_triton.linear_activations import quantize_rows_fused, silu_mul
+from pagedserve_triton.linear_activations import quantize_rows_fused
 from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, row_block, skinny_linear
 
 ROWS_16BIT = 16  # the most rows 16-bit (and float32) weights take the Triton kernel for
@@ -102,8 +102,7 @@ def max_kernel_rows(weight_dtype: torch.dtype) -> int:
 
 def kernel_config(x: torch.Tensor, weight: torch.Tensor) -> SkinnyGemmConfig | None:
     """The Triton kernel's launch parameters when this product takes it (a CUDA device, at most
-    `max_kernel_rows` rows, unit stride along K), else None. `x` is the activations [M, K] or a
-    gated MLP's gate/up output [M, 2K]: only its rows, dtype and layout matter. Pure."""
+    `max_kernel_rows` rows, unit stride along K), else None. Pure."""
     rows = x.shape[0]
     if not (x.is_cuda and 1 <= rows <= max_kernel_rows(weight.dtype)):
         return None
@@ -137,32 +136,6 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-@torch.library.custom_op("pagedserve_triton::gated_linear", mutates_args=())
-def gated_linear(
-    h: torch.Tensor,  # [M, 2K]: a gated MLP's fused gate/up output, gate first
-    weight: torch.Tensor,  # [N, K] (the down projection), in h's dtype or float8_e4m3fn with `scale`
-    scale: torch.Tensor | None,  # [N] float32 per output channel (FP8 weights)
-    bias: torch.Tensor | None,  # [N]
-) -> torch.Tensor:  # [M, N] in h's dtype
-    """`linear(silu(gate) * up, weight, scale, bias)`: for decode steps on a CUDA device the
-    SiLU-and-multiply runs inside the Triton GEMM's activation load (one kernel fewer per layer);
-    larger steps run `silu_mul` (one launch) and then `linear`."""
-    config = kernel_config(h, weight)
-    if config is not None:
-        return skinny_linear(h, weight, config, scale=scale, bias=bias, gated=True)
-    if h.is_cuda and h.stride(1) == 1:
-        return linear(silu_mul(h), weight, scale, bias)
-    gate, up = h.float().chunk(2, dim=-1)
-    return linear((F.silu(gate) * up).to(h.dtype), weight, scale, bias)
-
-
-@gated_linear.register_fake
-def _gated_linear_shape(
-    h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return h.new_empty((h.shape[0], weight.shape[0]))
-
-
 @linear.register_fake
 def _linear_shape(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
@@ -174,5 +147,4 @@ LINEAR_KERNEL = LinearKernel(
     name=f"triton skinny GEMM (steps of <= {ROWS_16BIT} tokens, <= {ROWS_FP8} with FP8 weights; torch above)",
     op=linear,
     weight_dtypes=frozenset({FP8_WEIGHT_DTYPE}),
-    gated_op=gated_linear,
 )

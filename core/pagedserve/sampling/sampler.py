@@ -4,7 +4,8 @@ Pipeline, for all rows at once (all on the logits' device):
   1. raw logprobs (if any row asked): log_softmax of the untouched logits;
   2. logit bias and min_tokens bans (sparse edits), then repetition/frequency/presence penalties,
      then the grammar bitmask of structured outputs (one masked fill for the whole batch);
-  3. greedy rows: argmax of the processed logits (exactly torch.argmax, ties to the lowest id);
+  3. greedy rows: argmax of the processed logits (exactly torch.argmax, ties to the lowest id,
+     through `first_argmax`, which spreads a wide row over many parallel reductions);
   4. random rows: divide by temperature, then top-k, top-p and min-p (HF's order; min-p commutes
      with the other two), softmax, and draw by the exponential race: argmax(p_i / E_i) with
      E_i ~ Exp(1) selects token i with probability p_i. The noise E of a seeded row is a function
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.sampling.argmax import first_argmax
 from pagedserve.sampling.grammar_mask import apply_token_bitmask
 from pagedserve.sampling.logprobs import LogprobsTensors, gather_logprobs
 from pagedserve.sampling.metadata import SamplingMetadata
@@ -109,12 +111,12 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = self._process(logits, meta, self.fused_grammar_mask)
         if meta.all_greedy:
-            sampled = processed.argmax(dim=-1)
+            sampled = first_argmax(processed)
         elif meta.all_random:
             sampled = self._sample_random(processed, meta)
         else:
             assert meta.greedy is not None  # set whenever greedy and random rows are mixed
-            sampled = torch.where(meta.greedy, processed.argmax(dim=-1), self._sample_random(processed, meta))
+            sampled = torch.where(meta.greedy, first_argmax(processed), self._sample_random(processed, meta))
         logprobs = None
         if raw_logprobs is not None and meta.max_num_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)

@@ -14,6 +14,9 @@ step in flight and hide exactly what is measured):
     by running-request count);
   * the decode measurements also list the kernels that took the most device time per step.
 
+`--quantization fp8` and `--kv-cache-dtype fp8` measure the same with FP8 weights and/or an FP8
+KV cache (the KV pool keeps `--num-kv-blocks` blocks either way).
+
     python benchmarks/gpu_async_scheduling.py --platform cuda --json async.json
     python benchmarks/gpu_async_scheduling.py --platform cuda --workload sharegpt_like_256.json
 """
@@ -111,6 +114,8 @@ def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) ->
             max_num_seqs=256,
             platform=args.platform,
             async_scheduling=async_scheduling,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     out: dict[str, Any] = {"single_stream": single_stream(engine, args.prompt_len, args.output_len)}
@@ -147,6 +152,8 @@ def main() -> None:
     parser.add_argument("--workload", help="workload JSON for the throughput run")
     parser.add_argument("--warmup-requests", type=int, default=16)
     parser.add_argument("--modes", default="async,sync")
+    parser.add_argument("--quantization", choices=["fp8"], help="FP8 weights (the same measurements)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from pagedserve.sampling.argmax import MIN_CHUNKED_COLS, TARGET_CHUNK, chunk_size, first_argmax
+from pagedserve.sampling.argmax import (
+    MAX_CHUNKED_ROWS,
+    MIN_CHUNKED_COLS,
+    TARGET_CHUNK,
+    chunk_size,
+    first_argmax,
+)
 
 NAN = float("nan")
 INF = float("inf")
@@ -47,7 +53,7 @@ def test_chunk_size_divides_when_it_can() -> None:
 
 
 @pytest.mark.parametrize("cols", WIDTHS)
-@pytest.mark.parametrize("rows", [1, 37])
+@pytest.mark.parametrize("rows", [1, MAX_CHUNKED_ROWS - 3, MAX_CHUNKED_ROWS + 21])
 def test_random_rows(rows: int, cols: int) -> None:
     gen = torch.Generator().manual_seed(cols + rows)
     check(torch.randn(rows, cols, generator=gen))
@@ -57,7 +63,7 @@ def test_random_rows(rows: int, cols: int) -> None:
 def test_dtypes(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     # bf16 has few distinct values near the top: many rows have ties across chunks.
-    check((torch.randn(37, 128256, generator=gen) * 4).to(dtype))
+    check((torch.randn(MAX_CHUNKED_ROWS, 128256, generator=gen) * 4).to(dtype))
 
 
 @pytest.mark.parametrize("cols", [128256, 8209])
@@ -150,12 +156,19 @@ def test_compiles_to_one_graph() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cols", "chunked", "padded"), [(128256, True, False), (8209, True, True), (8191, False, False)]
+    ("rows", "cols", "chunked", "padded"),
+    [
+        (3, 128256, True, False),
+        (3, 8209, True, True),
+        (3, 8191, False, False),
+        (MAX_CHUNKED_ROWS, 128256, True, False),
+        (MAX_CHUNKED_ROWS + 1, 128256, False, False),
+    ],
 )
-def test_which_path_runs(cols: int, chunked: bool, padded: bool) -> None:
-    """Wide rows go through per-chunk max(dim) (padded only when no chunk width divides them);
-    narrow rows take torch.argmax alone."""
-    graph = make_fx(lambda x: first_argmax(x), tracing_mode="fake")(torch.empty(3, cols))
+def test_which_path_runs(rows: int, cols: int, chunked: bool, padded: bool) -> None:
+    """A few wide rows go through per-chunk max(dim) (padded only when no chunk width divides
+    them); narrow rows and large batches take torch.argmax alone."""
+    graph = make_fx(lambda x: first_argmax(x), tracing_mode="fake")(torch.empty(rows, cols))
     ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
     assert ("aten.max.dim" in ops) == chunked
     assert ("aten.constant_pad_nd.default" in ops) == padded

@@ -8,9 +8,10 @@ Pipeline, for all rows at once (all on the logits' device):
      through `first_argmax`, which spreads a wide row over many parallel reductions);
   4. random rows: divide by temperature, then top-k, top-p and min-p (HF's order; min-p commutes
      with the other two), softmax, and draw by the exponential race: argmax(p_i / E_i) with
-     E_i ~ Exp(1) selects token i with probability p_i. The noise E of a seeded row is a function
-     of `step_seed(seed, sample, step)` alone (noise.py), so its tokens do not depend on which
-     other requests share the batch or on its row; unseeded rows share one generator.
+     E_i ~ Exp(1) selects token i with probability p_i (the argmax again through `first_argmax`).
+     The noise E of a seeded row is a function of `step_seed(seed, sample, step)` alone
+     (noise.py), so its tokens do not depend on which other requests share the batch or on its
+     row; unseeded rows share one generator.
 """
 
 from __future__ import annotations
@@ -158,4 +159,4 @@ class Sampler:
             apply_min_p(scaled, meta.min_p)
         probs = scaled.softmax(dim=-1)
         noise = exponential_noise((meta.num_reqs, meta.vocab_size), meta, scaled.device)
-        return probs.div_(noise).argmax(dim=-1)
+        return first_argmax(probs.div_(noise))

@@ -26,11 +26,13 @@ from pagedserve_triton.linear_op import (
     max_kernel_rows,
 )
 from pagedserve_triton.skinny_gemm import (
+    MAX_COLUMN_BLOCKS,
     MAX_ROWS,
     SkinnyGemmConfig,
     row_block,
     skinny_gemm_kernel,
     skinny_linear,
+    split_counters,
 )
 
 if not isinstance(skinny_gemm_kernel, InterpretedFunction):
@@ -84,6 +86,26 @@ def test_matches_float64(
     assert y.dtype == dtype and y.shape == (rows, n)
     error = (y.double() - expected).abs().max().item()
     assert error <= TOLERANCE[dtype] * expected.abs().max().item(), error
+
+
+def test_split_k_launches_leave_their_counters_at_zero() -> None:
+    """The last split of a column block sums the partials and resets its ticket counter, so the
+    next launch on the stream starts from zero: the same product twice gives the same answer."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 256, generator=gen)
+    w = torch.randn(80, 256, generator=gen)
+    config = SkinnyGemmConfig(block_n=16, block_k=32, split_k=4, num_warps=4, num_stages=2)
+    first = skinny_linear(x, w, config)
+    counters = split_counters(x.device, 5)
+    assert not counters.any()
+    second = skinny_linear(x, w, config)
+    assert torch.equal(first, second)
+    expected = _reference(x, w, None, None)
+    assert (first.double() - expected).abs().max().item() <= TOLERANCE[
+        torch.float32
+    ] * expected.abs().max().item()
+    with pytest.raises(ValueError, match="output-column blocks"):
+        split_counters(x.device, MAX_COLUMN_BLOCKS + 1)
 
 
 @pytest.mark.parametrize(("rows", "k"), [(3, 96), (2, 4096 + 40)])

@@ -1,0 +1,132 @@
+"""The weight-streaming GEMM compiled for an H100 (sm_90) by Triton's NVIDIA backend, without a
+GPU: the engine's bf16 and FP8 launch parameters at the 8B shapes compile within an H100's shared
+memory, keep their loads pipelined (cp.async), and the split-K launches meet through one
+device-scope acquire-release ticket per column block, after a block-wide barrier, reading the
+other splits' partials from L2. The compilations run in one child process without
+TRITON_INTERPRET (kernels decorated under the interpreter cannot be compiled)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia.compiler")
+
+H100_SHARED_BYTES = 227 * 1024
+
+# (name, N, K, weight dtype): the 8B Llama layer's products at one row
+CASES = [
+    ("bf16_o", 4096, 4096, "bf16"),
+    ("bf16_qkv", 6144, 4096, "bf16"),
+    ("fp8_o", 4096, 4096, "fp8"),
+    ("fp8_down", 4096, 14336, "fp8"),
+]
+
+_CHILD = """
+import json, re, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedserve_triton.linear_op import choose_config
+from pagedserve_triton.skinny_gemm import skinny_gemm_kernel as kernel
+
+H100_BUDGET = 227 * 1024 - 8 * 1024
+results = {}
+for name, n, k, wdt in json.loads(sys.argv[1]):
+    weight = torch.bfloat16 if wdt == "bf16" else torch.float8_e4m3fn
+    config = choose_config(n, k, weight, torch.bfloat16, 1, H100_BUDGET)
+    for split in sorted({1, max(2, config.split_k)}):
+        constexprs = dict(
+            BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=True,
+            HAS_SCALE=wdt == "fp8", HAS_BIAS=False, DOT_IN_FP32=False,
+        )
+        types = {"w_ptr": "*bf16" if wdt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
+                 "partial_ptr": "*fp32", "counter_ptr": "*i32"}
+        signature, attrs = {}, {}
+        for index, arg in enumerate(kernel.arg_names):
+            if arg in constexprs:
+                signature[arg] = "constexpr"
+            elif arg.endswith("_ptr"):
+                signature[arg] = types.get(arg, "*bf16")
+                attrs[(index,)] = [["tt.divisibility", 16]]
+            else:
+                signature[arg] = "i32"
+                if arg.startswith("stride") or arg in ("N", "K", "k_per_split"):
+                    attrs[(index,)] = [["tt.divisibility", 16]]
+        key = f"{name}_split{split}"
+        try:
+            compiled = triton.compile(
+                ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+            )
+        except Exception as e:
+            results[key] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            continue
+        ptx = compiled.asm["ptx"]
+        atomics = re.findall(r"atom\\.[\\w.]*", ptx)
+        first_atomic = ptx.find("atom.")
+        results[key] = {
+            "error": None,
+            "shared": compiled.metadata.shared,
+            "cp_async": len(re.findall(r"cp\\.async", ptx)),
+            "atomics": atomics,
+            # the partial tile's stores, then a block-wide barrier, then the ticket
+            "barrier_before_atomic": first_atomic > 0
+            and ptx.rfind("st.global", 0, first_atomic) < ptx.rfind("bar.sync", 0, first_atomic),
+            "l2_loads": len(re.findall(r"ld\\.global\\.cg", ptx)),
+        }
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict[str, object]]:
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(CASES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    results: dict[str, dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+def test_compiles_pipelined_within_shared_memory(name: str, compiled: dict[str, dict[str, object]]) -> None:
+    launches = {key: value for key, value in compiled.items() if key.startswith(name + "_split")}
+    assert len(launches) == 2  # one K pass and split K
+    for key, result in launches.items():
+        assert result["error"] is None, (key, result["error"])
+        shared = result["shared"]
+        assert isinstance(shared, int) and 0 < shared <= H100_SHARED_BYTES, key
+        cp_async = result["cp_async"]
+        assert isinstance(cp_async, int) and cp_async > 0, key  # weight loads stream into shared memory
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+def test_split_k_meets_through_an_acquire_release_ticket(
+    name: str, compiled: dict[str, dict[str, object]]
+) -> None:
+    one_pass = compiled[f"{name}_split1"]
+    assert one_pass["atomics"] == [] and one_pass["l2_loads"] == 0
+    split = next(
+        value
+        for key, value in compiled.items()
+        if key.startswith(name + "_split") and key != f"{name}_split1"
+    )
+    atomics = split["atomics"]
+    assert isinstance(atomics, list) and len(atomics) == 1
+    assert ".gpu" in atomics[0] and ".acq_rel" in atomics[0] and ".add" in atomics[0]
+    assert split["barrier_before_atomic"] is True
+    l2_loads = split["l2_loads"]
+    assert isinstance(l2_loads, int) and l2_loads > 0

@@ -102,10 +102,13 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)
         if self.q_norm is None or self.k_norm is None:
             # q and k sit side by side in the fused output: rotate them in one call (half the
-            # elementwise ops per layer, which decode on a CPU pays for one by one).
+            # elementwise ops per layer, which decode on a CPU pays for one by one), written back
+            # into that output so that q, k and v stay views of one buffer. Compiled, that is one
+            # kernel for the whole buffer; a rotated q and k of their own become two buffers the
+            # attention operator reads, each written by its own kernel.
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
-            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-            v = qkv[:, self.q_size + self.kv_size :]
+            qk.copy_(apply_rotary(qk, cos, sin))
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rotary(self.q_norm(q.view(num_tokens, self.num_heads, self.head_size)), cos, sin)

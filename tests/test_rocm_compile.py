@@ -12,10 +12,7 @@ import pytest
 
 pytest.importorskip("triton.backends.amd.compiler")
 
-import json
-import os
-import subprocess
-import sys
+from compile_child import run_without_interpreter
 
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_rocm.amdgcn import (
@@ -54,12 +51,7 @@ def _compiled(call: str) -> AmdgcnStats:
                             "table_variants": table_variants})  # fmt: skip
         assert isinstance(found, AmdgcnStats)
         return found
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, call], env=env, capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    fields = json.loads(done.stdout.strip().splitlines()[-1])
+    fields = run_without_interpreter(_CHILD, call)
     fields["kv_load_bits"] = tuple(frozenset(bits) for bits in fields["kv_load_bits"])
     return AmdgcnStats(**fields)
 

@@ -8,11 +8,9 @@ TRITON_INTERPRET (kernels decorated under the interpreter cannot be compiled).""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from compile_child import run_without_interpreter
 
 pytest.importorskip("triton.backends.nvidia.compiler")
 
@@ -87,17 +85,7 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict[str, object]]:
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(CASES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    results: dict[str, dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
+    results: dict[str, dict[str, object]] = run_without_interpreter(_CHILD, json.dumps(CASES))
     return results
 
 

@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.platforms.api import KVCacheScales
 from pagedserve_cuda import compiler
-from pagedserve_cuda.cache_ops import CudaCacheOps, fp8_source
+from pagedserve_cuda.cache_ops import MAX_CTA_THREADS, CudaCacheOps, fp8_cache_threads, fp8_source
 from pagedserve_cuda.compiler import CudaToolError
 from pagedserve_cuda.paged_attention import check_decode_layout, decode_source
 from pagedserve_cuda.selection import LaunchShape, heads_per_cta, thread_layout
@@ -90,3 +90,17 @@ def test_decode_layout_accepts_fp8_caches_and_refuses_other_dtypes() -> None:
     fp8_cache = torch.zeros(2, 4, 16, 2, 64, dtype=E4M3)
     with pytest.raises(ValueError, match="one CUDA device"):  # the dtype rule passed
         check_decode_layout(query.clone(), query, fp8_cache, *meta, 2, launch)
+
+
+@pytest.mark.parametrize(("heads", "head_size"), [(8, 128), (1, 64), (4, 80), (32, 128), (2, 1)])
+def test_fp8_cache_write_gives_each_thread_at_most_one_element_per_cta_limit(
+    heads: int, head_size: int
+) -> None:
+    """Whole warps, one element each while a token fits one CTA; the CTA limit beyond."""
+    threads = fp8_cache_threads(heads, head_size)
+    assert threads % 32 == 0 and 32 <= threads <= MAX_CTA_THREADS
+    elements = heads * head_size
+    if elements <= MAX_CTA_THREADS:
+        assert threads >= elements and threads - elements < 32
+    else:
+        assert threads == MAX_CTA_THREADS

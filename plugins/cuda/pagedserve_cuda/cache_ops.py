@@ -29,10 +29,21 @@ from pagedserve_cuda.compiler import KernelSource
 from pagedserve_cuda.launcher import LOADER, KernelLoader
 from pagedserve_cuda.paged_attention import FP8_KV_KIND, SCALAR_KIND
 
-CACHE_THREADS = 128  # reshape_and_cache: one CTA per token
+CACHE_THREADS = 128  # reshape_and_cache: one CTA per token, 16-byte units
+MAX_CTA_THREADS = 1024
 COPY_THREADS = 256  # copy_blocks: one CTA per (pair, layer, key/value)
 MAX_DIRECT_RUNS = 4  # swaps with more contiguous runs than this gather into one transfer
 MAX_GRID_X = 2**31 - 1
+
+
+def fp8_cache_threads(num_kv_heads: int, head_size: int) -> int:
+    """Threads of one CTA of `reshape_and_cache_fp8` (one CTA per token, one element per thread
+    and loop iteration): enough warps that a token of up to 1,024 elements takes one iteration.
+    Each iteration waits on its loads, so 128 threads for 8 KV heads of 128 took 8 dependent
+    rounds: 4.2 us per layer against 1.6 us for the bfloat16 copy (H100 decode profile). Pure."""
+    elements = num_kv_heads * head_size
+    return min(MAX_CTA_THREADS, max(32, -(-elements // 32) * 32))
+
 
 RESHAPE_SIGNATURE = "pppp" + "qqqq" + "qqqq" + "iii"
 RESHAPE_FP8_SIGNATURE = "pppp" + "qqqq" + "qqqq" + "iii" + "ff"
@@ -205,7 +216,8 @@ class CudaCacheOps(CacheOps):
             kv_cache.device,
         )
         kernel.launch(
-            (num_tokens, 1, 1), CACHE_THREADS, 0, torch.cuda.current_stream(kv_cache.device).cuda_stream,
+            (num_tokens, 1, 1), fp8_cache_threads(num_kv_heads, head_size), 0,
+            torch.cuda.current_stream(kv_cache.device).cuda_stream,
             key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             *kv_cache.stride()[:4],  # bytes: one byte per element

@@ -13,7 +13,8 @@ __device__ __forceinline__ float ps_clamp_fp8(float x) {
     return (x != x) ? x : fminf(fmaxf(x, -PS_FP8_MAX), PS_FP8_MAX);
 }
 
-// One CTA per token: every element of the token's key and value rows, all KV heads. Key/value
+// One CTA per token: every element of the token's key and value rows, all KV heads (the host
+// launches one thread per element, up to 1,024: cache_ops.fp8_cache_threads). Key/value
 // strides are in elements of scalar_t; cache strides in bytes (= elements).
 extern "C" __global__ void reshape_and_cache_fp8(
     const scalar_t* __restrict__ key,        // [num_tokens, num_kv_heads, head_size], strided

@@ -4,9 +4,10 @@ run to exactly its `output_len` (EOS ignored), as the shared workloads' README a
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pagedserve.bench.compile_watch import watch_triton_compiles
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
@@ -21,6 +22,9 @@ class ThroughputResult:
     requests_per_s: float
     output_tokens_per_s: float
     total_tokens_per_s: float
+    # Triton kernels built inside the timed loop (`compile_watch.CompileLog.summary`): a warm-up
+    # that covers every variant the run hits leaves none.
+    kernels_built: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +82,14 @@ def run_throughput(
     """Add every request, step until all finish, and time it; with `trace`, append one
     `StepRecord` per engine step to it. Mutates the engine (runs it) and `trace`; raises
     ValueError if any request is rejected or ends short of its output_len."""
+    with watch_triton_compiles() as compiles:
+        result = _timed_run(engine, requests, trace)
+    return replace(result, kernels_built=compiles.summary())
+
+
+def _timed_run(
+    engine: LLMEngine, requests: list[BenchRequest], trace: list[StepRecord] | None
+) -> ThroughputResult:
     produced: dict[str, int] = {}
     start = time.perf_counter()
     for i, req in enumerate(requests):
@@ -126,5 +138,15 @@ def format_throughput(result: ThroughputResult) -> str:
             f"Requests/s          {result.requests_per_s:.3f}",
             f"Output tokens/s     {result.output_tokens_per_s:.2f}",
             f"Total tokens/s      {result.total_tokens_per_s:.2f}",
+            *_compiles_line(result.kernels_built),
         ]
     )
+
+
+def _compiles_line(summary: dict[str, Any]) -> list[str]:
+    """The report line of Triton kernels built inside the timed loop (none when nothing watched)."""
+    if not summary.get("watched"):
+        return []
+    line = f"Kernels built       {summary['kernels_built']} ({summary['seconds']:.2f} s)"
+    slowest = ", ".join(f"{k['kernel']} {k['seconds']:.2f} s" for k in summary["slowest"][:3])
+    return [f"{line}: {slowest}" if slowest else line]

@@ -63,7 +63,7 @@ def _graph_time_us(fn: Callable[[int], object], copies: int) -> float:
             fn(i % copies)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # where the warm-up ran: its lazy state is reused
         for i in range(REPEAT):
             fn(i % copies)
     graph.replay()

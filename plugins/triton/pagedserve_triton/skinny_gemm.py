@@ -164,14 +164,18 @@ _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 def split_counters(device: torch.device, column_blocks: int) -> torch.Tensor:
     """The zeroed int32 ticket counters of split-K launches on `device`'s current stream (the CPU
-    under the interpreter: one set). Allocated once per stream; raises ValueError past
-    `MAX_COLUMN_BLOCKS` column blocks."""
+    under the interpreter: one set), allocated at the stream's first eager launch and shared by
+    its later ones, captured or not. A stream whose first launch is being captured into a CUDA
+    graph gets counters of its own: zeroed by a node of that graph, they are zero only for it.
+    Raises ValueError past `MAX_COLUMN_BLOCKS` column blocks."""
     if column_blocks > MAX_COLUMN_BLOCKS:
         raise ValueError(f"skinny_linear: {column_blocks} output-column blocks, at most {MAX_COLUMN_BLOCKS}")
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     counters = _counters.get(key)
     if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(column_blocks, dtype=torch.int32, device=device)
         counters = torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
         _counters[key] = counters
     return counters

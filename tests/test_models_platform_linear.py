@@ -1,4 +1,4 @@
-"""Linear layers routed through a platform's `LinearKernel` (API 1.2), on CPU with a torch operator."""
+"""Linear layers routed through a platform's `LinearKernel` (API 1.2/1.3), on CPU with a torch operator."""
 
 from __future__ import annotations
 
@@ -67,6 +67,34 @@ GATED_KERNEL = LinearKernel(
 )
 
 
+SILU_GATE_CALLS: list[int] = []  # rows of every call of the test's SiLU-gate operator
+
+
+@torch.library.custom_op("pagedserve_tests::silu_gate_linear", mutates_args=())
+def _counting_silu_gate_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    SILU_GATE_CALLS.append(x.shape[0])
+    gate, up = _counting_linear(x, weight, scale, bias).float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+@_counting_silu_gate_linear.register_fake
+def _(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
+BOTH_KERNEL = LinearKernel(
+    name="counting test GEMM with both gated operators",
+    op=_counting_linear,
+    weight_dtypes=frozenset(),
+    gated_op=_counting_gated_linear,
+    silu_gate_op=_counting_silu_gate_linear,
+)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf = tiny_hf_model(LlamaConfig(**TINY_DECODER), seed=1)
@@ -116,6 +144,24 @@ def test_silu_mlps_get_the_fused_down_projection(checkpoint: Path) -> None:
     after = _hidden(model, ids)
     assert GATED_CALLS == [5]  # the down projection, through the gated operator
     assert CALLS == [5, 5, 5]  # gate_up, the gated operator's own product, o
+    torch.testing.assert_close(after, before)
+
+
+def test_silu_mlps_prefer_the_fused_gate_up_activation(checkpoint: Path) -> None:
+    """With both operators, the gate/up product computes the activation in one call and the down
+    projection is a plain product."""
+    model = load_model(checkpoint, dtype=torch.float32).model
+    ids = torch.tensor([3, 7, 11, 5, 9, 2])
+    before = _hidden(model, ids)
+    route_linear_layers(model.model, BOTH_KERNEL, torch.float32)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all(mlp.silu_gate is _counting_silu_gate_linear and mlp.gated_down is None for mlp in mlps)
+    SILU_GATE_CALLS.clear()
+    GATED_CALLS.clear()
+    CALLS.clear()
+    after = _hidden(model, ids)
+    assert SILU_GATE_CALLS == [6] and GATED_CALLS == []
+    assert CALLS == [6, 6, 6]  # the SiLU-gate operator's own product, down, o
     torch.testing.assert_close(after, before)
 
 

@@ -151,18 +151,31 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.hidden_act = hidden_act
         self.act_fn = ACT2FN[hidden_act]
-        # A platform operator computing down(silu(gate) * up) from the fused gate/up output in one
-        # call (`LinearKernel.gated_op`), set by `platform_linear.route_linear_layers`.
+        # Platform operators set by `platform_linear.route_linear_layers`, at most one of them:
+        # `silu_gate` computes silu(gate) * up from x and the fused gate/up weight in one call
+        # (`LinearKernel.silu_gate_op`), `gated_down` computes down(silu(gate) * up) from the
+        # fused gate/up output in one call (`LinearKernel.gated_op`).
+        self.silu_gate: LinearOp | None = None
         self.gated_down: LinearOp | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Does not mutate `x`."""
+        if self.silu_gate is not None:
+            proj = self.gate_up_proj
+            rows = x.reshape(-1, proj.in_features)
+            act = self.silu_gate(rows, proj.weight, _channel_scales(proj), proj.bias)
+            return self.down_proj(act.reshape(*x.shape[:-1], self.intermediate_size))
         h = self.gate_up_proj(x)
         if self.gated_down is not None:
             rows = h.reshape(-1, 2 * self.intermediate_size)
             down = self.down_proj
-            scale = getattr(down, "weight_scale", None)  # an Fp8Linear's per-channel scales
-            y = self.gated_down(rows, down.weight, None if scale is None else scale.reshape(-1), down.bias)
+            y = self.gated_down(rows, down.weight, _channel_scales(down), down.bias)
             return y.reshape(*h.shape[:-1], y.shape[-1])
         gate, up = h.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
+
+
+def _channel_scales(linear: nn.Module) -> torch.Tensor | None:
+    """An `Fp8Linear`'s per-output-channel weight scales as [out_features], else None."""
+    scale = getattr(linear, "weight_scale", None)
+    return None if scale is None else scale.reshape(-1)

@@ -1,4 +1,4 @@
-"""Linear layers on the platform's own GEMM (`LinearKernel`, API 1.2), routed after loading.
+"""Linear layers on the platform's own GEMM (`LinearKernel`, API 1.2/1.3), routed after loading.
 
 Why. A decode step of a small batch is a stream of weight reads; the GEMM library's tile choice
 for one activation row leaves bandwidth unused on some shapes (on an H100, cuBLAS reads the
@@ -8,8 +8,9 @@ weight with bf16 activations, where `torch._scaled_mm` first quantizes the activ
 
 How. `route_linear_layers` swaps every `nn.Linear` of the decoder (fused ones included) for a
 `PlatformLinear` holding the same parameters, hands the kernel to every `Fp8Linear`, and gives
-SiLU-gated MLPs the kernel's fused down projection (`LinearKernel.gated_op`: the SiLU and the
-product happen inside the GEMM's activation load), one elementwise kernel fewer per layer. The LM
+SiLU-gated MLPs the kernel's fused activation when it has one: `LinearKernel.silu_gate_op` (the
+gate/up product with SiLU and the multiply in its epilogue; API 1.3), else `gated_op` (the down
+projection applying them as it loads its input), one elementwise kernel fewer per layer. The LM
 head lives outside the decoder: the runner hands the kernel to the model's logits computation
 (`DecoderForCausalLM.head_kernel`). The platform's
 operator is opaque to `torch.compile` and decides per call, from the row count, whether it runs
@@ -63,9 +64,11 @@ def route_linear_layers(decoder: nn.Module, kernel: LinearKernel, dtype: torch.d
     Returns how many layers were routed. Mutates `decoder`."""
     routed = 0
     for name, module in list(decoder.named_modules()):  # parents before children
-        gated = isinstance(module, GatedMLP) and module.hidden_act == "silu" and kernel.gated_op is not None
-        if gated and _routable(module.down_proj, kernel, dtype):  # before down_proj is swapped
-            module.gated_down = kernel.gated_op
+        if isinstance(module, GatedMLP) and module.hidden_act == "silu":  # before its layers are swapped
+            if kernel.silu_gate_op is not None and _routable(module.gate_up_proj, kernel, dtype):
+                module.silu_gate = kernel.silu_gate_op
+            elif kernel.gated_op is not None and _routable(module.down_proj, kernel, dtype):
+                module.gated_down = kernel.gated_op
         if not _routable(module, kernel, dtype):
             continue
         routed += 1

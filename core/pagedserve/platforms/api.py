@@ -25,6 +25,10 @@ Linear kernels (API 1.2): a platform may run the matrix products of a model's li
 decoder through its operator, which must compute `x @ (weight * scale[:, None]).T + bias` for any
 number of rows.
 
+Fused gated activation (API 1.3): `LinearKernel.silu_gate_op`, optional, computes a SiLU-gated
+MLP's activation `silu(gate) * up` straight from its input and fused gate/up weight, so the
+platform can apply it in its GEMM's epilogue.
+
 Full-graph plans (API 1.2): `AttentionBackend.full_graph_key` tells the engine what a backend's
 launches for a batch depend on besides tensor addresses (its plan: kernel, grid, split count), for
 one layer shape (`AttentionLayerShape`). Full decode graphs are captured once per padded request
@@ -46,9 +50,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.2"
+PLUGIN_API_VERSION = "1.3"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.2"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.3"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -132,6 +136,12 @@ class LinearKernel:
     # bias)` for a gated MLP's down projection, `h` [M, 2K] its fused gate/up output; silu and the
     # product computed in float32 and rounded once to h's dtype. None: the model computes it.
     gated_op: LinearOp | None = None
+    # Optional (API 1.3): `silu_gate_op(x, weight, scale, bias)` = `silu(gate) * up` where
+    # [gate | up] = `op(x, weight, scale, bias)` for a gated MLP's fused gate/up weight [2I, K]
+    # (gate rows first); gate and up rounded to x's dtype, the product computed in float32 and
+    # rounded once. Returns [M, I]. Used instead of `gated_op` when a kernel offers both.
+    # None: the model computes it.
+    silu_gate_op: LinearOp | None = None
 
 
 @dataclass(frozen=True, slots=True)

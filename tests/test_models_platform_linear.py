@@ -12,6 +12,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from pagedserve.models.fp8 import Fp8Linear
+from pagedserve.models.layers import GatedMLP
 from pagedserve.models.loader import load_model
 from pagedserve.models.platform_linear import PlatformLinear, route_linear_layers
 from pagedserve.platforms.api import LinearKernel
@@ -163,6 +164,35 @@ def test_silu_mlps_prefer_the_fused_gate_up_activation(checkpoint: Path) -> None
     assert SILU_GATE_CALLS == [6] and GATED_CALLS == []
     assert CALLS == [6, 6, 6]  # the SiLU-gate operator's own product, down, o
     torch.testing.assert_close(after, before)
+
+
+def test_fp8_gate_up_weights_take_the_fused_activation_when_the_kernel_takes_fp8() -> None:
+    mlp = GatedMLP(16, 8, "silu", bias=False)
+    mlp.gate_up_proj = Fp8Linear(torch.randn(16, 16), None)  # type: ignore[assignment]
+    mlp.down_proj = Fp8Linear(torch.randn(16, 8), None)  # type: ignore[assignment]
+    fp8_kernel = LinearKernel(
+        name="counting FP8 test GEMM",
+        op=_counting_linear,
+        weight_dtypes=frozenset({torch.float8_e4m3fn}),
+        silu_gate_op=_counting_silu_gate_linear,
+    )
+    decoder = nn.Sequential(mlp)
+    assert route_linear_layers(decoder, fp8_kernel, torch.float32) == 2
+    assert mlp.silu_gate is _counting_silu_gate_linear
+    x = torch.randn(2, 3, 16)
+    SILU_GATE_CALLS.clear()
+    y = mlp(x)
+    assert SILU_GATE_CALLS == [6] and y.shape == (2, 3, 16)
+    gate, up = _counting_linear(
+        x.reshape(6, 16), mlp.gate_up_proj.weight, mlp.gate_up_proj.weight_scale.reshape(-1), None
+    ).chunk(2, dim=-1)
+    expected = _counting_linear(
+        torch.nn.functional.silu(gate) * up,
+        mlp.down_proj.weight,
+        mlp.down_proj.weight_scale.reshape(-1),
+        None,
+    )
+    torch.testing.assert_close(y.reshape(6, 16), expected)
 
 
 def test_other_activations_keep_the_model_computation(checkpoint: Path) -> None:

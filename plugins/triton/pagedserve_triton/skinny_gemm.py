@@ -92,7 +92,7 @@ def skinny_gemm_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    up_rows = w_rows + N.to(tl.int64) * stride_wn  # the up projection's rows (SILU_GATE only)
+    up_rows = w_ptr + (offs_n[:, None] + N).to(tl.int64) * stride_wn  # the up rows (SILU_GATE only)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):

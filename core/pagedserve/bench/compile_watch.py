@@ -46,7 +46,9 @@ def _runtime_knobs() -> Any | None:
     import triton
 
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+    if runtime is None or not all(
+        hasattr(runtime, hook) for hook in ("jit_cache_hook", "jit_post_compile_hook")
+    ):
         return None
     return runtime
 

@@ -11,9 +11,6 @@ matrix product at `--rows` activation rows with:
     quantized, `torch._scaled_mm` with row-wise scales) and `skinny-fp8` — the same kernel
     streaming FP8 weights with per-channel scales and bf16 activations (nothing quantized per step).
 
-Then the gated MLP's activation on the gate/up weight: the GEMM with SiLU-and-multiply in its
-epilogue (`silu_gate=True`, what the engine runs) against the plain GEMM plus `silu_mul`.
-
 Times are CUDA-graph replays of 20 products in a row that cycle through enough weight copies to
 exceed the L2 cache, so every product streams its weight from HBM, as in a real decode step.
 GB/s counts the weight bytes.
@@ -35,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.models.fp8 import quantize_rows
-from pagedserve_triton.linear_activations import silu_mul
 from pagedserve_triton.linear_op import choose_config, fit_shared_memory, shared_memory_budget
 from pagedserve_triton.skinny_gemm import SkinnyGemmConfig, skinny_linear
 
@@ -179,36 +175,6 @@ def measure_shape(name: str, rows: list[int], sweep: bool, fp8: bool) -> dict[st
     return out
 
 
-def measure_silu_gate(rows: list[int], fp8: bool) -> dict[int, dict[str, float]]:
-    """The gate/up product with its activation: fused in the epilogue against GEMM + silu_mul."""
-    n, k = SHAPES["gate_up"]
-    dtypes = [torch.bfloat16, *([torch.float8_e4m3fn] if fp8 else [])]
-    out: dict[int, dict[str, float]] = {m: {} for m in rows}
-    for dtype in dtypes:
-        weights = _weights(n, k, dtype)
-        scale = torch.rand(n, device="cuda") + 0.5 if dtype != torch.bfloat16 else None
-        tag = "" if dtype == torch.bfloat16 else "_fp8"
-        for m in rows:
-            out[m].update({key + tag + "_us": us for key, us in _time_silu_gate(m, weights, scale).items()})
-    return out
-
-
-def _time_silu_gate(m: int, weights: list[torch.Tensor], scale: torch.Tensor | None) -> dict[str, float]:
-    n, k = weights[0].shape
-    budget = shared_memory_budget(torch.cuda.current_device())
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    plain = choose_config(n, k, weights[0].dtype, x.dtype, m, budget)
-    fused = choose_config(n, k, weights[0].dtype, x.dtype, m, budget, silu_gate=True)
-    return {
-        "fused": _graph_time_us(
-            lambda i: skinny_linear(x, weights[i], fused, scale=scale, silu_gate=True), len(weights)
-        ),
-        "gemm_then_silu_mul": _graph_time_us(
-            lambda i: silu_mul(skinny_linear(x, weights[i], plain, scale=scale)), len(weights)
-        ),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -244,11 +210,6 @@ def main() -> int:
             for key, val in row.items():
                 if key.endswith("_us"):
                     totals[m][key] = totals[m].get(key, 0.0) + val * layer_count[name]
-    gated_rows = [m for m in rows if m <= 64]
-    results["gate_up_silu"] = measure_silu_gate(gated_rows, args.fp8)
-    print("gate_up with its SiLU-and-multiply (one layer), us:")
-    for m, row in results["gate_up_silu"].items():
-        print(f"   rows {m:2d}: " + "  ".join(f"{key} {val:8.1f}" for key, val in row.items()), flush=True)
     print("per decode step (32 layers + LM head), us:")
     for m, tot in totals.items():
         print(f"   rows {m:2d}: " + "  ".join(f"{key} {val:8.0f}" for key, val in tot.items()))

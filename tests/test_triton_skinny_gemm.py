@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction
 
 from pagedserve.models.fp8 import quantize_rows, scaled_linear
-from pagedserve_triton.linear_activations import quantize_rows_fused, silu_mul
+from pagedserve_triton.linear_activations import quantize_rows_fused
 from pagedserve_triton.linear_op import (
     LINEAR_KERNEL,
     ROWS_16BIT,
@@ -24,7 +24,6 @@ from pagedserve_triton.linear_op import (
     choose_config,
     linear,
     max_kernel_rows,
-    silu_gate_linear,
 )
 from pagedserve_triton.skinny_gemm import (
     MAX_COLUMN_BLOCKS,
@@ -124,55 +123,11 @@ def test_fused_activation_quantization_is_bit_exact(rows: int, k: int) -> None:
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
 
 
-def test_the_triton_plugin_offers_the_epilogue_activation_not_the_load_one() -> None:
-    """silu(gate) * up inside the down projection's load was measured slower than a separate
-    kernel on an H100 (the tile goes through registers); in the gate/up product's epilogue it
-    is offered."""
+def test_the_triton_plugin_leaves_the_gated_activation_to_the_compiled_model() -> None:
+    """Computing silu(gate) * up inside the GEMM, in the down projection's load or in the gate/up
+    product's epilogue, was measured slower than a separate kernel: the plugin offers neither."""
     assert LINEAR_KERNEL.gated_op is None
-    assert LINEAR_KERNEL.silu_gate_op is silu_gate_linear
-
-
-@pytest.mark.parametrize(
-    ("rows", "n", "k", "dtype", "split_k", "fp8", "bias"),
-    [
-        (1, 48, 128, torch.float32, 1, False, False),
-        (5, 40, 96, torch.bfloat16, 2, True, True),  # N not a multiple of BLOCK_N, K split
-        (16, 32, 256, torch.float16, 4, False, True),
-        (20, 24, 64, torch.bfloat16, 1, False, False),  # BLOCK_M 32
-    ],
-)
-def test_silu_gate_is_the_activation_of_the_fused_gate_up_product(
-    rows: int, n: int, k: int, dtype: torch.dtype, split_k: int, fp8: bool, bias: bool
-) -> None:
-    """silu(gate) * up with gate and up rounded to the dtype first, as the unfused product and a
-    separate SiLU-and-multiply would compute it."""
-    gen = torch.Generator().manual_seed(rows + n + k)
-    x = torch.randn(rows, k, generator=gen).to(dtype)
-    w = torch.randn(2 * n, k, generator=gen)
-    scale = None
-    if fp8:
-        w, row_scales = quantize_rows(w)
-        scale = row_scales.reshape(-1)
-    else:
-        w = w.to(dtype)
-    b = torch.randn(2 * n, generator=gen).to(dtype) if bias else None
-    config = SkinnyGemmConfig(block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
-    y = skinny_linear(x, w, config, scale=scale, bias=b, silu_gate=True)
-    assert y.dtype == dtype and y.shape == (rows, n)
-    gate, up = _reference(x, w.float() if fp8 else w, scale, b).to(dtype).double().chunk(2, dim=-1)
-    expected = torch.nn.functional.silu(gate) * up
-    error = (y.double() - expected).abs().max().item()
-    assert error <= TOLERANCE[dtype] * expected.abs().max().item(), error
-    # The one-launch activation of larger steps on the same product: the same numbers.
-    torch.testing.assert_close(silu_mul(skinny_linear(x, w, config, scale=scale, bias=b)), y)
-    if not fp8:  # off the GPU, FP8 weights take torch._scaled_mm, which quantizes x as well
-        # The operator off the GPU (torch's product, another summation order): within the dtype.
-        cpu = silu_gate_linear(x, w, scale, b)
-        assert (cpu.double() - y.double()).abs().max().item() <= TOLERANCE[
-            dtype
-        ] * expected.abs().max().item()
-    with pytest.raises(ValueError, match="even row count"):
-        skinny_linear(x, w[1:], config, silu_gate=True)
+    assert LINEAR_KERNEL.silu_gate_op is None
 
 
 def test_refuses_what_it_does_not_take() -> None:

@@ -26,8 +26,8 @@ decoder through its operator, which must compute `x @ (weight * scale[:, None]).
 number of rows.
 
 Fused gated activation (API 1.3): `LinearKernel.silu_gate_op`, optional, computes a SiLU-gated
-MLP's activation `silu(gate) * up` straight from its input and fused gate/up weight, so the
-platform can apply it in its GEMM's epilogue.
+MLP's activation `silu(gate) * up` straight from its input and fused gate/up weight, so a
+platform whose GEMM can apply it in its epilogue faster than a separate kernel may do so.
 
 Full-graph plans (API 1.2): `AttentionBackend.full_graph_key` tells the engine what a backend's
 launches for a batch depend on besides tensor addresses (its plan: kernel, grid, split count), for

@@ -1,15 +1,11 @@
 # Triton kernel arguments are IR values (pointers, scalars, constexprs) with no Python types.
 # mypy: disable-error-code="no-untyped-def"
-"""The activation work around the linear operator's larger steps, one launch each.
+"""The FP8 activation quantization of the linear operator's larger steps, in one launch.
 
 Inside an operator that `torch.compile` keeps opaque nothing fuses torch's elementwise chains, so
-the steps too large for the weight-streaming GEMM get their activation work as single kernels:
-
-* `quantize_rows_fused`: the FP8 activation quantization before `torch._scaled_mm`, bit for bit
-  `pagedserve.models.fp8.quantize_rows` (one pass for the amax, one for the codes, the same
-  float32 operations and rounding);
-* `silu_mul`: a gated MLP's `silu(gate) * up` from its fused gate/up output, in float32 and
-  rounded once (decode steps compute it in the GEMM's epilogue instead).
+the steps too large for the weight-streaming GEMM quantize their activations for
+`torch._scaled_mm` with `quantize_rows_fused`: bit for bit `pagedserve.models.fp8.quantize_rows`
+(one pass for the amax, one for the codes, the same float32 operations and rounding).
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import triton.language as tl
 from pagedserve.attention.kv_cache_dtype import FP8_FORMATS
 from pagedserve.models.fp8 import AMAX_FLOOR, FP8_MAX, FP8_WEIGHT_DTYPE, INV_FP8_MAX
 from pagedserve_triton.cache_kernels import _round_to_fp8_grid
-from pagedserve_triton.skinny_gemm import silu_times
 
 
 @triton.jit
@@ -84,28 +79,3 @@ def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             num_warps=8,
         )
     return codes, scales
-
-
-@triton.jit
-def silu_mul_kernel(h_ptr, out_ptr, K, stride_hm, BLOCK: tl.constexpr):
-    """`out[m] = silu(h[m, :K]) * h[m, K:]` in float32, rounded once. Grid (M, cdiv(K, BLOCK))."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < K
-    gate = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0)
-    up = tl.load(h_ptr + row * stride_hm + K + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * K + offs, silu_times(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_mul(h: torch.Tensor) -> torch.Tensor:  # [M, K] in h's dtype
-    """`silu(gate) * up` of a fused gate/up output `h` [M, 2K] (unit stride along the row) in one
-    launch. Allocates the result; raises ValueError for other shapes."""
-    if h.dim() != 2 or h.shape[1] % 2 or h.stride(1) != 1:
-        raise ValueError(f"silu_mul takes [M, 2K] with unit stride along the row, got {tuple(h.shape)}")
-    m, width = h.shape
-    k = width // 2
-    out = torch.empty((m, k), dtype=h.dtype, device=h.device)
-    if m:
-        block = 1024
-        silu_mul_kernel[(m, triton.cdiv(k, block))](h, out, k, h.stride(0), BLOCK=block, num_warps=4)
-    return out

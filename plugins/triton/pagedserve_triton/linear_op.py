@@ -24,7 +24,7 @@ import triton
 
 from pagedserve.models.fp8 import FP8_WEIGHT_DTYPE, scaled_linear
 from pagedserve.platforms.api import LinearKernel
-from pagedserve_triton.linear_activations import quantize_rows_fused, silu_mul
+from pagedserve_triton.linear_activations import quantize_rows_fused
 from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, row_block, skinny_linear
 
 ROWS_16BIT = 16  # the most rows 16-bit (and float32) weights take the Triton kernel for
@@ -57,7 +57,6 @@ def choose_config(
     x_dtype: torch.dtype,
     rows: int = 16,
     shared_memory: int = SHARED_MEMORY_BUDGET,  # bytes the pipelined tiles may take
-    silu_gate: bool = False,  # the [n, k] weight is a fused gate/up projection (`skinny_linear`)
 ) -> SkinnyGemmConfig:
     """Launch parameters of `skinny_linear` for an [n, k] weight of `weight_dtype` and `rows`
     activation rows of `x_dtype`. Pure.
@@ -65,10 +64,8 @@ def choose_config(
     16-bit weights: one K pass per program (the grid over N alone fills an H100 from N = 4096);
     64-column blocks for mid-sized outputs (qkv-like). FP8 weights carry half the bytes per
     program, so outputs narrower than 16384 columns split K (2 ways, 4 for K > 8192) to keep
-    enough loads in flight. float32 (tiny test models) gets small tiles. A fused gate/up weight
-    takes the plain product's parameters with half the columns per part, so each program streams
-    the same bytes from two places. The pipeline depth is then cut until the stages' tiles fit
-    `shared_memory`."""
+    enough loads in flight. float32 (tiny test models) gets small tiles. The pipeline depth is
+    then cut until the stages' tiles fit `shared_memory`."""
     if weight_dtype.itemsize == 4 or x_dtype.itemsize == 4:
         config = _FLOAT32
     elif weight_dtype.itemsize == 2:
@@ -77,26 +74,17 @@ def choose_config(
         split = 1 if n >= 16384 else (2 if k <= 8192 else 4)
         block_k = 128 if 16384 <= n < 65536 else 256
         config = SkinnyGemmConfig(block_n=32, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
-    parts = 2 if silu_gate else 1
-    if silu_gate:
-        config = replace(config, block_n=max(16, config.block_n // 2))
-    return fit_shared_memory(config, rows, weight_dtype, x_dtype, shared_memory, parts)
+    return fit_shared_memory(config, rows, weight_dtype, x_dtype, shared_memory)
 
 
 def fit_shared_memory(
-    config: SkinnyGemmConfig,
-    rows: int,
-    weight_dtype: torch.dtype,
-    x_dtype: torch.dtype,
-    shared_memory: int,
-    weight_parts: int = 1,  # weight tiles per stage: 2 for a fused gate/up weight
+    config: SkinnyGemmConfig, rows: int, weight_dtype: torch.dtype, x_dtype: torch.dtype, shared_memory: int
 ) -> SkinnyGemmConfig:
     """`config` with its pipeline depth (and, if one stage is still too much, its K tile) cut until
     the tiles of all stages fit `shared_memory` bytes at `rows` activation rows. Pure."""
     block_k, stages = config.block_k, config.num_stages
     while True:
-        weight_bytes = weight_parts * config.block_n * weight_dtype.itemsize
-        per_stage = block_k * (row_block(rows) * x_dtype.itemsize + weight_bytes)
+        per_stage = block_k * (row_block(rows) * x_dtype.itemsize + config.block_n * weight_dtype.itemsize)
         fitting = min(stages, shared_memory // per_stage)
         if fitting >= 1 or block_k == 16:
             break
@@ -112,7 +100,7 @@ def max_kernel_rows(weight_dtype: torch.dtype) -> int:
     return ROWS_FP8 if weight_dtype == FP8_WEIGHT_DTYPE else ROWS_16BIT
 
 
-def kernel_config(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False) -> SkinnyGemmConfig | None:
+def kernel_config(x: torch.Tensor, weight: torch.Tensor) -> SkinnyGemmConfig | None:
     """The Triton kernel's launch parameters when this product takes it (a CUDA device, at most
     `max_kernel_rows` rows, unit stride along K), else None. Pure."""
     rows = x.shape[0]
@@ -122,7 +110,7 @@ def kernel_config(x: torch.Tensor, weight: torch.Tensor, silu_gate: bool = False
         return None
     n, k = weight.shape
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return choose_config(n, k, weight.dtype, x.dtype, rows, shared_memory_budget(device), silu_gate)
+    return choose_config(n, k, weight.dtype, x.dtype, rows, shared_memory_budget(device))
 
 
 @torch.library.custom_op("pagedserve_triton::linear", mutates_args=())
@@ -155,36 +143,8 @@ def _linear_shape(
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-@torch.library.custom_op("pagedserve_triton::silu_gate_linear", mutates_args=())
-def silu_gate_linear(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [2I, K]: a gated MLP's fused gate/up projection, gate rows first
-    scale: torch.Tensor | None,  # [2I] float32 per output channel (FP8 weights)
-    bias: torch.Tensor | None,  # [2I]
-) -> torch.Tensor:  # [M, I] in x's dtype
-    """`silu(gate) * up` of `linear(x, weight, scale, bias)` = [gate | up]: for decode steps on a
-    CUDA device inside the Triton GEMM's epilogue (no gate/up output, no SiLU kernel), larger
-    steps through `linear` and a one-launch `silu_mul`."""
-    config = kernel_config(x, weight, silu_gate=True)
-    if config is not None:
-        return skinny_linear(x, weight, config, scale=scale, bias=bias, silu_gate=True)
-    h = linear(x, weight, scale, bias)
-    if h.is_cuda:
-        return silu_mul(h)
-    gate, up = h.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(h.dtype)
-
-
-@silu_gate_linear.register_fake
-def _silu_gate_linear_shape(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0] // 2))
-
-
 LINEAR_KERNEL = LinearKernel(
     name=f"triton skinny GEMM (steps of <= {ROWS_16BIT} tokens, <= {ROWS_FP8} with FP8 weights; torch above)",
     op=linear,
     weight_dtypes=frozenset({FP8_WEIGHT_DTYPE}),
-    silu_gate_op=silu_gate_linear,
 )

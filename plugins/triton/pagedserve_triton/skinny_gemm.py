@@ -21,17 +21,17 @@ is built for the weight stream only:
 * FP8 weights (`float8_e4m3fn`/`e5m2`) are widened to the activation dtype right after the load
   (exact) and the per-output-channel scale multiplies the float32 accumulator once, so a decode
   step streams one byte per weight and never quantizes its activations.
-* With `silu_gate`, the weight is a gated MLP's fused gate/up projection [2N, K] and each program
-  streams gate rows and the matching up rows side by side into two accumulators; the epilogue
-  writes `silu(gate) * up` [M, N] (each rounded to the output dtype first, as the unfused
-  product would be, then multiplied in float32 and rounded once). The MLP needs no separate
-  SiLU-and-multiply kernel, and the activations never leave the GEMM.
 
-What it does not do: compute the down projection's input tile from the gate/up output as it loads
-it (the other place the SiLU could go). Measured on an H100 for the 8B down projection at one
-row, the tile then passes through registers instead of streaming into shared memory, and the
-best of 48 launch configurations took 140 us against 42 us for this kernel plus 1.4 us for a
-separate SiLU-and-multiply kernel.
+What it does not do: a gated MLP's `silu(gate) * up`, in either of the two places a GEMM could
+compute it, both built and measured slower than this kernel plus the compiled model's fused
+activation kernel:
+
+* in the down projection's load (the activation tile made from the gate/up output as it is
+  read): the tile then passes through registers instead of streaming into shared memory; on an
+  H100, at one row, the best of 48 launch configurations took 140 us against 42 us + 1.4 us;
+* in the gate/up product's epilogue (gate rows and the matching up rows streamed side by side
+  into two accumulators): on an H200, at one row, 91 us against 63 us for the product plus a
+  separate SiLU-and-multiply with bf16 weights, and 147 us against 47 us with FP8 weights.
 """
 
 from __future__ import annotations
@@ -46,21 +46,13 @@ from pagedserve_triton.unified_attention import INTERPRETED
 
 
 @triton.jit
-def silu_times(gate, up):
-    """`silu(gate) * up` in float32: the gated MLP's activation, before its one rounding."""
-    gate = gate.to(tl.float32)
-    return gate * tl.sigmoid(gate) * up.to(tl.float32)
-
-
-@triton.jit
 def skinny_gemm_kernel(
     x_ptr,  # [M, K], rows `stride_xm` apart, unit stride along K
-    w_ptr,  # [N, K] ([2N, K]: gate rows, then up rows, with SILU_GATE), rows `stride_wn` apart,
-    # unit stride along K (activation dtype or FP8)
-    scale_ptr,  # [N] ([2N]) float32 per-output-channel weight scales (read only if HAS_SCALE)
-    bias_ptr,  # [N] ([2N]) (read only if HAS_BIAS)
+    w_ptr,  # [N, K], rows `stride_wn` apart, unit stride along K (activation dtype or FP8)
+    scale_ptr,  # [N] float32 per-output-channel weight scales (read only if HAS_SCALE)
+    bias_ptr,  # [N] (read only if HAS_BIAS)
     out_ptr,  # [M, N], rows `stride_om` apart
-    partial_ptr,  # [SPLIT_K, PARTS, M, N] float32 partial tiles, PARTS = 2 with SILU_GATE (if SPLIT_K > 1)
+    partial_ptr,  # [SPLIT_K, M, N] float32 partial tiles (used only if SPLIT_K > 1)
     counter_ptr,  # [cdiv(N, BLOCK_N)] int32, zero between launches (used only if SPLIT_K > 1)
     M,
     N,
@@ -77,9 +69,7 @@ def skinny_gemm_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
-    SILU_GATE: tl.constexpr,  # out = silu(x @ gate.T) * (x @ up.T) of a fused gate/up weight
 ):
-    PARTS: tl.constexpr = 2 if SILU_GATE else 1
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -92,35 +82,29 @@ def skinny_gemm_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    up_rows = w_ptr + (offs_n[:, None] + N).to(tl.int64) * stride_wn  # the up rows (SILU_GATE only)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         offs_k = k + offs_kb
         if EVEN_K:
-            mask_x = mask_m[:, None]
-            mask_w = mask_n[:, None]
+            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
         else:
             mask_k = offs_k < k_end
-            mask_x = mask_m[:, None] & mask_k[None, :]
-            mask_w = mask_n[:, None] & mask_k[None, :]
-        x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_w, other=0.0)
-        acc = _accumulate(acc, x, w, DOT_IN_FP32)
-        if SILU_GATE:
-            w_up = tl.load(up_rows + offs_k[None, :], mask=mask_w, other=0.0)
-            acc_up = _accumulate(acc_up, x, w_up, DOT_IN_FP32)
+            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if w.dtype != x.dtype:  # FP8 weights: widening is exact
+            w = w.to(x.dtype)
+        if DOT_IN_FP32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     if SPLIT_K == 1:
         _store_output(
-            acc, acc_up, out_ptr, scale_ptr, bias_ptr, offs_m, offs_n, mask_n, mask_mn, N, stride_om,
-            HAS_SCALE, HAS_BIAS, SILU_GATE,
-        )  # fmt: skip
+            acc, out_ptr, scale_ptr, bias_ptr, offs_m, offs_n, mask_n, mask_mn, stride_om, HAS_SCALE, HAS_BIAS
+        )
     else:
         tile = offs_m[:, None] * N + offs_n[None, :]
-        mine = partial_ptr + pid_k * PARTS * M * N + tile
-        tl.store(mine, acc, mask=mask_mn)
-        if SILU_GATE:
-            tl.store(mine + M * N, acc_up, mask=mask_mn)
+        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask_mn)
         # Every thread's partial is written before the ticket is taken; the ticket releases them
         # to the device and acquires the other splits' partials for the last one to arrive.
         tl.debug_barrier()
@@ -128,55 +112,40 @@ def skinny_gemm_kernel(
         if ticket == SPLIT_K - 1:
             tl.debug_barrier()
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):
                 # .cg: from L2, never a line this SM cached from an earlier launch's partials.
-                split = partial_ptr + s * PARTS * M * N + tile
-                total += tl.load(split, mask=mask_mn, other=0.0, cache_modifier=".cg")
-                if SILU_GATE:
-                    total_up += tl.load(split + M * N, mask=mask_mn, other=0.0, cache_modifier=".cg")
+                total += tl.load(
+                    partial_ptr + s * M * N + tile, mask=mask_mn, other=0.0, cache_modifier=".cg"
+                )
             _store_output(
-                total, total_up, out_ptr, scale_ptr, bias_ptr, offs_m, offs_n, mask_n, mask_mn, N, stride_om,
-                HAS_SCALE, HAS_BIAS, SILU_GATE,
-            )  # fmt: skip
+                total,
+                out_ptr,
+                scale_ptr,
+                bias_ptr,
+                offs_m,
+                offs_n,
+                mask_n,
+                mask_mn,
+                stride_om,
+                HAS_SCALE,
+                HAS_BIAS,
+            )
             tl.store(counter_ptr + pid_n, 0)  # ready for the next launch
 
 
 @triton.jit
-def _accumulate(acc, x, w, DOT_IN_FP32: tl.constexpr):
-    """`acc + x @ w.T` on the tensor cores, FP8 weights widened to x's dtype first (exact)."""
-    if w.dtype != x.dtype:
-        w = w.to(x.dtype)
-    if DOT_IN_FP32:
-        x = x.to(tl.float32)
-        w = w.to(tl.float32)
-    return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
-
-
-@triton.jit
-def _scaled(acc, scale_ptr, bias_ptr, offs_n, mask_n, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A float32 tile times its columns' weight scales, plus their bias."""
+def _store_output(
+    acc, out_ptr, scale_ptr, bias_ptr, offs_m, offs_n, mask_n, mask_mn, stride_om,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """The epilogue: the per-channel scale, the bias and the cast of a float32 [BLOCK_M, BLOCK_N]
+    tile, stored to its place in the output."""
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    return acc
-
-
-@triton.jit
-def _store_output(
-    acc, acc_up, out_ptr, scale_ptr, bias_ptr, offs_m, offs_n, mask_n, mask_mn, N, stride_om,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_GATE: tl.constexpr,
-):  # fmt: skip
-    """The epilogue of a float32 [BLOCK_M, BLOCK_N] tile: scales, bias, with SILU_GATE the gated
-    activation (gate and up rounded to the output dtype first, as unfused), the cast, the store."""
-    y = _scaled(acc, scale_ptr, bias_ptr, offs_n, mask_n, HAS_SCALE, HAS_BIAS)
-    if SILU_GATE:
-        up = _scaled(acc_up, scale_ptr + N, bias_ptr + N, offs_n, mask_n, HAS_SCALE, HAS_BIAS)
-        dtype = out_ptr.dtype.element_ty
-        y = silu_times(y.to(dtype), up.to(dtype))
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask_mn)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_mn)
 
 
 MAX_ROWS = 64
@@ -240,27 +209,20 @@ class SkinnyGemmConfig:
 
 def skinny_linear(
     x: torch.Tensor,  # [M, K], M <= MAX_ROWS, unit stride along K
-    weight: torch.Tensor,  # [N, K] ([2N, K]: gate rows, then up rows, with `silu_gate`) in x's dtype or FP8
+    weight: torch.Tensor,  # [N, K] in x's dtype or FP8, unit stride along K
     config: SkinnyGemmConfig,
     *,
-    scale: torch.Tensor | None = None,  # [N] ([2N]) float32, per output channel (FP8 weights)
-    bias: torch.Tensor | None = None,  # [N] ([2N])
-    silu_gate: bool = False,  # return silu(x @ gate.T) * (x @ up.T) [M, N] of a fused gate/up weight
+    scale: torch.Tensor | None = None,  # [N] float32, per output channel (FP8 weights)
+    bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """`x @ (weight * scale[:, None]).T + bias` by streaming the weight once (with `silu_gate`, the
-    gated MLP activation of a fused gate/up weight). Allocates the output (and float32 partials
-    when `config.split_k > 1`); raises ValueError for shapes it does not take."""
+    """`x @ (weight * scale[:, None]).T + bias` by streaming the weight once. Allocates the output
+    (and float32 partials when `config.split_k > 1`); raises ValueError for shapes it does not take."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply"
         )
     m, k = x.shape
-    parts = 2 if silu_gate else 1
-    if weight.shape[0] % parts:
-        raise ValueError(
-            f"skinny_linear: a fused gate/up weight needs an even row count, got {weight.shape[0]}"
-        )
-    n = weight.shape[0] // parts
+    n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"skinny_linear takes 1..{MAX_ROWS} rows, got {m}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -273,7 +235,7 @@ def skinny_linear(
     even_k = k % config.block_k == 0 and k_per_split * split == k
     grid = (triton.cdiv(n, config.block_n), split)
     if split > 1:
-        partial = torch.empty((split, parts, m, n), dtype=torch.float32, device=x.device)
+        partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, grid[0])
     else:
         partial = counters = out  # never read with SPLIT_K == 1
@@ -284,7 +246,7 @@ def skinny_linear(
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=row_block(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=even_k,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        DOT_IN_FP32=x.dtype == torch.bfloat16 and INTERPRETED, SILU_GATE=silu_gate,
+        DOT_IN_FP32=x.dtype == torch.bfloat16 and INTERPRETED,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

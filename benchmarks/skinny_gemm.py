@@ -16,6 +16,7 @@ exceed the L2 cache, so every product streams its weight from HBM, as in a real 
 GB/s counts the weight bytes.
 
     python benchmarks/skinny_gemm.py --sweep --fp8 --json skinny.json
+    python benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 64 --rows 64 --fp8-only
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ GRID = {
     "split_k": [1, 2, 4],
     "num_warps": [4],
     "num_stages": [3, 4, 6],
+}
+# `--grid wide`: for steps of more rows, where wider column blocks reuse each activation tile
+# over more output columns (every program re-reads the whole [rows, K] activation block).
+WIDE_GRID = {
+    "block_n": [32, 64, 128],
+    "block_k": [128, 256],
+    "split_k": [1, 2],
+    "num_warps": [4, 8],
+    "num_stages": [3, 4],
 }
 EXTRA = [(64, 256, 1, 8, 4), (128, 128, 1, 8, 3), (32, 512, 2, 8, 4), (16, 1024, 1, 4, 3), (32, 256, 8, 4, 4)]
 L2_BYTES = 60 << 20
@@ -86,14 +96,16 @@ def _weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda").to(dtype) for _ in range(copies)]
 
 
-def _configs(sweep: bool, n: int, k: int, weight_dtype: torch.dtype) -> list[SkinnyGemmConfig]:
-    """The sweep's grid, or only the engine's own choice for this shape."""
-    if not sweep:
-        return [
-            choose_config(
-                n, k, weight_dtype, torch.bfloat16, 1, shared_memory_budget(torch.cuda.current_device())
-            )
-        ]
+def _configs(
+    grid: str | None, n: int, k: int, weight_dtype: torch.dtype, rows: int
+) -> list[SkinnyGemmConfig]:
+    """The configs of a sweep's grid ("narrow" or "wide"), or with `grid=None` only the engine's
+    own choice for this shape at `rows` rows."""
+    if grid is None:
+        budget = shared_memory_budget(torch.cuda.current_device())
+        return [choose_config(n, k, weight_dtype, torch.bfloat16, rows, budget)]
+    if grid == "wide":
+        return [SkinnyGemmConfig(*values) for values in itertools.product(*WIDE_GRID.values())]
     return [SkinnyGemmConfig(*values) for values in [*itertools.product(*GRID.values()), *EXTRA]]
 
 
@@ -102,17 +114,22 @@ def _measure_rows(
     weights: list[torch.Tensor],  # bf16 copies [N, K]
     config: SkinnyGemmConfig,
     fp8: tuple[list[torch.Tensor], torch.Tensor, SkinnyGemmConfig] | None,  # FP8 copies, scale, config
+    engine_configs: bool,  # take the engine's config for `m` rows instead of the ones given
 ) -> dict[str, float]:
     n, k = weights[0].shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     budget = shared_memory_budget(torch.cuda.current_device())
-    config = fit_shared_memory(config, m, weights[0].dtype, x.dtype, budget)  # chosen at one row
+    if engine_configs:
+        config = choose_config(n, k, weights[0].dtype, x.dtype, m, budget)
+    config = fit_shared_memory(config, m, weights[0].dtype, x.dtype, budget)  # chosen at other rows
     row = {
         "torch_us": _graph_time_us(lambda i: F.linear(x, weights[i]), len(weights)),
         "skinny_us": _graph_time_us(lambda i: skinny_linear(x, weights[i], config), len(weights)),
     }
     if fp8 is not None:
         fp8_weights, scale, fp8_config = fp8
+        if engine_configs:
+            fp8_config = choose_config(n, k, fp8_weights[0].dtype, x.dtype, m, budget)
         fp8_config = fit_shared_memory(fp8_config, m, fp8_weights[0].dtype, x.dtype, budget)
         w_t = [w.t() for w in fp8_weights]  # column-major [K, N], as _scaled_mm wants
         scale_b = scale.reshape(1, n)
@@ -151,12 +168,20 @@ def _best(
     return best[1], sorted((t for t in timed if "us" in t), key=lambda t: t["us"])[:8]
 
 
-def measure_shape(name: str, rows: list[int], sweep: bool, fp8: bool) -> dict[str, Any]:
+def measure_shape(
+    name: str, rows: list[int], grid: str | None, fp8: str | None, sweep_rows: int
+) -> dict[str, Any]:
+    """One weight shape: the configs (swept over `grid` at `sweep_rows` rows, or the engine's),
+    then every row count of `rows` with them. `fp8`: None, "also" or "only" (the bf16 weight
+    then keeps the engine's config, unswept)."""
     n, k = SHAPES[name]
     weights = _weights(n, k, torch.bfloat16)
-    x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x1 = torch.randn(sweep_rows, k, device="cuda", dtype=torch.bfloat16)
+    bf16_grid = None if fp8 == "only" else grid
     config, top = _best(
-        _configs(sweep, n, k, torch.bfloat16), lambda i, c: skinny_linear(x1, weights[i], c), len(weights)
+        _configs(bf16_grid, n, k, torch.bfloat16, sweep_rows),
+        lambda i, c: skinny_linear(x1, weights[i], c),
+        len(weights),
     )
     out: dict[str, Any] = {"n": n, "k": k, "config": str(config), "sweep_top": top, "rows": {}}
     fp8_args = None
@@ -164,14 +189,14 @@ def measure_shape(name: str, rows: list[int], sweep: bool, fp8: bool) -> dict[st
         fp8_weights = _weights(n, k, torch.float8_e4m3fn)
         scale = torch.rand(n, device="cuda") + 0.5  # [N] float32, per output channel
         fp8_config, fp8_top = _best(
-            _configs(sweep, n, k, torch.float8_e4m3fn),
+            _configs(grid, n, k, torch.float8_e4m3fn, sweep_rows),
             lambda i, c: skinny_linear(x1, fp8_weights[i], c, scale=scale),
             len(fp8_weights),
         )
         out.update(fp8_config=str(fp8_config), fp8_sweep_top=fp8_top)
         fp8_args = (fp8_weights, scale, fp8_config)
     for m in rows:
-        out["rows"][m] = _measure_rows(m, weights, config, fp8_args)
+        out["rows"][m] = _measure_rows(m, weights, config, fp8_args, engine_configs=grid is None)
     return out
 
 
@@ -182,7 +207,12 @@ def main() -> int:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="sweep the launch-parameter grid per shape")
+    parser.add_argument(
+        "--grid", choices=["narrow", "wide"], default="narrow", help="the sweep's grid (wide: for more rows)"
+    )
+    parser.add_argument("--sweep-rows", type=int, default=1, help="the row count the sweep picks at")
     parser.add_argument("--fp8", action="store_true", help="also FP8 weights (sm_89+)")
+    parser.add_argument("--fp8-only", action="store_true", help="sweep only the FP8 weights")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -191,16 +221,21 @@ def main() -> int:
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shapes": {}}
     print(
         f"{results['device']}: "
-        + ("sweep of every config per shape" if args.sweep else "the engine's configs")
+        + (
+            f"sweep of the {args.grid} grid per shape at {args.sweep_rows} rows"
+            if args.sweep
+            else "the engine's configs"
+        )
     )
     totals: dict[int, dict[str, float]] = {m: {} for m in rows}
     layer_count = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}
     for name in args.shapes.split(","):
-        res = measure_shape(name, rows, args.sweep, args.fp8)
+        fp8 = "only" if args.fp8_only else ("also" if args.fp8 else None)
+        res = measure_shape(name, rows, args.grid if args.sweep else None, fp8, args.sweep_rows)
         results["shapes"][name] = res
         print(
             f"{name} (N={res['n']}, K={res['k']}): {res['config']}"
-            + (f", fp8 {res['fp8_config']}" if args.fp8 else ""),
+            + (f", fp8 {res['fp8_config']}" if fp8 else ""),
             flush=True,
         )
         for m, row in res["rows"].items():

@@ -148,6 +148,15 @@ def test_configs_follow_the_measured_rules_and_fit_shared_memory() -> None:
     assert choose_config(4096, 4096, bf16, bf16) == choose_config(28672, 4096, bf16, bf16)
     splits = [choose_config(n, k, fp8, bf16).split_k for n, k in [(4096, 4096), (4096, 14336), (28672, 4096)]]
     assert splits == [2, 4, 1]
+    # FP8 past 16 rows: 128-deep K tiles, wider column blocks for the wide gate/up output.
+    assert [choose_config(28672, 4096, fp8, bf16, rows).block_n for rows in (16, 17, 32, 33, 64)] == [
+        32,
+        64,
+        64,
+        128,
+        128,
+    ]
+    assert choose_config(4096, 14336, fp8, bf16, 40) == SkinnyGemmConfig(32, 128, 2, 4, 3)
     for budget in (SHARED_MEMORY_BUDGET, 99 * 1024 - 8192, 227 * 1024 - 8192):  # unknown, Ada, H100
         for w, x in [(bf16, bf16), (fp8, bf16), (fp32, fp32), (fp8, fp32)]:
             for n in (256, 6144, 28672):

@@ -68,7 +68,7 @@ def choose_config(
     enough loads in flight. Past 16 rows every program re-reads a larger activation block, so FP8
     weights then take 128-deep K tiles, 2-way K splits for outputs narrower than 16384 columns and
     wider column blocks for wide outputs (64 columns up to 32 rows, 128 above): on an H100 this
-    took the 8B layer's four products from 5.1 to 4.2 ms per step at 32 rows and from 6.9 to
+    took the 8B layer's four products from 5.1 to 4.3 ms per step at 32 rows and from 6.9 to
     4.7 ms at 64 (`benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 32`, and 64).
     float32 (tiny test models) gets small tiles. The pipeline depth is then cut until the
     stages' tiles fit `shared_memory`."""

@@ -13,8 +13,8 @@ step in flight and hide exactly what is measured):
     N-token prompt (a longer sequence-length bucket's graph at nearly the same KV bytes);
   * throughput (`--workload FILE`): `pagedserve bench throughput`'s loop on the workload, with
     where its time went (`bench.throughput.summarize_trace`: the admission phase, then the steps
-    by running-request count); `--throughput-runs K` runs it K times in the same engine (the
-    repeats find the prompts in the prefix cache);
+    by running-request count); `--throughput-runs K` runs it K times in the same engine, each
+    with the prefix cache forgotten first;
   * the decode measurements also list the kernels that took the most device time per step.
 
 `--quantization fp8` and `--kv-cache-dtype fp8` measure the same with FP8 weights and/or an FP8
@@ -140,9 +140,10 @@ def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) ->
         if warm:
             run_throughput(engine, warm)
         # The first run is what a user's first run gets; the repeats, in the same process, show
-        # what of its decode steps was one-off (kernels built, allocations). Their prompts are
-        # already in the prefix cache, so their admission is no measure of prefill.
+        # what of it was one-off (kernels built, allocations). Each run starts with the prefix
+        # cache forgotten, so that every run computes every prompt.
         for i in range(args.throughput_runs):
+            engine.reset_prefix_cache()
             trace: list[StepRecord] = []
             suffix = "" if i == 0 else f"_repeat{i}"
             out["throughput" + suffix] = run_throughput(engine, requests, trace).to_dict()

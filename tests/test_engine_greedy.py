@@ -121,6 +121,14 @@ def test_prefix_cache_hits_are_reported(checkpoints: dict) -> None:
     # 30 prompt tokens, blocks of 4: the 7 full blocks (28 tokens) are cached.
     assert again.num_cached_tokens == 28
     assert again.outputs[0].token_ids == first.outputs[0].token_ids == expected[2]
+    # Forgotten: the prompt's 7 registered blocks (and any its decodes filled) are recomputed.
+    assert llm.reset_prefix_cache() >= 7
+    fresh = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert fresh.outputs[0].token_ids == expected[2]
+    # Blocks of a finished request that no lookup has registered yet are forgotten as well.
+    llm.reset_prefix_cache()
+    assert llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
 
 
 def test_logprobs_match_hf_log_softmax(checkpoints: dict, tmp_path: Path) -> None:

@@ -134,6 +134,11 @@ class EngineCore:
             for req_id in req_ids:
                 self.structured.remove(req_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt prefixes of every block no request holds (blocks in use keep
+        theirs); later requests recompute them. Returns how many blocks were forgotten."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         busy = self.pipeline is not None and self.pipeline.busy
         return (

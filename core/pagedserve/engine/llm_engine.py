@@ -88,6 +88,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt prefixes of the blocks no request holds, so that the next
+        requests compute their prompts in full (a benchmark's repeated run, say). Returns how
+        many blocks were forgotten."""
+        return self.core.reset_prefix_cache()
+
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests it advanced (cumulative outputs)."""
         outputs, to_stop = self.processor.process(self.core.step())

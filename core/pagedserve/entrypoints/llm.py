@@ -43,6 +43,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt prefixes of finished requests: the next `generate` computes
+        every prompt in full. Returns how many KV blocks were forgotten."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

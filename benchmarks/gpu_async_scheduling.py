@@ -13,8 +13,8 @@ step in flight and hide exactly what is measured):
     N-token prompt (a longer sequence-length bucket's graph at nearly the same KV bytes);
   * throughput (`--workload FILE`): `pagedserve bench throughput`'s loop on the workload, with
     where its time went (`bench.throughput.summarize_trace`: the admission phase, then the steps
-    by running-request count); `--throughput-runs K` runs it K times in the same engine, each
-    with the prefix cache forgotten first;
+    by running-request count); `--throughput-runs K` runs it K times in the same engine, the
+    repeats with the prefix cache forgotten first;
   * the decode measurements also list the kernels that took the most device time per step.
 
 `--quantization fp8` and `--kv-cache-dtype fp8` measure the same with FP8 weights and/or an FP8
@@ -140,10 +140,12 @@ def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) ->
         if warm:
             run_throughput(engine, warm)
         # The first run is what a user's first run gets; the repeats, in the same process, show
-        # what of it was one-off (kernels built, allocations). Each run starts with the prefix
-        # cache forgotten, so that every run computes every prompt.
+        # what of it was one-off (kernels built, allocations). The first run finds the warm-up
+        # requests' prompts cached, as `pagedserve bench throughput`'s does; each repeat starts
+        # with the prefix cache forgotten, so that it computes every prompt as the first run did.
         for i in range(args.throughput_runs):
-            engine.reset_prefix_cache()
+            if i:
+                engine.reset_prefix_cache()
             trace: list[StepRecord] = []
             suffix = "" if i == 0 else f"_repeat{i}"
             out["throughput" + suffix] = run_throughput(engine, requests, trace).to_dict()

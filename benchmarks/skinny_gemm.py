@@ -121,7 +121,8 @@ def _measure_rows(
     budget = shared_memory_budget(torch.cuda.current_device())
     if engine_configs:
         config = choose_config(n, k, weights[0].dtype, x.dtype, m, budget)
-    config = fit_shared_memory(config, m, weights[0].dtype, x.dtype, budget)  # chosen at other rows
+    else:  # chosen at the sweep's row count: its pipeline may not fit at m rows
+        config = fit_shared_memory(config, m, weights[0].dtype, x.dtype, budget)
     row = {
         "torch_us": _graph_time_us(lambda i: F.linear(x, weights[i]), len(weights)),
         "skinny_us": _graph_time_us(lambda i: skinny_linear(x, weights[i], config), len(weights)),
@@ -130,7 +131,8 @@ def _measure_rows(
         fp8_weights, scale, fp8_config = fp8
         if engine_configs:
             fp8_config = choose_config(n, k, fp8_weights[0].dtype, x.dtype, m, budget)
-        fp8_config = fit_shared_memory(fp8_config, m, fp8_weights[0].dtype, x.dtype, budget)
+        else:
+            fp8_config = fit_shared_memory(fp8_config, m, fp8_weights[0].dtype, x.dtype, budget)
         w_t = [w.t() for w in fp8_weights]  # column-major [K, N], as _scaled_mm wants
         scale_b = scale.reshape(1, n)
 

@@ -62,8 +62,8 @@ from pagedserve.platforms.tuned_configs import (
     device_family,
 )
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
+from pagedserve_triton.interpreter import INTERPRETED
 from pagedserve_triton.launch_params import CONFIG_DIR, device_name_of
-from pagedserve_triton.unified_attention import INTERPRETED
 
 # The backend class every timing constructs; `--backend rocm` swaps in the rocm platform's.
 BACKEND: list[type[TritonUnifiedAttentionBackend]] = [TritonUnifiedAttentionBackend]

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 SM89 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 if SM89:  # import the kernels only with a GPU (see test_triton_gpu.py)
-    from pagedserve_triton.unified_attention import INTERPRETED
+    from pagedserve_triton.interpreter import INTERPRETED
 else:
     INTERPRETED = False
 
@@ -61,6 +61,34 @@ def _failures(backend: object, cases: list) -> list[str]:
         if result.status is not Status.PASSED:
             failed.append(f"{case.case_id} ({case.description}): {'; '.join(result.problems)}")
     return failed
+
+
+def test_bit_widening_equals_the_conversion_for_every_e4m3_value() -> None:
+    """`widen_fp8`'s bit-moving path gives the bfloat16 `.to` gives, bit for bit, for all 254
+    finite e4m3fn encodings (both zeros and the subnormals included), in every position of the
+    four values one instruction block takes."""
+    import triton
+    import triton.language as tl
+
+    from pagedserve_triton.fp8_widen import bit_widening, widen_fp8
+
+    @triton.jit
+    def widen_kernel(src_ptr, dst_ptr, N: tl.constexpr, BITS: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(dst_ptr + offs, widen_fp8(tl.load(src_ptr + offs), tl.bfloat16, BITS))
+
+    assert bit_widening(DEVICE, torch.float8_e4m3fn, torch.bfloat16)
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the two NaN encodings: documented to differ
+    # Each value at each of the four positions of a 32-bit register.
+    codes = torch.cat([codes.roll(shift) for shift in range(4)])
+    src = codes.view(torch.float8_e4m3fn)
+    padded = triton.next_power_of_2(codes.numel())
+    src = torch.cat([src, src[: padded - codes.numel()]])
+    dst = torch.empty(padded, dtype=torch.bfloat16, device=DEVICE)
+    widen_kernel[(1,)](src, dst, N=padded, BITS=True)
+    expected = src.to(torch.bfloat16)
+    assert torch.equal(dst.view(torch.int16), expected.view(torch.int16))
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 4])

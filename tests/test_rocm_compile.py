@@ -44,7 +44,7 @@ print(json.dumps(fields))
 def _compiled(call: str) -> AmdgcnStats:
     """`call` (an expression over `compile_attention`, `compile_reduction`, `table_variants`)
     evaluated here, or in a child process where this one's kernels are interpreted."""
-    from pagedserve_triton.unified_attention import INTERPRETED
+    from pagedserve_triton.interpreter import INTERPRETED
 
     if not INTERPRETED:
         found = eval(call, {"compile_attention": compile_attention, "compile_reduction": compile_reduction,

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 # Import the kernels only with a GPU: importing them here first would fix them in compiled mode and
 # make the interpreter test files of the same process skip.
 if torch.cuda.is_available():
-    from pagedserve_triton.unified_attention import INTERPRETED
+    from pagedserve_triton.interpreter import INTERPRETED
 else:
     INTERPRETED = False
 

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 SM89 = torch.cuda.is_available() and not torch.version.hip and torch.cuda.get_device_capability() >= (8, 9)
 if SM89:  # import the kernels only with a GPU (see test_triton_gpu.py)
-    from pagedserve_triton.unified_attention import INTERPRETED
+    from pagedserve_triton.interpreter import INTERPRETED
 else:
     INTERPRETED = False
 

@@ -57,7 +57,7 @@ for name, block_m, tile, warps, stages, params in json.loads(sys.argv[1]):
     constexprs = dict(
         QUERIES_PER_KV=4, BLOCK_M=block_m, BLOCK_Q=block_m // 4, HEAD_SIZE=128, HEAD_SIZE_PADDED=128,
         BLOCK_SIZE=16, TILE_SIZE=tile, USE_SOFTCAP=False, USE_WINDOW=False, DOT_IN_FP32=False,
-        NUM_GRID_GROUPS=1, KV_CACHE_MODIFIER="",
+        NUM_GRID_GROUPS=1, KV_CACHE_MODIFIER="", WIDEN_BITS=False,
         **config.variant_constexprs(warp_specialize_supported=True),
     )
     signature, attrs = {}, {}

@@ -113,6 +113,7 @@ def _constexprs(variant: AttentionVariant) -> dict[str, Any]:
         DOT_IN_FP32=False,
         NUM_GRID_GROUPS=variant.num_grid_groups,
         KV_CACHE_MODIFIER=config.kv_cache_modifier,
+        WIDEN_BITS=False,  # the bit-moving FP8 widening is NVIDIA PTX
         # The rocm tables set no interior-loop variant: the plain loop (and never warp specialisation).
         **config.for_backend("hip")[0].variant_constexprs(warp_specialize_supported=False),
     )

@@ -27,6 +27,8 @@ from pagedserve.platforms.api import (
 )
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
+from pagedserve_triton.fp8_widen import bit_widening
+from pagedserve_triton.interpreter import INTERPRETED
 from pagedserve_triton.launch_params import (
     AttentionLaunchConfig,
     CachedLaunch,
@@ -35,7 +37,6 @@ from pagedserve_triton.launch_params import (
     warp_specialize_supported,
 )
 from pagedserve_triton.unified_attention import (
-    INTERPRETED,
     LOG2E,
     reduce_segments_kernel,
     unified_attention_2d_kernel,
@@ -410,6 +411,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             DOT_IN_FP32=query.dtype == torch.bfloat16 and INTERPRETED,
             NUM_GRID_GROUPS=self.grid_groups(query.device),
             KV_CACHE_MODIFIER=cfg.kv_cache_modifier,
+            WIDEN_BITS=bit_widening(query.device, kv_cache.dtype, query.dtype),
             **cfg.variant_constexprs(warp_specialize_supported=warp_specialize_supported(query.device)),
         )
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **dict(cfg.backend_options)}

@@ -10,14 +10,8 @@ block is copied as one flat run of `block_elems` elements.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Whether this module's kernels run in Triton's interpreter: triton.jit reads the variable when a
-kernel is decorated, i.e. when this module is imported."""
 
 
 @triton.jit

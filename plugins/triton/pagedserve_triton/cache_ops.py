@@ -20,7 +20,8 @@ from pagedserve.platforms.cache_checks import (
     check_reshape_and_cache_args,
 )
 from pagedserve.platforms.tuned_configs import TunedConfigs
-from pagedserve_triton.cache_kernels import INTERPRETED, copy_blocks_kernel, reshape_and_cache_kernel
+from pagedserve_triton.cache_kernels import copy_blocks_kernel, reshape_and_cache_kernel
+from pagedserve_triton.interpreter import INTERPRETED
 from pagedserve_triton.launch_params import CachedLaunch, LaunchParams, device_name_of
 
 

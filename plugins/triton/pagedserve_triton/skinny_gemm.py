@@ -19,7 +19,8 @@ is built for the weight stream only:
 * The activation block (`BLOCK_M` = 16, 32 or 64 rows, padded with zeros past `M`) is small next
   to the weight tile, so the dot runs on the tensor cores at any `M` up to 64.
 * FP8 weights (`float8_e4m3fn`/`e5m2`) are widened to the activation dtype right after the load
-  (exact) and the per-output-channel scale multiplies the float32 accumulator once, so a decode
+  (exact; e4m3fn to bfloat16 by moving bits, see `fp8_widen`, because the conversion units cap the
+  stream) and the per-output-channel scale multiplies the float32 accumulator once, so a decode
   step streams one byte per weight and never quantizes its activations.
 
 What it does not do: a gated MLP's `silu(gate) * up`, in either of the two places a GEMM could
@@ -42,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve_triton.unified_attention import INTERPRETED
+from pagedserve_triton.fp8_widen import bit_widening, widen_fp8
+from pagedserve_triton.interpreter import INTERPRETED
 
 
 @triton.jit
@@ -69,6 +71,7 @@ def skinny_gemm_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
+    WIDEN_BITS: tl.constexpr,  # FP8 weights widened by `widen_fp8`'s bit-moving path (NVIDIA)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -93,7 +96,7 @@ def skinny_gemm_kernel(
             x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if w.dtype != x.dtype:  # FP8 weights: widening is exact
-            w = w.to(x.dtype)
+            w = widen_fp8(w, x.dtype, WIDEN_BITS)
         if DOT_IN_FP32:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -247,6 +250,7 @@ def skinny_linear(
         BLOCK_M=row_block(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=even_k,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         DOT_IN_FP32=x.dtype == torch.bfloat16 and INTERPRETED,
+        WIDEN_BITS=bit_widening(x.device, weight.dtype, x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

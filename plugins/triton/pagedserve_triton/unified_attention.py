@@ -53,14 +53,11 @@ lazy rescaling, a per-loop pipelining depth and warp specialisation.
 from __future__ import annotations
 
 import inspect
-import os
 
 import triton
 import triton.language as tl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Whether this module's kernels run in Triton's interpreter: triton.jit reads the variable when a
-kernel is decorated, i.e. when this module is imported."""
+from pagedserve_triton.fp8_widen import widen_fp8
 
 LOG2E = 1.4426950408889634  # host side: the wrapper passes scale * LOG2E
 _LOG2E_K = tl.constexpr(LOG2E)  # kernel side: jit code may only read constexpr globals
@@ -173,6 +170,7 @@ def _attend_tile(
     DOT_IN_FP32: tl.constexpr,
     KV_CACHE_MODIFIER: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    WIDEN_BITS: tl.constexpr,
 ):
     """One step of the online softmax: keys and values of KV tile `kv_tile`, whose per-key cache
     blocks are `block` [TILE_SIZE]. Returns the updated (acc, m_i, l_i)."""
@@ -184,19 +182,23 @@ def _attend_tile(
         kv_mask = d_mask[None, :]
     kv_off = block * stride_kv_block + (offs_n % BLOCK_SIZE).to(tl.int64) * stride_kv_slot + head_off
     # KV_CACHE_MODIFIER ("" or ".cg"): a streaming hint where no other program re-reads the tile.
-    # The cast is a no-op for a cache in the query's dtype and widens an FP8 cache exactly.
+    # The cast is a no-op for a cache in the query's dtype and widens an FP8 cache exactly
+    # (e4m3fn to bfloat16 by moving bits with WIDEN_BITS: see `fp8_widen`).
     k = tl.load(
         kv_ptr + kv_off[:, None] + offs_d[None, :],
         mask=kv_mask,
         other=0.0,
         cache_modifier=KV_CACHE_MODIFIER,
-    ).to(q.dtype)
+    )
     v = tl.load(
         v_ptr + kv_off[:, None] + offs_d[None, :],
         mask=kv_mask,
         other=0.0,
         cache_modifier=KV_CACHE_MODIFIER,
-    ).to(q.dtype)
+    )
+    if k.dtype != q.dtype:
+        k = widen_fp8(k, q.dtype, WIDEN_BITS)
+        v = widen_fp8(v, q.dtype, WIDEN_BITS)
 
     p_ty = v.dtype
     if DOT_IN_FP32:
@@ -277,6 +279,7 @@ def _attend_kv_tiles(
     LAZY_RESCALE: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    WIDEN_BITS: tl.constexpr,
 ):
     """Online softmax over KV tiles [kv_tile_start, kv_tile_end) of one request and KV head.
     `q_pos` [BLOCK_M] is each row's absolute position. Returns the updated (acc, m_i, l_i), where
@@ -338,6 +341,7 @@ def _attend_kv_tiles(
                 DOT_IN_FP32,
                 KV_CACHE_MODIFIER,
                 LAZY_RESCALE,
+                WIDEN_BITS,
             )
     else:
         for kv_tile in tl.range(
@@ -379,6 +383,7 @@ def _attend_kv_tiles(
                 DOT_IN_FP32,
                 KV_CACHE_MODIFIER,
                 LAZY_RESCALE,
+                WIDEN_BITS,
             )
     return acc, m_i, l_i
 
@@ -443,6 +448,7 @@ def _attend_span(
     LAZY_RESCALE: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    WIDEN_BITS: tl.constexpr,
 ):
     """Tiles [lo, hi) in three runs: masked edge tiles before the interior (window start),
     unmasked interior tiles [full_start, full_end), masked edge tiles after it (causal diagonal).
@@ -482,6 +488,7 @@ def _attend_span(
         False,
         0,
         False,
+        WIDEN_BITS,
     )
     acc, m_i, l_i = _attend_kv_tiles(
         q,
@@ -515,6 +522,7 @@ def _attend_span(
         LAZY_RESCALE,
         LOOP_STAGES,
         WARP_SPECIALIZE,
+        WIDEN_BITS,
     )
     acc, m_i, l_i = _attend_kv_tiles(
         q,
@@ -548,6 +556,7 @@ def _attend_span(
         False,
         0,
         False,
+        WIDEN_BITS,
     )
     return acc, m_i, l_i
 
@@ -612,6 +621,7 @@ def unified_attention_2d_kernel(
     LOOP_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,  # launch order: see the q_block numbering below
+    WIDEN_BITS: tl.constexpr,  # an e4m3fn cache widened to bfloat16 by `widen_fp8`'s bit path (NVIDIA)
 ):
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     kv_head = tile // num_q_blocks
@@ -682,6 +692,7 @@ def unified_attention_2d_kernel(
         LAZY_RESCALE,
         LOOP_STAGES,
         WARP_SPECIALIZE,
+        WIDEN_BITS,
     )
 
     # Every valid row sees at least its own key, so l_i > 0 there; masked rows are not stored.
@@ -736,6 +747,7 @@ def unified_attention_3d_kernel(
     LOOP_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,  # launch order: see the q_block numbering below
+    WIDEN_BITS: tl.constexpr,  # an e4m3fn cache widened to bfloat16 by `widen_fp8`'s bit path (NVIDIA)
 ):
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     split = tile % NUM_SPLITS
@@ -813,6 +825,7 @@ def unified_attention_3d_kernel(
         LAZY_RESCALE,
         LOOP_STAGES,
         WARP_SPECIALIZE,
+        WIDEN_BITS,
     )
 
     segm = ((q_start + tok).to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split

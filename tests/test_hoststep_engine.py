@@ -257,3 +257,17 @@ def test_other_tokenizers_decode_through_their_own_decode() -> None:
             return "".join(chr(97 + t) for t in token_ids)
 
     assert token_decoder(Pieces(), skip_special_tokens=True)([0, 1, 2]) == "abc"
+
+
+def test_step_uploads_grown_inside_inference_mode_are_ordinary_tensors() -> None:
+    """A step larger than the upload buffers grows them inside the runner's inference mode; the
+    device views are the compiled forward's inputs, and an inference tensor there would miss
+    every graph dynamo compiled at start-up (a full recompile while serving)."""
+    from pagedserve.worker.buffers import PackedUpload
+
+    upload = PackedUpload(torch.int64, torch.device("meta"), capacity=4)  # a device, not the host
+    with torch.inference_mode():
+        (ids, ids_host), (positions, _) = upload.upload(np.arange(10), np.arange(7))
+    assert ids.shape == (10,) and positions.shape == (7,) and ids.device.type == "meta"
+    assert not ids.is_inference() and not positions.is_inference() and not ids_host.is_inference()
+    assert ids_host.tolist() == list(range(10))

@@ -123,6 +123,21 @@ def test_dummy_native_model_is_seeded_and_finite(tmp_path: Path) -> None:
     assert not torch.allclose(a, c)
 
 
+def test_rotary_frequencies_are_materialized_on_the_model_device() -> None:
+    """The host-computed rotary frequencies move with the weights: a compiled forward guards on
+    their device, so a move inside the first call would make it recompile."""
+    from pagedserve.models.layers import RotaryEmbedding
+    from pagedserve.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        native = LlamaForCausalLM(_config(), torch.float32)
+    rotaries = [m for m in native.modules() if isinstance(m, RotaryEmbedding)]
+    assert rotaries and all(m.inv_freq.device.type == "cpu" for m in rotaries)  # host-computed
+    native = loader._materialize(native, torch.float32, torch.device("meta"))
+    assert all(m.inv_freq.device.type == "meta" for m in rotaries)
+    assert all(p.device.type == "meta" for p in native.parameters())
+
+
 def _rewrite_checkpoint(directory: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> None:
     path = directory / "model.safetensors"
     tensors = load_file(str(path))

@@ -74,10 +74,17 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float) -> None:
         super().__init__()
         # A plain attribute, not a buffer: models are built on the meta device and materialized
-        # with `to_empty`, which would leave a buffer uninitialized. `cos_sin` moves it to the
-        # positions' device on first use.
+        # with `to_empty`, which would leave a buffer uninitialized. The loader `place`s it on the
+        # model's device; `cos_sin` moves it on first use for a model used elsewhere.
         self.inv_freq = inv_freq  # [head_size // 2] float32
         self.attention_scaling = attention_scaling
+
+    def place(self, device: torch.device) -> None:
+        """Move the frequencies to `device`, where the model's weights are. Before any compiled
+        call: `torch.compile` guards on the tensor's device, and a move inside the first call
+        would make every graph compiled before it miss (a full recompile of the forward).
+        Mutates this module."""
+        self.inv_freq = self.inv_freq.to(device)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype

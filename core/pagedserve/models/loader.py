@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.decoder import DecoderForCausalLM
+from pagedserve.models.layers import RotaryEmbedding
 from pagedserve.models.registry import architecture_of, choose_model
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.models.weights import fill_dummy_weights, iter_gguf, iter_safetensors
@@ -212,7 +213,7 @@ def _build_native(
     # by the checkpoint or the dummy filler, so an init pass would be wasted time.
     with torch.device("meta"):
         native = native_class(config, dtype)
-    native = native.to(dtype).to_empty(device=device)
+    native = _materialize(native, dtype, device)
     if fmt == "dummy":
         fill_dummy_weights(native, seed)
     elif fmt == "gguf" and quantization == "gguf":
@@ -225,6 +226,17 @@ def _build_native(
         native.load_weights(iter_safetensors(source.directory))
     if quantization == "fp8":
         _quantize_fp8(native)
+    return native
+
+
+def _materialize(native: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    """A meta-device model as uninitialized `dtype` tensors on `device`, with the host-computed
+    constants (rotary frequencies) moved there too, so the model is on one device before its
+    first call."""
+    native = native.to(dtype).to_empty(device=device)
+    for module in native.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.place(device)
     return native
 
 
@@ -323,7 +335,7 @@ def _load_shard(
     with torch.device("meta"):
         native = native_class(config, dtype)
         shard_model(native, layout, tp)
-    native = native.to(dtype).to_empty(device=device)
+    native = _materialize(native, dtype, device)
     if fmt == "dummy":
         fill_dummy_weights(native, seed)
     elif fmt == "gguf":

@@ -96,8 +96,12 @@ class PackedUpload:
 
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self._capacity)
-        self._host = torch.empty(capacity, dtype=self._dtype, pin_memory=_pinned(self._device))
-        self._device_buf = torch.empty(capacity, dtype=self._dtype, device=self._device)
+        # Ordinary tensors even when a step grows them inside `torch.inference_mode`: the views
+        # handed out are the compiled forward's inputs, and dynamo's guards tell inference
+        # tensors apart, so an inference buffer would recompile the whole forward mid-serving.
+        with torch.inference_mode(False):
+            self._host = torch.empty(capacity, dtype=self._dtype, pin_memory=_pinned(self._device))
+            self._device_buf = torch.empty(capacity, dtype=self._dtype, device=self._device)
         self._capacity = capacity
 
     def upload(self, *arrays: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""On a GPU: the linear layers of a decode step (1-64 rows) against cuBLAS, bf16 and FP8 weights.
+"""On a GPU: the linear layers of a decode step (1-128 rows) against cuBLAS, bf16 and FP8 weights.
 
 For each weight shape of an 8B Llama layer (qkv, o, gate_up, down) and its LM head, times one
 matrix product at `--rows` activation rows with:
@@ -7,9 +7,11 @@ matrix product at `--rows` activation rows with:
   * `skinny` — `pagedserve_triton.skinny_gemm` with the launch parameters the engine uses
     (`linear_op.choose_config`), or with `--sweep` the best of every combination of the grid
     below (then also printed, to update `choose_config` from);
-  * with `--fp8`: `torch-fp8` — the FP8 path of `quantization="fp8"` today (activation rows
-    quantized, `torch._scaled_mm` with row-wise scales) and `skinny-fp8` — the same kernel
-    streaming FP8 weights with per-channel scales and bf16 activations (nothing quantized per step).
+  * with `--fp8`: `torch-fp8` — the FP8 path of `quantization="fp8"` above the kernel's rows
+    (activation rows quantized in one launch, `torch._scaled_mm` with row-wise scales) and
+    `skinny-fp8` — the same kernel streaming FP8 weights with per-channel scales as the engine
+    runs it (`linear_op.kernel_linear`): bf16 activations up to 64 rows (nothing quantized per
+    step), activations quantized per row onto the FP8 tensor cores above.
 
 Times are CUDA-graph replays of 20 products in a row that cycle through enough weight copies to
 exceed the L2 cache, so every product streams its weight from HBM, as in a real decode step.
@@ -32,8 +34,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedserve.models.fp8 import quantize_rows
-from pagedserve_triton.linear_op import choose_config, fit_shared_memory, shared_memory_budget
+from pagedserve_triton.linear_activations import quantize_rows_fused
+from pagedserve_triton.linear_op import (
+    activation_dtype,
+    choose_config,
+    fit_shared_memory,
+    kernel_linear,
+    shared_memory_budget,
+)
 from pagedserve_triton.skinny_gemm import SkinnyGemmConfig, skinny_linear
 
 SHAPES: dict[str, tuple[int, int]] = {  # name -> (N, K) of Llama-3.1-8B
@@ -129,20 +137,22 @@ def _measure_rows(
     }
     if fp8 is not None:
         fp8_weights, scale, fp8_config = fp8
+        # Past the kernel's 16-bit-activation rows the engine quantizes them (`kernel_linear`).
+        x_dtype = activation_dtype(fp8_weights[0].dtype, m, x.dtype)
         if engine_configs:
-            fp8_config = choose_config(n, k, fp8_weights[0].dtype, x.dtype, m, budget)
+            fp8_config = choose_config(n, k, fp8_weights[0].dtype, x_dtype, m, budget)
         else:
-            fp8_config = fit_shared_memory(fp8_config, m, fp8_weights[0].dtype, x.dtype, budget)
+            fp8_config = fit_shared_memory(fp8_config, m, fp8_weights[0].dtype, x_dtype, budget)
         w_t = [w.t() for w in fp8_weights]  # column-major [K, N], as _scaled_mm wants
         scale_b = scale.reshape(1, n)
 
         def torch_fp8(i: int) -> torch.Tensor:  # what models.fp8.Fp8Linear runs
-            codes, scale_a = quantize_rows(x)
+            codes, scale_a = quantize_rows_fused(x)  # the one launch the engine's operator runs
             return torch._scaled_mm(codes, w_t[i], scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype)
 
         row["torch_fp8_us"] = _graph_time_us(torch_fp8, len(w_t))
         row["skinny_fp8_us"] = _graph_time_us(
-            lambda i: skinny_linear(x, fp8_weights[i], fp8_config, scale=scale), len(fp8_weights)
+            lambda i: kernel_linear(x, fp8_weights[i], fp8_config, scale, None), len(fp8_weights)
         )
     row["torch_GBps"] = n * k * 2 / row["torch_us"] / 1e3
     row["skinny_GBps"] = n * k * 2 / row["skinny_us"] / 1e3
@@ -192,7 +202,7 @@ def measure_shape(
         scale = torch.rand(n, device="cuda") + 0.5  # [N] float32, per output channel
         fp8_config, fp8_top = _best(
             _configs(grid, n, k, torch.float8_e4m3fn, sweep_rows),
-            lambda i, c: skinny_linear(x1, fp8_weights[i], c, scale=scale),
+            lambda i, c: kernel_linear(x1, fp8_weights[i], c, scale, None),
             len(fp8_weights),
         )
         out.update(fp8_config=str(fp8_config), fp8_sweep_top=fp8_top)

@@ -21,7 +21,9 @@ from pagedserve_triton.linear_op import (
     ROWS_16BIT,
     ROWS_FP8,
     SHARED_MEMORY_BUDGET,
+    activation_dtype,
     choose_config,
+    kernel_linear,
     linear,
     max_kernel_rows,
 )
@@ -88,6 +90,56 @@ def test_matches_float64(
     assert error <= TOLERANCE[dtype] * expected.abs().max().item(), error
 
 
+@pytest.mark.parametrize(("rows", "split_k", "bias"), [(65, 1, True), (128, 2, False), (3, 4, True)])
+def test_fp8_codes_times_fp8_weights_match_the_dequantized_product(
+    rows: int, split_k: int, bias: bool
+) -> None:
+    """Activations as FP8 codes with per-row scales (what `kernel_linear` passes past 64 rows):
+    the product equals (codes * x_scale) @ (w_codes * w_scale).T in float64 up to the bfloat16
+    output, scales and bias applied in the epilogue of every split layout."""
+    gen = torch.Generator().manual_seed(rows + split_k)
+    x = (torch.randn(rows, 96, generator=gen) * 3).to(torch.bfloat16)
+    w_codes, w_scale = quantize_rows(torch.randn(40, 96, generator=gen))
+    x_codes, x_scale = quantize_rows(x)
+    b = torch.randn(40, generator=gen).to(torch.bfloat16) if bias else None
+    config = SkinnyGemmConfig(block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
+    y = skinny_linear(
+        x_codes, w_codes, config, scale=w_scale.reshape(-1), bias=b, x_scale=x_scale.reshape(-1),
+        out_dtype=torch.bfloat16,
+    )  # fmt: skip
+    expected = _reference(x_codes.double() * x_scale.double(), w_codes.float(), w_scale.reshape(-1), b)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 40)
+    error = (y.double() - expected).abs().max().item()
+    assert error <= TOLERANCE[torch.bfloat16] * expected.abs().max().item(), error
+
+
+def test_kernel_linear_quantizes_activations_only_past_64_rows() -> None:
+    """FP8 weights keep exact bfloat16 activations up to 64 rows and meet per-row quantized ones
+    above: the result then equals the FP8-codes product of `quantize_rows_fused`'s codes."""
+    gen = torch.Generator().manual_seed(9)
+    w_codes, w_scale = quantize_rows(torch.randn(24, 64, generator=gen))
+    config = SkinnyGemmConfig(block_n=16, block_k=32, split_k=1, num_warps=4, num_stages=2)
+    assert [activation_dtype(torch.float8_e4m3fn, r, torch.bfloat16) for r in (1, 64, 65, 128)] == [
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e4m3fn,
+    ]
+    assert activation_dtype(torch.bfloat16, 128, torch.bfloat16) == torch.bfloat16
+    for rows in (64, 65):
+        x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+        y = kernel_linear(x, w_codes, config, w_scale.reshape(-1), None)
+        if rows <= 64:
+            expected = skinny_linear(x, w_codes, config, scale=w_scale.reshape(-1))
+        else:
+            codes, x_scale = quantize_rows_fused(x)
+            expected = skinny_linear(
+                codes, w_codes, config, scale=w_scale.reshape(-1), x_scale=x_scale.reshape(-1),
+                out_dtype=torch.bfloat16,
+            )  # fmt: skip
+        assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+
+
 def test_split_k_launches_leave_their_counters_at_zero() -> None:
     """The last split of a column block sums the partials and resets its ticket counter, so the
     next launch on the stream starts from zero: the same product twice gives the same answer."""
@@ -140,6 +192,13 @@ def test_refuses_what_it_does_not_take() -> None:
         skinny_linear(torch.randn(32, 2).T, torch.randn(16, 32), config)
     with pytest.raises(ValueError, match="power of two"):
         SkinnyGemmConfig(24, 32, 1, 4, 2)
+    codes, scales = quantize_rows(torch.randn(4, 32))
+    with pytest.raises(ValueError, match="needs x_scale exactly when it holds FP8 codes"):
+        skinny_linear(codes, codes, config)
+    with pytest.raises(ValueError, match="needs x_scale exactly when it holds FP8 codes"):
+        skinny_linear(torch.randn(4, 32), codes, config, x_scale=scales.reshape(-1))
+    with pytest.raises(ValueError, match="an out_dtype and FP8 weights"):
+        skinny_linear(codes, codes, config, x_scale=scales.reshape(-1))
 
 
 def test_configs_follow_the_measured_rules_and_fit_shared_memory() -> None:
@@ -157,23 +216,28 @@ def test_configs_follow_the_measured_rules_and_fit_shared_memory() -> None:
         128,
     ]
     assert choose_config(4096, 14336, fp8, bf16, 40) == SkinnyGemmConfig(32, 128, 2, 4, 3)
+    # Past 64 rows (FP8 activation codes): swept at 128 rows on an H100.
+    h100 = 227 * 1024 - 8192
+    assert choose_config(28672, 4096, fp8, fp8, 128, h100) == SkinnyGemmConfig(64, 128, 1, 4, 4)
+    assert choose_config(4096, 14336, fp8, fp8, 100, h100) == SkinnyGemmConfig(64, 256, 2, 4, 4)
+    assert choose_config(4096, 4096, fp8, fp8, 65, h100) == SkinnyGemmConfig(32, 256, 1, 4, 4)
     for budget in (SHARED_MEMORY_BUDGET, 99 * 1024 - 8192, 227 * 1024 - 8192):  # unknown, Ada, H100
         for w, x in [(bf16, bf16), (fp8, bf16), (fp32, fp32), (fp8, fp32)]:
             for n in (256, 6144, 28672):
-                for rows in (1, 16, 17, 64):
-                    c = choose_config(n, 4096, w, x, rows, budget)
-                    tiles = c.num_stages * c.block_k * (row_block(rows) * x.itemsize + c.block_n * w.itemsize)
+                for rows in (1, 16, 17, 64, 65, 128):
+                    a = activation_dtype(w, rows, x)
+                    c = choose_config(n, 4096, w, a, rows, budget)
+                    tiles = c.num_stages * c.block_k * (row_block(rows) * a.itemsize + c.block_n * w.itemsize)
                     assert tiles <= budget, (w, x, n, rows, c)
     # On an H100 the measured winners keep their pipeline depth.
     assert choose_config(28672, 4096, bf16, bf16, 1, 227 * 1024 - 8192).num_stages == 4
 
 
 def test_fp8_weights_take_the_kernel_for_more_rows() -> None:
-    """16-bit weights: cuBLAS from 17 rows; FP8 weights: the kernel up to 64 rows (the alternative
-    quantizes activations every step)."""
+    """16-bit weights: cuBLAS from 17 rows; FP8 weights: the kernel up to 128 rows."""
     assert max_kernel_rows(torch.bfloat16) == ROWS_16BIT == 16
-    assert max_kernel_rows(torch.float8_e4m3fn) == ROWS_FP8 == MAX_ROWS == 64
-    assert [row_block(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert max_kernel_rows(torch.float8_e4m3fn) == ROWS_FP8 == MAX_ROWS == 128
+    assert [row_block(m) for m in (1, 16, 17, 32, 33, 64, 65, 128)] == [16, 16, 32, 32, 64, 64, 128, 128]
 
 
 def test_operator_falls_back_to_torch_above_the_kernel_or_off_the_gpu() -> None:

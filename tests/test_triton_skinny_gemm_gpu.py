@@ -43,7 +43,7 @@ def _close(y: torch.Tensor, expected: torch.Tensor, tolerance: float = 2e-2) -> 
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 200])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 65, 128, 200])
 def test_operator_matches_torch(n: int, k: int, rows: int) -> None:
     from pagedserve.models.fp8 import quantize_rows
     from pagedserve_triton.linear_op import linear

@@ -1,9 +1,10 @@
-"""The weight-streaming GEMM compiled for an H100 (sm_90) by Triton's NVIDIA backend, without a
-GPU: the engine's bf16 and FP8 launch parameters at the 8B shapes compile within an H100's shared
-memory, keep their loads pipelined (cp.async), and the split-K launches meet through one
-device-scope acquire-release ticket per column block, after a block-wide barrier, reading the
-other splits' partials from L2. The compilations run in one child process without
-TRITON_INTERPRET (kernels decorated under the interpreter cannot be compiled)."""
+"""The weight-streaming GEMM compiled for an H100 (sm_90) by Triton's NVIDIA backend, without a GPU:
+the engine's bf16 and FP8 launch parameters at the 8B shapes (FP8 also at 128 rows, FP8 activations
+on the FP8 tensor cores) compile within an H100's shared memory, keep their loads pipelined
+(cp.async), and the split-K launches meet through one device-scope acquire-release ticket per column
+block, after a block-wide barrier, reading the other splits' partials from L2. The compilations run
+in one child process without TRITON_INTERPRET (kernels decorated under the interpreter cannot be
+compiled)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ pytest.importorskip("triton.backends.nvidia.compiler")
 
 H100_SHARED_BYTES = 227 * 1024
 
-# (name, N, K, weight dtype): the 8B Llama layer's products at one row
+# (name, N, K, weight dtype, rows): the 8B Llama layer's products at one row, and FP8 weights at
+# 128 rows, where the activations arrive as FP8 codes for the FP8 tensor cores
 CASES = [
-    ("bf16_o", 4096, 4096, "bf16"),
-    ("bf16_qkv", 6144, 4096, "bf16"),
-    ("fp8_o", 4096, 4096, "fp8"),
-    ("fp8_down", 4096, 14336, "fp8"),
+    ("bf16_o", 4096, 4096, "bf16", 1),
+    ("bf16_qkv", 6144, 4096, "bf16", 1),
+    ("fp8_o", 4096, 4096, "fp8", 1),
+    ("fp8_down", 4096, 14336, "fp8", 1),
+    ("fp8_gate_up_128rows", 28672, 4096, "fp8", 128),
+    ("fp8_down_128rows", 4096, 14336, "fp8", 128),
 ]
 
 _CHILD = """
@@ -30,20 +34,23 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pagedserve_triton.linear_op import choose_config
-from pagedserve_triton.skinny_gemm import skinny_gemm_kernel as kernel
+from pagedserve_triton.linear_op import activation_dtype, choose_config
+from pagedserve_triton.skinny_gemm import row_block, skinny_gemm_kernel as kernel
 
 H100_BUDGET = 227 * 1024 - 8 * 1024
 results = {}
-for name, n, k, wdt in json.loads(sys.argv[1]):
+for name, n, k, wdt, rows in json.loads(sys.argv[1]):
     weight = torch.bfloat16 if wdt == "bf16" else torch.float8_e4m3fn
-    config = choose_config(n, k, weight, torch.bfloat16, 1, H100_BUDGET)
+    x_dtype = activation_dtype(weight, rows, torch.bfloat16)
+    config = choose_config(n, k, weight, x_dtype, rows, H100_BUDGET)
     for split in sorted({1, max(2, config.split_k)}):
         constexprs = dict(
-            BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=True,
-            HAS_SCALE=wdt == "fp8", HAS_BIAS=False, DOT_IN_FP32=False,
+            BLOCK_M=row_block(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
+            EVEN_K=True, HAS_SCALE=wdt == "fp8", HAS_X_SCALE=x_dtype != torch.bfloat16, HAS_BIAS=False,
+            DOT_IN_FP32=False, WIDEN_BITS=wdt == "fp8",
         )
         types = {"w_ptr": "*bf16" if wdt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
+                 "x_ptr": "*bf16" if x_dtype == torch.bfloat16 else "*fp8e4nv", "x_scale_ptr": "*fp32",
                  "partial_ptr": "*fp32", "counter_ptr": "*i32"}
         signature, attrs = {}, {}
         for index, arg in enumerate(kernel.arg_names):

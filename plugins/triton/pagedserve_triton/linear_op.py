@@ -2,9 +2,12 @@
 as one operator `torch.compile` keeps opaque.
 
 Which steps take the Triton kernel: with 16-bit weights, steps of at most `ROWS_16BIT` tokens
-(where it was measured ahead of cuBLAS); with FP8 weights, steps of at most `ROWS_FP8` tokens,
-because the alternative, `torch._scaled_mm`, first quantizes the activations of every step and
-was measured behind even at 16 rows (6.3 against 3.3 ms of GEMMs per step).
+(where it was measured ahead of cuBLAS); with FP8 weights, steps of at most `ROWS_FP8` tokens.
+Up to `FP8_MID_ROWS` rows the FP8 weights are widened and the activations stay exact (the
+alternative, `torch._scaled_mm`, quantizes the activations of every step and was measured behind:
+4.7 against 2.9 ms of GEMMs per step at one row on an H100); past it the activations are
+quantized per row as `torch._scaled_mm` would get them and the dot runs on the FP8 tensor cores,
+where widened weights had made the kernel compute-bound (6.5 ms per step at 128 rows).
 
 Launch parameters per weight shape come from `choose_config`, fitted to the sweep of
 `benchmarks/skinny_gemm.py --sweep --fp8` on an H100 (8B Llama shapes, 1 row): the winners differ
@@ -30,6 +33,7 @@ from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, row_block,
 ROWS_16BIT = 16  # the most rows 16-bit (and float32) weights take the Triton kernel for
 ROWS_FP8 = MAX_ROWS  # the most rows FP8 weights take it for
 FP8_FEW_ROWS = 16  # FP8 launch parameters swept at one row serve up to this many rows
+FP8_MID_ROWS = 64  # FP8 launch parameters swept at 32 and 64 rows serve up to this many rows
 
 _NARROW = SkinnyGemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6)
 _WIDE_OR_SQUARE = SkinnyGemmConfig(block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=4)
@@ -69,13 +73,23 @@ def choose_config(
     weights then take 128-deep K tiles, 2-way K splits for outputs narrower than 16384 columns and
     wider column blocks for wide outputs (64 columns up to 32 rows, 128 above): on an H100 this
     took the 8B layer's four products from 5.1 to 4.3 ms per step at 32 rows and from 6.9 to
-    4.7 ms at 64 (`benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 32`, and 64).
+    4.7 ms at 64 (`benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 32`, and 64). Past
+    64 rows the activations are FP8 codes on the FP8 tensor cores: 4-stage pipelines, 256-deep K
+    tiles (128 for wide outputs), 2-way K splits for K > 8192, 32-column blocks for the square
+    output; within 1% of the best of the wide grid at 128 rows on an H100 for each product: 4.0
+    ms per step against 4.3 for quantized activations through `torch._scaled_mm` and 5.7 for bf16
+    cuBLAS (`--sweep --grid wide --sweep-rows 128`).
     float32 (tiny test models) gets small tiles. The pipeline depth is then cut until the
     stages' tiles fit `shared_memory`."""
     if weight_dtype.itemsize == 4 or x_dtype.itemsize == 4:
         config = _FLOAT32
     elif weight_dtype.itemsize == 2:
         config = _NARROW if 6144 <= n < 16384 else _WIDE_OR_SQUARE
+    elif rows > FP8_MID_ROWS:  # FP8 activation codes (`activation_dtype`)
+        split = 2 if k > 8192 else 1
+        block_n = 32 if n <= 4096 and split == 1 else 64
+        block_k = 128 if n >= 16384 else 256
+        config = SkinnyGemmConfig(block_n, block_k, split_k=split, num_warps=4, num_stages=4)
     elif rows > FP8_FEW_ROWS:
         block_n = 32 if n < 16384 else (64 if rows <= 32 else 128)
         split = 1 if n >= 16384 else 2
@@ -105,6 +119,14 @@ def fit_shared_memory(
     return replace(config, block_k=block_k, num_stages=fitting)
 
 
+def activation_dtype(weight_dtype: torch.dtype, rows: int, x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the Triton kernel reads activations in: FP8 codes for FP8 weights past
+    `FP8_MID_ROWS` rows (the FP8 tensor cores, where widening the weights to 16 bits made the
+    kernel compute-bound: measured slower than bf16 cuBLAS at 65-128 rows on an H100), else the
+    activations' own dtype. Pure."""
+    return FP8_WEIGHT_DTYPE if weight_dtype == FP8_WEIGHT_DTYPE and rows > FP8_MID_ROWS else x_dtype
+
+
 def max_kernel_rows(weight_dtype: torch.dtype) -> int:
     """The most rows a step may have to take the Triton kernel with weights of `weight_dtype`. Pure."""
     return ROWS_FP8 if weight_dtype == FP8_WEIGHT_DTYPE else ROWS_16BIT
@@ -120,7 +142,26 @@ def kernel_config(x: torch.Tensor, weight: torch.Tensor) -> SkinnyGemmConfig | N
         return None
     n, k = weight.shape
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return choose_config(n, k, weight.dtype, x.dtype, rows, shared_memory_budget(device))
+    x_dtype = activation_dtype(weight.dtype, rows, x.dtype)
+    return choose_config(n, k, weight.dtype, x_dtype, rows, shared_memory_budget(device))
+
+
+def kernel_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    config: SkinnyGemmConfig,
+    scale: torch.Tensor | None,  # [N] float32 (FP8 weights)
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """The Triton kernel's product as the operator runs it: past `FP8_MID_ROWS` rows FP8 weights
+    meet activations quantized per row (`quantize_rows_fused`, as `torch._scaled_mm` would get),
+    below it the weights are widened and the activations stay exact. Pure."""
+    if activation_dtype(weight.dtype, x.shape[0], x.dtype) == x.dtype:
+        return skinny_linear(x, weight, config, scale=scale, bias=bias)
+    codes, x_scale = quantize_rows_fused(x)
+    return skinny_linear(
+        codes, weight, config, scale=scale, bias=bias, x_scale=x_scale.reshape(-1), out_dtype=x.dtype
+    )
 
 
 @torch.library.custom_op("pagedserve_triton::linear", mutates_args=())
@@ -135,7 +176,7 @@ def linear(
     (its activation quantization in one Triton launch on a CUDA device)."""
     config = kernel_config(x, weight)
     if config is not None:
-        return skinny_linear(x, weight, config, scale=scale, bias=bias)
+        return kernel_linear(x, weight, config, scale, bias)
     if weight.dtype == FP8_WEIGHT_DTYPE:
         if scale is None:
             raise ValueError("pagedserve_triton::linear: FP8 weights need their per-channel scale")

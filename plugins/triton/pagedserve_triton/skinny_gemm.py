@@ -16,8 +16,8 @@ is built for the weight stream only:
   counter back to zero. A second kernel for the sum cost about 1.5 us of launch per layer and
   product in a decode step's CUDA graph (measured on an H100, 96 launches and 143 us per FP8
   step).
-* The activation block (`BLOCK_M` = 16, 32 or 64 rows, padded with zeros past `M`) is small next
-  to the weight tile, so the dot runs on the tensor cores at any `M` up to 64.
+* The activation block (`BLOCK_M` = 16, 32, 64 or 128 rows, padded with zeros past `M`) is small
+  next to the weight tile, so the dot runs on the tensor cores at any `M` up to 128.
 * FP8 weights (`float8_e4m3fn`/`e5m2`) are widened to the activation dtype right after the load
   (exact; e4m3fn to bfloat16 by moving bits, see `fp8_widen`, because the conversion units cap the
   stream) and the per-output-channel scale multiplies the float32 accumulator once, so a decode
@@ -49,9 +49,10 @@ from pagedserve_triton.interpreter import INTERPRETED
 
 @triton.jit
 def skinny_gemm_kernel(
-    x_ptr,  # [M, K], rows `stride_xm` apart, unit stride along K
+    x_ptr,  # [M, K], rows `stride_xm` apart, unit stride along K (activations, or their FP8 codes)
     w_ptr,  # [N, K], rows `stride_wn` apart, unit stride along K (activation dtype or FP8)
     scale_ptr,  # [N] float32 per-output-channel weight scales (read only if HAS_SCALE)
+    x_scale_ptr,  # [M] float32 per-row activation scales of FP8 codes (read only if HAS_X_SCALE)
     bias_ptr,  # [N] (read only if HAS_BIAS)
     out_ptr,  # [M, N], rows `stride_om` apart
     partial_ptr,  # [SPLIT_K, M, N] float32 partial tiles (used only if SPLIT_K > 1)
@@ -69,6 +70,7 @@ def skinny_gemm_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0 and k_per_split covers K exactly: no K masks
     HAS_SCALE: tl.constexpr,
+    HAS_X_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
     WIDEN_BITS: tl.constexpr,  # FP8 weights widened by `widen_fp8`'s bit-moving path (NVIDIA)
@@ -95,7 +97,7 @@ def skinny_gemm_kernel(
             mask_k = offs_k < k_end
             x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        if w.dtype != x.dtype:  # FP8 weights: widening is exact
+        if w.dtype != x.dtype:  # FP8 weights, 16-bit activations: widening is exact
             w = widen_fp8(w, x.dtype, WIDEN_BITS)
         if DOT_IN_FP32:
             x = x.to(tl.float32)
@@ -103,8 +105,9 @@ def skinny_gemm_kernel(
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     if SPLIT_K == 1:
         _store_output(
-            acc, out_ptr, scale_ptr, bias_ptr, offs_m, offs_n, mask_n, mask_mn, stride_om, HAS_SCALE, HAS_BIAS
-        )
+            acc, out_ptr, scale_ptr, x_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, mask_mn,
+            stride_om, HAS_SCALE, HAS_X_SCALE, HAS_BIAS,
+        )  # fmt: skip
     else:
         tile = offs_m[:, None] * N + offs_n[None, :]
         tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask_mn)
@@ -121,37 +124,30 @@ def skinny_gemm_kernel(
                     partial_ptr + s * M * N + tile, mask=mask_mn, other=0.0, cache_modifier=".cg"
                 )
             _store_output(
-                total,
-                out_ptr,
-                scale_ptr,
-                bias_ptr,
-                offs_m,
-                offs_n,
-                mask_n,
-                mask_mn,
-                stride_om,
-                HAS_SCALE,
-                HAS_BIAS,
-            )
+                total, out_ptr, scale_ptr, x_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, mask_mn,
+                stride_om, HAS_SCALE, HAS_X_SCALE, HAS_BIAS,
+            )  # fmt: skip
             tl.store(counter_ptr + pid_n, 0)  # ready for the next launch
 
 
 @triton.jit
 def _store_output(
-    acc, out_ptr, scale_ptr, bias_ptr, offs_m, offs_n, mask_n, mask_mn, stride_om,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    acc, out_ptr, scale_ptr, x_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, mask_mn, stride_om,
+    HAS_SCALE: tl.constexpr, HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """The epilogue: the per-channel scale, the bias and the cast of a float32 [BLOCK_M, BLOCK_N]
-    tile, stored to its place in the output."""
+    """The epilogue: the per-channel and per-row scales, the bias and the cast of a float32
+    [BLOCK_M, BLOCK_N] tile, stored to its place in the output."""
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_X_SCALE:
+        acc = acc * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_mn)
 
 
-MAX_ROWS = 64
+MAX_ROWS = 128
 """The most activation rows one launch takes; larger batches use a regular GEMM."""
 
 
@@ -217,9 +213,13 @@ def skinny_linear(
     *,
     scale: torch.Tensor | None = None,  # [N] float32, per output channel (FP8 weights)
     bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:  # [M, N] in x's dtype
-    """`x @ (weight * scale[:, None]).T + bias` by streaming the weight once. Allocates the output
-    (and float32 partials when `config.split_k > 1`); raises ValueError for shapes it does not take."""
+    x_scale: torch.Tensor | None = None,  # [M] float32, per row, when x holds FP8 codes
+    out_dtype: torch.dtype | None = None,  # default: x's dtype (required with x_scale)
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """`(x * x_scale[:, None]) @ (weight * scale[:, None]).T + bias` by streaming the weight once.
+    With FP8 codes in both `x` and `weight` the dot runs on the FP8 tensor cores. Allocates the
+    output (and float32 partials when `config.split_k > 1`); raises ValueError for shapes it does
+    not take."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply"
@@ -230,7 +230,13 @@ def skinny_linear(
         raise ValueError(f"skinny_linear takes 1..{MAX_ROWS} rows, got {m}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("skinny_linear needs unit stride along K for x and weight")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if (x_scale is None) != (x.dtype.itemsize == 2 or x.dtype == torch.float32):
+        raise ValueError(f"skinny_linear: x of {x.dtype} needs x_scale exactly when it holds FP8 codes")
+    if x_scale is not None and (out_dtype is None or x_scale.shape != (m,) or weight.dtype != x.dtype):
+        raise ValueError(
+            "skinny_linear: FP8 codes need x_scale [M], an out_dtype and FP8 weights of their type"
+        )
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     blocks_k = triton.cdiv(k, config.block_k)
     split = min(config.split_k, blocks_k)
     k_per_split = triton.cdiv(blocks_k, split) * config.block_k
@@ -244,12 +250,13 @@ def skinny_linear(
         partial = counters = out  # never read with SPLIT_K == 1
     dummy = out  # never read: HAS_SCALE / HAS_BIAS are False for a missing tensor
     skinny_gemm_kernel[grid](
-        x, weight, scale if scale is not None else dummy, bias if bias is not None else dummy, out,
-        partial, counters,
+        x, weight, scale if scale is not None else dummy, x_scale if x_scale is not None else dummy,
+        bias if bias is not None else dummy, out, partial, counters,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=row_block(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, EVEN_K=even_k,
-        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        DOT_IN_FP32=x.dtype == torch.bfloat16 and INTERPRETED,
+        HAS_SCALE=scale is not None, HAS_X_SCALE=x_scale is not None, HAS_BIAS=bias is not None,
+        # The interpreter's bfloat16 dot multiplies raw bits, and it has no FP8 dot.
+        DOT_IN_FP32=INTERPRETED and (x.dtype == torch.bfloat16 or x_scale is not None),
         WIDEN_BITS=bit_widening(x.device, weight.dtype, x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

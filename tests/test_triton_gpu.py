@@ -236,9 +236,17 @@ def test_cached_launch_goes_direct_on_gpu() -> None:
         "stride_kv_block": caches[0].stride(1),
         "stride_kv_slot": caches[0].stride(2),
         "stride_kv_head": caches[0].stride(3),
+        # A 16-bit cache: the FP8 arguments are passed and not read (QUANTIZE is off).
+        "k_inv_scale": 1.0,
+        "v_inv_scale": 1.0,
+        "fp8_max": 448.0,
+        "fp8_min_subnormal": 2.0**-9,
         "BLOCK_SIZE": 16,
         "HEAD_SIZE": 128,
         "HEAD_SIZE_PADDED": 128,
+        "QUANTIZE": False,
+        "MANT_BITS": 3,
+        "MIN_NORMAL_EXP": -6,
     }
     launch = CachedLaunch(reshape_and_cache_kernel, (40, 8), args, ("key_ptr", "value_ptr", "kv_ptr"), {})
     for i, cache in enumerate(caches):

@@ -22,7 +22,7 @@ still run:
               fresh machine's first run), then again with the caches it filled (warm)
   peers       HF transformers + static cache + torch.compile single stream, and HF continuous
               batching on the 256-request workload (scripts from PEERS_DIR)
-  gemm        the linear layers of a decode step (1-64 rows, 8B shapes), the Triton GEMM the
+  gemm        the linear layers of a decode step (1-128 rows, 8B shapes), the Triton GEMM the
               engine uses against cuBLAS and torch._scaled_mm (`benchmarks/skinny_gemm.py --fp8`)
   fp8         FP8 weights + FP8 KV cache against bfloat16: KV tokens, TPOT, throughput on the
               256-request workload (`benchmarks/gpu_fp8.py`)

@@ -27,3 +27,34 @@ def run_without_interpreter(script: str, *args: str, timeout: float = 600) -> An
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# Prepended to a child script that compiles for an H100: the one way those scripts describe a
+# kernel's launch to `triton.compile`.
+SM90_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def sm90_compile(kernel, constexprs, pointers, warps, stages, floats=(), divisible=()):
+    # `kernel` for sm_90 as a launch specialises it: pointers of the given types (default *bf16),
+    # 16-byte aligned; `floats` fp32 and the other scalars i32; strides and `divisible` multiples
+    # of 16.
+    signature, attrs = {}, {}
+    for index, arg in enumerate(kernel.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = pointers.get(arg, "*bf16")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "fp32" if arg in floats else "i32"
+            if arg.startswith("stride") or arg in divisible:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, "num_stages": stages},
+    )
+"""

@@ -11,38 +11,20 @@ from __future__ import annotations
 import os
 
 import pytest
-from compile_child import run_without_interpreter
+from compile_child import SM90_COMPILE, run_without_interpreter
 
 nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
 
 _NVDISASM = os.path.join(os.path.dirname(os.path.dirname(nvidia.__file__)), "nvidia", "bin", "nvdisasm")
 
-_CHILD = """
+_CHILD = (
+    SM90_COMPILE
+    + """
 import collections, json, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from pagedserve_triton.skinny_gemm import skinny_gemm_kernel
 from pagedserve_triton.unified_attention import unified_attention_2d_kernel, unified_attention_3d_kernel
 
 NVDISASM = sys.argv[1]
-
-
-def compile_kernel(kernel, constexprs, pointers, warps, stages):
-    signature, attrs = {}, {}
-    for index, arg in enumerate(kernel.arg_names):
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg.endswith("_ptr"):
-            signature[arg] = pointers.get(arg, "*bf16")
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        else:
-            signature[arg] = "fp32" if arg in ("scale_log2", "out_scale", "softcap") else "i32"
-    return triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "num_stages": stages},
-    )
 
 
 def opcodes(compiled):
@@ -64,7 +46,9 @@ gemm_pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "o
 for bits in (False, True):
     constexprs = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, EVEN_K=True, HAS_SCALE=True,
                       HAS_BIAS=False, DOT_IN_FP32=False, WIDEN_BITS=bits)
-    compiled = compile_kernel(skinny_gemm_kernel, constexprs, gemm_pointers, 4, 3)
+    compiled = sm90_compile(
+        skinny_gemm_kernel, constexprs, gemm_pointers, 4, 3, divisible=("K", "k_per_split")
+    )
     results[f"gemm_bits={bits}"] = opcodes(compiled)
 attention_pointers = {"kv_ptr": "*fp8e4nv", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                       "query_start_loc_ptr": "*i32", "segm_acc_ptr": "*fp32", "segm_max_ptr": "*fp32",
@@ -77,9 +61,12 @@ for name, kernel, extra in (("attention_2d", unified_attention_2d_kernel, {}),
         KV_CACHE_MODIFIER="", PREFETCH_BLOCK_IDS=False, LAZY_RESCALE=False, LOOP_STAGES=0,
         WARP_SPECIALIZE=False, LONGEST_FIRST=False, WIDEN_BITS=True, **extra,
     )
-    results[name] = opcodes(compile_kernel(kernel, constexprs, attention_pointers, 4, 2))
+    floats = ("scale_log2", "out_scale", "softcap")
+    compiled = sm90_compile(kernel, constexprs, attention_pointers, 4, 2, floats=floats)
+    results[name] = opcodes(compiled)
 print(json.dumps(results))
 """
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from compile_child import run_without_interpreter
+from compile_child import SM90_COMPILE, run_without_interpreter
 
 pytest.importorskip("triton.backends.nvidia.compiler")
 
@@ -28,12 +28,11 @@ CASES = [
     ("fp8_down_128rows", 4096, 14336, "fp8", 128),
 ]
 
-_CHILD = """
+_CHILD = (
+    SM90_COMPILE
+    + """
 import json, re, sys
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from pagedserve_triton.linear_op import activation_dtype, choose_config
 from pagedserve_triton.skinny_gemm import row_block, skinny_gemm_kernel as kernel
 
@@ -52,23 +51,11 @@ for name, n, k, wdt, rows in json.loads(sys.argv[1]):
         types = {"w_ptr": "*bf16" if wdt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
                  "x_ptr": "*bf16" if x_dtype == torch.bfloat16 else "*fp8e4nv", "x_scale_ptr": "*fp32",
                  "partial_ptr": "*fp32", "counter_ptr": "*i32"}
-        signature, attrs = {}, {}
-        for index, arg in enumerate(kernel.arg_names):
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif arg.endswith("_ptr"):
-                signature[arg] = types.get(arg, "*bf16")
-                attrs[(index,)] = [["tt.divisibility", 16]]
-            else:
-                signature[arg] = "i32"
-                if arg.startswith("stride") or arg in ("N", "K", "k_per_split"):
-                    attrs[(index,)] = [["tt.divisibility", 16]]
         key = f"{name}_split{split}"
         try:
-            compiled = triton.compile(
-                ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+            compiled = sm90_compile(
+                kernel, constexprs, types, config.num_warps, config.num_stages,
+                divisible=("N", "K", "k_per_split"),
             )
         except Exception as e:
             results[key] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -88,6 +75,7 @@ for name, n, k, wdt, rows in json.loads(sys.argv[1]):
         }
 print(json.dumps(results))
 """
+)
 
 
 @pytest.fixture(scope="module")

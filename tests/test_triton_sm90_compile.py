@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from compile_child import run_without_interpreter
+from compile_child import SM90_COMPILE, run_without_interpreter
 
 pytest.importorskip("triton.backends.nvidia.compiler")
 
@@ -34,11 +34,10 @@ VARIANTS = [
     ),
 ]
 
-_CHILD = """
+_CHILD = (
+    SM90_COMPILE
+    + """
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from pagedserve_triton.launch_params import AttentionLaunchConfig
 from pagedserve_triton.unified_attention import unified_attention_2d_kernel as kernel
 
@@ -60,28 +59,14 @@ for name, block_m, tile, warps, stages, params in json.loads(sys.argv[1]):
         NUM_GRID_GROUPS=1, KV_CACHE_MODIFIER="", WIDEN_BITS=False,
         **config.variant_constexprs(warp_specialize_supported=True),
     )
-    signature, attrs = {}, {}
-    for index, arg in enumerate(kernel.arg_names):
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg.endswith("_ptr"):
-            signature[arg] = POINTERS.get(arg, "*bf16")
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        else:
-            signature[arg] = "fp32" if arg in FLOATS else "i32"
-            if arg.startswith("stride"):
-                attrs[(index,)] = [["tt.divisibility", 16]]
     try:
-        compiled = triton.compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": warps, "num_stages": stages},
-        )
+        compiled = sm90_compile(kernel, constexprs, POINTERS, warps, stages, floats=FLOATS)
         results[name] = {"shared": compiled.metadata.shared, "error": None}
     except Exception as e:
         results[name] = {"shared": None, "error": f"{type(e).__name__}: {str(e)[:400]}"}
 print(json.dumps(results))
 """
+)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,9 @@ is built for the weight stream only:
   (exact; e4m3fn to bfloat16 by moving bits, see `fp8_widen`, because the conversion units cap the
   stream) and the per-output-channel scale multiplies the float32 accumulator once, so a decode
   step streams one byte per weight and never quantizes its activations.
+* Activations may instead arrive as FP8 codes with per-row scales (the caller quantized them:
+  `linear_op.kernel_linear` does past 64 rows, where widened weights made the dot compute-bound);
+  FP8 codes times FP8 weights then run on the FP8 tensor cores, both scales in the epilogue.
 
 What it does not do: a gated MLP's `silu(gate) * up`, in either of the two places a GEMM could
 compute it, both built and measured slower than this kernel plus the compiled model's fused
@@ -230,7 +233,7 @@ def skinny_linear(
         raise ValueError(f"skinny_linear takes 1..{MAX_ROWS} rows, got {m}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("skinny_linear needs unit stride along K for x and weight")
-    if (x_scale is None) != (x.dtype.itemsize == 2 or x.dtype == torch.float32):
+    if (x_scale is not None) != (x.dtype.itemsize == 1):
         raise ValueError(f"skinny_linear: x of {x.dtype} needs x_scale exactly when it holds FP8 codes")
     if x_scale is not None and (out_dtype is None or x_scale.shape != (m,) or weight.dtype != x.dtype):
         raise ValueError(

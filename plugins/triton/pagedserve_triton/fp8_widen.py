@@ -58,18 +58,15 @@ fma.rn.bf16x2 $1, hi, scale, negzero;
 def widen_fp8(x, dtype: tl.constexpr, BITS: tl.constexpr):
     """`x` (any FP8 tile) as `dtype`, exactly. With BITS (NVIDIA, sm_80+), e4m3fn -> bfloat16
     takes the bit-moving path above; every other pair, or BITS false, is Triton's conversion."""
-    if BITS:
-        if x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
-            y = tl.inline_asm_elementwise(
-                asm=_E4M3_TO_BF16_X4,
-                constraints="=r,=r,r",
-                args=[x.to(tl.uint8, bitcast=True)],
-                dtype=tl.bfloat16,
-                is_pure=True,
-                pack=4,
-            )
-        else:
-            y = x.to(dtype)
+    if BITS and x.dtype == tl.float8e4nv and dtype == tl.bfloat16:
+        y = tl.inline_asm_elementwise(
+            asm=_E4M3_TO_BF16_X4,
+            constraints="=r,=r,r",
+            args=[x.to(tl.uint8, bitcast=True)],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
     else:
         y = x.to(dtype)
     return y

@@ -111,7 +111,8 @@ def _configs(
     own choice for this shape at `rows` rows."""
     if grid is None:
         budget = shared_memory_budget(torch.cuda.current_device())
-        return [choose_config(n, k, weight_dtype, torch.bfloat16, rows, budget)]
+        x_dtype = activation_dtype(weight_dtype, rows, torch.bfloat16)  # as `kernel_linear` runs
+        return [choose_config(n, k, weight_dtype, x_dtype, rows, budget)]
     if grid == "wide":
         return [SkinnyGemmConfig(*values) for values in itertools.product(*WIDE_GRID.values())]
     return [SkinnyGemmConfig(*values) for values in [*itertools.product(*GRID.values()), *EXTRA]]

@@ -10,15 +10,16 @@ matrix product at `--rows` activation rows with:
   * with `--fp8`: `torch-fp8` — the FP8 path of `quantization="fp8"` above the kernel's rows
     (activation rows quantized in one launch, `torch._scaled_mm` with row-wise scales) and
     `skinny-fp8` — the same kernel streaming FP8 weights with per-channel scales as the engine
-    runs it (`linear_op.kernel_linear`): bf16 activations up to 64 rows (nothing quantized per
-    step), activations quantized per row onto the FP8 tensor cores above.
+    runs it (`linear_op.kernel_linear`): bf16 activations up to 16 rows (nothing quantized per
+    step), activations quantized per row onto the FP8 tensor cores above (weight-major dot).
 
 Times are CUDA-graph replays of 20 products in a row that cycle through enough weight copies to
 exceed the L2 cache, so every product streams its weight from HBM, as in a real decode step.
 GB/s counts the weight bytes.
 
     python benchmarks/skinny_gemm.py --sweep --fp8 --json skinny.json
-    python benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 64 --rows 64 --fp8-only
+    python benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 16 --rows 16 --fp8-only
+    python benchmarks/skinny_gemm.py --sweep --grid codes --sweep-rows 64 --rows 64 --fp8-only
 """
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ WIDE_GRID = {
     "num_warps": [4, 8],
     "num_stages": [3, 4],
 }
+# `--grid codes`: FP8 weights past 16 rows, where the activations are FP8 codes and the dot is
+# weight-major (64 or 128 weight rows per warpgroup instruction).
+CODES_GRID = {
+    "block_n": [64, 128],
+    "block_k": [128, 256],
+    "split_k": [1, 2],
+    "num_warps": [4],
+    "num_stages": [3, 4],
+    "weight_major": [True],
+}
 EXTRA = [(64, 256, 1, 8, 4), (128, 128, 1, 8, 3), (32, 512, 2, 8, 4), (16, 1024, 1, 4, 3), (32, 256, 8, 4, 4)]
 L2_BYTES = 60 << 20
 REPEAT = 20
@@ -107,7 +118,7 @@ def _weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
 def _configs(
     grid: str | None, n: int, k: int, weight_dtype: torch.dtype, rows: int
 ) -> list[SkinnyGemmConfig]:
-    """The configs of a sweep's grid ("narrow" or "wide"), or with `grid=None` only the engine's
+    """The configs of a sweep's grid ("narrow", "wide" or "codes"), or with `grid=None` only the engine's
     own choice for this shape at `rows` rows."""
     if grid is None:
         budget = shared_memory_budget(torch.cuda.current_device())
@@ -115,6 +126,8 @@ def _configs(
         return [choose_config(n, k, weight_dtype, x_dtype, rows, budget)]
     if grid == "wide":
         return [SkinnyGemmConfig(*values) for values in itertools.product(*WIDE_GRID.values())]
+    if grid == "codes":
+        return [SkinnyGemmConfig(*values) for values in itertools.product(*CODES_GRID.values())]
     return [SkinnyGemmConfig(*values) for values in [*itertools.product(*GRID.values()), *EXTRA]]
 
 
@@ -221,7 +234,10 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="sweep the launch-parameter grid per shape")
     parser.add_argument(
-        "--grid", choices=["narrow", "wide"], default="narrow", help="the sweep's grid (wide: for more rows)"
+        "--grid",
+        choices=["narrow", "wide", "codes"],
+        default="narrow",
+        help="the sweep's grid (wide: for more rows; codes: FP8 weights past 16 rows)",
     )
     parser.add_argument("--sweep-rows", type=int, default=1, help="the row count the sweep picks at")
     parser.add_argument("--fp8", action="store_true", help="also FP8 weights (sm_89+)")

@@ -90,19 +90,29 @@ def test_matches_float64(
     assert error <= TOLERANCE[dtype] * expected.abs().max().item(), error
 
 
-@pytest.mark.parametrize(("rows", "split_k", "bias"), [(65, 1, True), (128, 2, False), (3, 4, True)])
+@pytest.mark.parametrize(
+    ("rows", "split_k", "bias", "weight_major"),
+    [
+        (65, 1, True, False),
+        (128, 2, False, False),
+        (3, 4, True, False),
+        (17, 1, True, True),
+        (40, 2, False, True),
+    ],
+)
 def test_fp8_codes_times_fp8_weights_match_the_dequantized_product(
-    rows: int, split_k: int, bias: bool
+    rows: int, split_k: int, bias: bool, weight_major: bool
 ) -> None:
-    """Activations as FP8 codes with per-row scales (what `kernel_linear` passes past 64 rows):
+    """Activations as FP8 codes with per-row scales (what `kernel_linear` passes past 16 rows):
     the product equals (codes * x_scale) @ (w_codes * w_scale).T in float64 up to the bfloat16
-    output, scales and bias applied in the epilogue of every split layout."""
+    output, scales and bias applied in the epilogue of every split layout, with the dot in
+    either orientation."""
     gen = torch.Generator().manual_seed(rows + split_k)
     x = (torch.randn(rows, 96, generator=gen) * 3).to(torch.bfloat16)
     w_codes, w_scale = quantize_rows(torch.randn(40, 96, generator=gen))
     x_codes, x_scale = quantize_rows(x)
     b = torch.randn(40, generator=gen).to(torch.bfloat16) if bias else None
-    config = SkinnyGemmConfig(block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
+    config = SkinnyGemmConfig(16, 32, split_k, num_warps=4, num_stages=2, weight_major=weight_major)
     y = skinny_linear(
         x_codes, w_codes, config, scale=w_scale.reshape(-1), bias=b, x_scale=x_scale.reshape(-1),
         out_dtype=torch.bfloat16,
@@ -113,23 +123,39 @@ def test_fp8_codes_times_fp8_weights_match_the_dequantized_product(
     assert error <= TOLERANCE[torch.bfloat16] * expected.abs().max().item(), error
 
 
-def test_kernel_linear_quantizes_activations_only_past_64_rows() -> None:
-    """FP8 weights keep exact bfloat16 activations up to 64 rows and meet per-row quantized ones
+@pytest.mark.parametrize(("rows", "dtype"), [(1, torch.float32), (20, torch.bfloat16), (33, torch.float32)])
+def test_weight_major_dot_gives_the_same_product(rows: int, dtype: torch.dtype) -> None:
+    """The weight-major orientation computes the same product as the activation-major one, with
+    split K and masked rows and columns."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    w = torch.randn(72, 96, generator=gen).to(dtype)
+    b = torch.randn(72, generator=gen).to(dtype)
+    plain = SkinnyGemmConfig(block_n=32, block_k=32, split_k=2, num_warps=4, num_stages=2)
+    turned = SkinnyGemmConfig(block_n=32, block_k=32, split_k=2, num_warps=4, num_stages=2, weight_major=True)
+    y = skinny_linear(x, w, turned, bias=b)
+    torch.testing.assert_close(y, skinny_linear(x, w, plain, bias=b), rtol=1e-5, atol=1e-4)
+    expected = _reference(x.double(), w.double(), None, b)
+    assert (y.double() - expected).abs().max().item() <= TOLERANCE[dtype] * expected.abs().max().item()
+
+
+def test_kernel_linear_quantizes_activations_only_past_16_rows() -> None:
+    """FP8 weights keep exact bfloat16 activations up to 16 rows and meet per-row quantized ones
     above: the result then equals the FP8-codes product of `quantize_rows_fused`'s codes."""
     gen = torch.Generator().manual_seed(9)
     w_codes, w_scale = quantize_rows(torch.randn(24, 64, generator=gen))
     config = SkinnyGemmConfig(block_n=16, block_k=32, split_k=1, num_warps=4, num_stages=2)
-    assert [activation_dtype(torch.float8_e4m3fn, r, torch.bfloat16) for r in (1, 64, 65, 128)] == [
+    assert [activation_dtype(torch.float8_e4m3fn, r, torch.bfloat16) for r in (1, 16, 17, 128)] == [
         torch.bfloat16,
         torch.bfloat16,
         torch.float8_e4m3fn,
         torch.float8_e4m3fn,
     ]
     assert activation_dtype(torch.bfloat16, 128, torch.bfloat16) == torch.bfloat16
-    for rows in (64, 65):
+    for rows in (16, 17):
         x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
         y = kernel_linear(x, w_codes, config, w_scale.reshape(-1), None)
-        if rows <= 64:
+        if rows <= 16:
             expected = skinny_linear(x, w_codes, config, scale=w_scale.reshape(-1))
         else:
             codes, x_scale = quantize_rows_fused(x)
@@ -207,20 +233,14 @@ def test_configs_follow_the_measured_rules_and_fit_shared_memory() -> None:
     assert choose_config(4096, 4096, bf16, bf16) == choose_config(28672, 4096, bf16, bf16)
     splits = [choose_config(n, k, fp8, bf16).split_k for n, k in [(4096, 4096), (4096, 14336), (28672, 4096)]]
     assert splits == [2, 4, 1]
-    # FP8 past 16 rows: 128-deep K tiles, wider column blocks for the wide gate/up output.
-    assert [choose_config(28672, 4096, fp8, bf16, rows).block_n for rows in (16, 17, 32, 33, 64)] == [
-        32,
-        64,
-        64,
-        128,
-        128,
-    ]
-    assert choose_config(4096, 14336, fp8, bf16, 40) == SkinnyGemmConfig(32, 128, 2, 4, 3)
-    # Past 64 rows (FP8 activation codes): swept at 128 rows on an H100.
+    # FP8 past 16 rows (activation codes): weight-major 64-column blocks, fitted at 32-128 rows on an H100.
     h100 = 227 * 1024 - 8192
-    assert choose_config(28672, 4096, fp8, fp8, 128, h100) == SkinnyGemmConfig(64, 128, 1, 4, 4)
-    assert choose_config(4096, 14336, fp8, fp8, 100, h100) == SkinnyGemmConfig(64, 256, 2, 4, 4)
-    assert choose_config(4096, 4096, fp8, fp8, 65, h100) == SkinnyGemmConfig(32, 256, 1, 4, 4)
+    assert choose_config(28672, 4096, fp8, bf16, 16, h100) == SkinnyGemmConfig(32, 128, 1, 4, 3)
+    assert choose_config(28672, 4096, fp8, fp8, 17, h100) == SkinnyGemmConfig(64, 256, 1, 4, 4, True)
+    assert choose_config(28672, 4096, fp8, fp8, 128, h100) == SkinnyGemmConfig(64, 128, 1, 4, 4, True)
+    assert choose_config(4096, 14336, fp8, fp8, 100, h100) == SkinnyGemmConfig(64, 256, 2, 4, 4, True)
+    assert choose_config(4096, 4096, fp8, fp8, 40, h100) == SkinnyGemmConfig(64, 256, 2, 4, 4, True)
+    assert choose_config(6144, 4096, fp8, fp8, 64, h100) == SkinnyGemmConfig(64, 256, 1, 4, 4, True)
     for budget in (SHARED_MEMORY_BUDGET, 99 * 1024 - 8192, 227 * 1024 - 8192):  # unknown, Ada, H100
         for w, x in [(bf16, bf16), (fp8, bf16), (fp32, fp32), (fp8, fp32)]:
             for n in (256, 6144, 28672):

@@ -1,10 +1,10 @@
 """The weight-streaming GEMM compiled for an H100 (sm_90) by Triton's NVIDIA backend, without a GPU:
-the engine's bf16 and FP8 launch parameters at the 8B shapes (FP8 also at 128 rows, FP8 activations
-on the FP8 tensor cores) compile within an H100's shared memory, keep their loads pipelined
-(cp.async), and the split-K launches meet through one device-scope acquire-release ticket per column
-block, after a block-wide barrier, reading the other splits' partials from L2. The compilations run
-in one child process without TRITON_INTERPRET (kernels decorated under the interpreter cannot be
-compiled)."""
+the engine's bf16 and FP8 launch parameters at the 8B shapes (FP8 also at 32 and 128 rows, FP8
+activations on the FP8 tensor cores' warpgroup instructions, nothing widened) compile within an
+H100's shared memory, keep their loads pipelined (cp.async), and the split-K launches meet through
+one device-scope acquire-release ticket per column block, after a block-wide barrier, reading the
+other splits' partials from L2. The compilations run in one child process without
+TRITON_INTERPRET (kernels decorated under the interpreter cannot be compiled)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ pytest.importorskip("triton.backends.nvidia.compiler")
 H100_SHARED_BYTES = 227 * 1024
 
 # (name, N, K, weight dtype, rows): the 8B Llama layer's products at one row, and FP8 weights at
-# 128 rows, where the activations arrive as FP8 codes for the FP8 tensor cores
+# 32 and 128 rows, where the activations arrive as FP8 codes for the FP8 tensor cores
 CASES = [
     ("bf16_o", 4096, 4096, "bf16", 1),
     ("bf16_qkv", 6144, 4096, "bf16", 1),
     ("fp8_o", 4096, 4096, "fp8", 1),
     ("fp8_down", 4096, 14336, "fp8", 1),
+    ("fp8_qkv_32rows", 6144, 4096, "fp8", 32),
     ("fp8_gate_up_128rows", 28672, 4096, "fp8", 128),
     ("fp8_down_128rows", 4096, 14336, "fp8", 128),
 ]
@@ -46,7 +47,7 @@ for name, n, k, wdt, rows in json.loads(sys.argv[1]):
         constexprs = dict(
             BLOCK_M=row_block(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
             EVEN_K=True, HAS_SCALE=wdt == "fp8", HAS_X_SCALE=x_dtype != torch.bfloat16, HAS_BIAS=False,
-            DOT_IN_FP32=False, WIDEN_BITS=wdt == "fp8",
+            DOT_IN_FP32=False, WIDEN_BITS=wdt == "fp8", WEIGHT_MAJOR=config.weight_major,
         )
         types = {"w_ptr": "*bf16" if wdt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
                  "x_ptr": "*bf16" if x_dtype == torch.bfloat16 else "*fp8e4nv", "x_scale_ptr": "*fp32",
@@ -72,6 +73,9 @@ for name, n, k, wdt, rows in json.loads(sys.argv[1]):
             "barrier_before_atomic": first_atomic > 0
             and ptx.rfind("st.global", 0, first_atomic) < ptx.rfind("bar.sync", 0, first_atomic),
             "l2_loads": len(re.findall(r"ld\\.global\\.cg", ptx)),
+            "fp8_codes": x_dtype != torch.bfloat16,
+            "fp8_wgmma": len(re.findall(r"wgmma\\.mma_async[\\w.]*\\.e4m3\\.e4m3", ptx)),
+            "fp8_conversions": len(re.findall(r"cvt\\.[\\w.]*e4m3", ptx)),
         }
 print(json.dumps(results))
 """
@@ -113,3 +117,17 @@ def test_split_k_meets_through_an_acquire_release_ticket(
     assert split["barrier_before_atomic"] is True
     l2_loads = split["l2_loads"]
     assert isinstance(l2_loads, int) and l2_loads > 0
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES if case[3] == "fp8" and case[4] > 16])
+def test_fp8_codes_run_on_the_fp8_warpgroup_mma_without_widening(
+    name: str, compiled: dict[str, dict[str, object]]
+) -> None:
+    """Past 16 rows FP8 codes meet FP8 weights in `wgmma ... e4m3.e4m3` (weight-major, so even 32
+    rows qualify) with no FP8 conversion anywhere in the kernel."""
+    for key, result in compiled.items():
+        if key.startswith(name + "_split"):
+            assert result["fp8_codes"] is True, key
+            fp8_wgmma = result["fp8_wgmma"]
+            assert isinstance(fp8_wgmma, int) and fp8_wgmma > 0, key
+            assert result["fp8_conversions"] == 0, key

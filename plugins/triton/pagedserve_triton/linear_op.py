@@ -3,11 +3,13 @@ as one operator `torch.compile` keeps opaque.
 
 Which steps take the Triton kernel: with 16-bit weights, steps of at most `ROWS_16BIT` tokens
 (where it was measured ahead of cuBLAS); with FP8 weights, steps of at most `ROWS_FP8` tokens.
-Up to `FP8_MID_ROWS` rows the FP8 weights are widened and the activations stay exact (the
-alternative, `torch._scaled_mm`, quantizes the activations of every step and was measured behind:
-4.7 against 2.9 ms of GEMMs per step at one row on an H100); past it the activations are
-quantized per row as `torch._scaled_mm` would get them and the dot runs on the FP8 tensor cores,
-where widened weights had made the kernel compute-bound (6.5 ms per step at 128 rows).
+Up to `FP8_FEW_ROWS` rows the FP8 weights are widened and the activations stay exact (the
+alternative, quantizing the activations of every step, costs a launch per product: on an H100 at
+one row 2.7 ms of FP8-codes products plus 0.5 ms of quantization against 2.9 ms widened). Past it
+the activations are quantized per row as `torch._scaled_mm` would get them and the dot runs on the
+FP8 tensor cores with the weight tile as its M side (`SkinnyGemmConfig.weight_major`), where
+widened weights made the kernel compute-bound: the 8B layer's four products per step took 3.4
+ms against 3.9 at 32 rows and 3.5 against 4.3 at 64, quantization included.
 
 Launch parameters per weight shape come from `choose_config`, fitted to the sweep of
 `benchmarks/skinny_gemm.py --sweep --fp8` on an H100 (8B Llama shapes, 1 row): the winners differ
@@ -32,8 +34,7 @@ from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, row_block,
 
 ROWS_16BIT = 16  # the most rows 16-bit (and float32) weights take the Triton kernel for
 ROWS_FP8 = MAX_ROWS  # the most rows FP8 weights take it for
-FP8_FEW_ROWS = 16  # FP8 launch parameters swept at one row serve up to this many rows
-FP8_MID_ROWS = 64  # FP8 launch parameters swept at 32 and 64 rows serve up to this many rows
+FP8_FEW_ROWS = 16  # the most rows FP8 weights meet exact (widened) activations for
 
 _NARROW = SkinnyGemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6)
 _WIDE_OR_SQUARE = SkinnyGemmConfig(block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=4)
@@ -67,33 +68,24 @@ def choose_config(
     activation rows of `x_dtype`. Pure.
 
     16-bit weights: one K pass per program (the grid over N alone fills an H100 from N = 4096);
-    64-column blocks for mid-sized outputs (qkv-like). FP8 weights carry half the bytes per
-    program, so outputs narrower than 16384 columns split K (2 ways, 4 for K > 8192) to keep
-    enough loads in flight. Past 16 rows every program re-reads a larger activation block, so FP8
-    weights then take 128-deep K tiles, 2-way K splits for outputs narrower than 16384 columns and
-    wider column blocks for wide outputs (64 columns up to 32 rows, 128 above): on an H100 this
-    took the 8B layer's four products from 5.1 to 4.3 ms per step at 32 rows and from 6.9 to
-    4.7 ms at 64 (`benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 32`, and 64). Past
-    64 rows the activations are FP8 codes on the FP8 tensor cores: 4-stage pipelines, 256-deep K
-    tiles (128 for wide outputs), 2-way K splits for K > 8192, 32-column blocks for the square
-    output; within 1% of the best of the wide grid at 128 rows on an H100 for each product: 4.0
-    ms per step against 4.3 for quantized activations through `torch._scaled_mm` and 5.7 for bf16
-    cuBLAS (`--sweep --grid wide --sweep-rows 128`).
+    64-column blocks for mid-sized outputs (qkv-like). FP8 weights with widened activations (up
+    to `FP8_FEW_ROWS` rows) carry half the bytes per program, so outputs narrower than 16384
+    columns split K (2 ways, 4 for K > 8192) to keep enough loads in flight. Past it (FP8
+    activation codes, `activation_dtype`) the dot is weight-major: 64-column blocks (the FP8
+    tensor cores' 64-row side), 4-stage pipelines, 256-deep K tiles (128 for wide outputs past 64
+    rows), 2-way K splits for K > 8192 and for outputs of at most 4096 columns; fitted on an H100
+    to `benchmarks/skinny_gemm.py --sweep --grid codes` for each 8B product at 32, 64 and 128
+    rows.
     float32 (tiny test models) gets small tiles. The pipeline depth is then cut until the
     stages' tiles fit `shared_memory`."""
     if weight_dtype.itemsize == 4 or x_dtype.itemsize == 4:
         config = _FLOAT32
     elif weight_dtype.itemsize == 2:
         config = _NARROW if 6144 <= n < 16384 else _WIDE_OR_SQUARE
-    elif rows > FP8_MID_ROWS:  # FP8 activation codes (`activation_dtype`)
-        split = 2 if k > 8192 else 1
-        block_n = 32 if n <= 4096 and split == 1 else 64
-        block_k = 128 if n >= 16384 else 256
-        config = SkinnyGemmConfig(block_n, block_k, split_k=split, num_warps=4, num_stages=4)
-    elif rows > FP8_FEW_ROWS:
-        block_n = 32 if n < 16384 else (64 if rows <= 32 else 128)
-        split = 1 if n >= 16384 else 2
-        config = SkinnyGemmConfig(block_n, block_k=128, split_k=split, num_warps=4, num_stages=3)
+    elif rows > FP8_FEW_ROWS:  # FP8 activation codes (`activation_dtype`)
+        split = 2 if k > 8192 or n <= 4096 else 1
+        block_k = 128 if n >= 16384 and rows > 64 else 256
+        config = SkinnyGemmConfig(64, block_k, split, num_warps=4, num_stages=4, weight_major=True)
     else:
         split = 1 if n >= 16384 else (2 if k <= 8192 else 4)
         block_k = 128 if 16384 <= n < 65536 else 256
@@ -121,10 +113,9 @@ def fit_shared_memory(
 
 def activation_dtype(weight_dtype: torch.dtype, rows: int, x_dtype: torch.dtype) -> torch.dtype:
     """The dtype the Triton kernel reads activations in: FP8 codes for FP8 weights past
-    `FP8_MID_ROWS` rows (the FP8 tensor cores, where widening the weights to 16 bits made the
-    kernel compute-bound: measured slower than bf16 cuBLAS at 65-128 rows on an H100), else the
-    activations' own dtype. Pure."""
-    return FP8_WEIGHT_DTYPE if weight_dtype == FP8_WEIGHT_DTYPE and rows > FP8_MID_ROWS else x_dtype
+    `FP8_FEW_ROWS` rows (the FP8 tensor cores, where widening the weights to 16 bits made the
+    kernel compute-bound), else the activations' own dtype. Pure."""
+    return FP8_WEIGHT_DTYPE if weight_dtype == FP8_WEIGHT_DTYPE and rows > FP8_FEW_ROWS else x_dtype
 
 
 def max_kernel_rows(weight_dtype: torch.dtype) -> int:
@@ -153,7 +144,7 @@ def kernel_linear(
     scale: torch.Tensor | None,  # [N] float32 (FP8 weights)
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """The Triton kernel's product as the operator runs it: past `FP8_MID_ROWS` rows FP8 weights
+    """The Triton kernel's product as the operator runs it: past `FP8_FEW_ROWS` rows FP8 weights
     meet activations quantized per row (`quantize_rows_fused`, as `torch._scaled_mm` would get),
     below it the weights are widened and the activations stay exact. Pure."""
     if activation_dtype(weight.dtype, x.shape[0], x.dtype) == x.dtype:

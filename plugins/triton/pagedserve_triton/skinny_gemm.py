@@ -23,8 +23,14 @@ is built for the weight stream only:
   stream) and the per-output-channel scale multiplies the float32 accumulator once, so a decode
   step streams one byte per weight and never quantizes its activations.
 * Activations may instead arrive as FP8 codes with per-row scales (the caller quantized them:
-  `linear_op.kernel_linear` does past 64 rows, where widened weights made the dot compute-bound);
+  `linear_op.kernel_linear` does past 16 rows, where widened weights made the dot compute-bound);
   FP8 codes times FP8 weights then run on the FP8 tensor cores, both scales in the epilogue.
+* With `weight_major` the dot is turned around: weight tile [BLOCK_N, BLOCK_K] times the
+  transposed activation tile, the accumulator transposed once after the loop. On Hopper the
+  warpgroup MMA instructions need an M side of 64: the weight tile has it at any row count, the
+  activation block of 16-32 rows does not, and Triton then falls back to the older MMA, which
+  has no FP8 form there and widens both FP8 operands first (sm_90 machine code: 96 conversion
+  instructions per 8 KiB of weights, none weight-major).
 
 What it does not do: a gated MLP's `silu(gate) * up`, in either of the two places a GEMM could
 compute it, both built and measured slower than this kernel plus the compiled model's fused
@@ -77,6 +83,7 @@ def skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
     WIDEN_BITS: tl.constexpr,  # FP8 weights widened by `widen_fp8`'s bit-moving path (NVIDIA)
+    WEIGHT_MAJOR: tl.constexpr,  # the dot takes the weight tile as its M side (see `SkinnyGemmConfig`)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -90,7 +97,10 @@ def skinny_gemm_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WEIGHT_MAJOR:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         offs_k = k + offs_kb
         if EVEN_K:
@@ -105,7 +115,12 @@ def skinny_gemm_kernel(
         if DOT_IN_FP32:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        if WEIGHT_MAJOR:
+            acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    if WEIGHT_MAJOR:
+        acc = tl.trans(acc)
     if SPLIT_K == 1:
         _store_output(
             acc, out_ptr, scale_ptr, x_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, mask_mn,
@@ -197,6 +212,7 @@ class SkinnyGemmConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    weight_major: bool = False  # the weight tile is the dot's M side (needs block_n >= 64 on Hopper)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "split_k"):
@@ -260,7 +276,7 @@ def skinny_linear(
         HAS_SCALE=scale is not None, HAS_X_SCALE=x_scale is not None, HAS_BIAS=bias is not None,
         # The interpreter's bfloat16 dot multiplies raw bits, and it has no FP8 dot.
         DOT_IN_FP32=INTERPRETED and (x.dtype == torch.bfloat16 or x_scale is not None),
-        WIDEN_BITS=bit_widening(x.device, weight.dtype, x.dtype),
+        WIDEN_BITS=bit_widening(x.device, weight.dtype, x.dtype), WEIGHT_MAJOR=config.weight_major,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction
 
 from pagedserve.models.fp8 import quantize_rows, scaled_linear
-from pagedserve_triton.linear_activations import quantize_rows_fused
+from pagedserve_triton.linear_activations import ONE_PASS_COLUMNS, quantize_rows_fused
 from pagedserve_triton.linear_op import (
     LINEAR_KERNEL,
     ROWS_16BIT,
@@ -186,10 +186,11 @@ def test_split_k_launches_leave_their_counters_at_zero() -> None:
         split_counters(x.device, MAX_COLUMN_BLOCKS + 1)
 
 
-@pytest.mark.parametrize(("rows", "k"), [(3, 96), (2, 4096 + 40)])
+@pytest.mark.parametrize(("rows", "k"), [(3, 96), (2, 4096 + 40), (2, ONE_PASS_COLUMNS + 40)])
 def test_fused_activation_quantization_is_bit_exact(rows: int, k: int) -> None:
     """Magnitudes from 1e-9 to 1e4 (subnormal codes, the clamp at 448 after scaling), an all-zero
-    row, and K past one block: codes and scales equal `quantize_rows` bit for bit."""
+    row, rows read once and rows too long for that (two passes): codes and scales equal
+    `quantize_rows` bit for bit."""
     gen = torch.Generator().manual_seed(k)
     x = (torch.randn(rows, k, generator=gen) * torch.exp(torch.randn(rows, k, generator=gen) * 4)).to(
         torch.bfloat16

@@ -5,7 +5,7 @@
 Inside an operator that `torch.compile` keeps opaque nothing fuses torch's elementwise chains, so
 the steps too large for the weight-streaming GEMM quantize their activations for
 `torch._scaled_mm` with `quantize_rows_fused`: bit for bit `pagedserve.models.fp8.quantize_rows`
-(one pass for the amax, one for the codes, the same float32 operations and rounding).
+(the same float32 operations and rounding; rows of up to 16384 columns read once).
 """
 
 from __future__ import annotations
@@ -31,27 +31,44 @@ def quantize_rows_kernel(
     amax_floor,
     fp8_min_subnormal,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # BLOCK >= K: the row is read once and kept in registers
 ):
     """One row per program: `scale = max(amax(|x|), amax_floor) * inv_fp8_max`, then
     `codes = fp8(clamp(x / scale))` (IEEE division, ties to even), exactly as
-    `pagedserve.models.fp8.quantize_rows` does on any device, in one pass for the amax and one for
-    the codes."""
+    `pagedserve.models.fp8.quantize_rows` does on any device. A row that fits one block is read
+    once; a longer one is read in one pass for the amax and one for the codes."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(0, K, BLOCK):
-        x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), amax_floor) * inv_fp8_max
-    tl.store(scales_ptr + row, scale)
-    codes_ty = codes_ptr.dtype.element_ty
-    for k in range(0, K, BLOCK):
-        mask = k + offs < K
-        x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-        q = _round_to_fp8_grid(q, fp8_min_subnormal, 3, -6).to(codes_ty)  # e4m3fn: 3 mantissa bits
-        tl.store(codes_ptr + row.to(tl.int64) * K + k + offs, q, mask=mask)
+    codes_row = codes_ptr + row.to(tl.int64) * K
+    if ONE_PASS:
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor) * inv_fp8_max
+        tl.store(scales_ptr + row, scale)
+        tl.store(codes_row + offs, _codes(x, scale, fp8_max, fp8_min_subnormal, codes_ptr), mask=mask)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in range(0, K, BLOCK):
+            x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), amax_floor) * inv_fp8_max
+        tl.store(scales_ptr + row, scale)
+        for k in range(0, K, BLOCK):
+            mask = k + offs < K
+            x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(codes_row + k + offs, _codes(x, scale, fp8_max, fp8_min_subnormal, codes_ptr), mask=mask)
+
+
+@triton.jit
+def _codes(x, scale, fp8_max, fp8_min_subnormal, codes_ptr):
+    """float32 `x` / `scale`, clamped to the e4m3fn range and rounded to its grid."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+    return _round_to_fp8_grid(q, fp8_min_subnormal, 3, -6).to(codes_ptr.dtype.element_ty)  # 3 mantissa bits
+
+
+ONE_PASS_COLUMNS = 16384
+"""Rows up to this long are quantized in one read (64 float32 values per thread at 8 warps)."""
 
 
 def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +81,8 @@ def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         fmt = FP8_FORMATS[FP8_WEIGHT_DTYPE]
-        block = min(4096, triton.next_power_of_2(k))
+        one_pass = k <= ONE_PASS_COLUMNS
+        block = triton.next_power_of_2(k) if one_pass else 4096
         quantize_rows_kernel[(m,)](
             x,
             codes,
@@ -76,6 +94,7 @@ def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             AMAX_FLOOR,
             fmt.min_subnormal,
             BLOCK=block,
+            ONE_PASS=one_pass,
             num_warps=8,
         )
     return codes, scales

@@ -1019,6 +1019,7 @@ def shipped_params(kernel: str, device_name: str, shape: Shape, max_query_len: i
         block_size=shape.block_size,
         num_queries_per_kv=shape.q_heads // shape.kv_heads,
         dtype=str(shape.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(shape.dtype).removeprefix("torch."),  # the variants' cache: the model's dtype
         max_query_len=query_bucket,
     )
     return {k: v for k, v in params.items() if isinstance(v, bool | int)}
@@ -1113,6 +1114,7 @@ def _shape_keys(shape: Shape, max_query_len: int) -> dict[str, ShapeValue]:
         "block_size": shape.block_size,
         "num_queries_per_kv": shape.q_heads // shape.kv_heads,
         "dtype": str(shape.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(shape.dtype).removeprefix("torch."),
         "max_query_len": 1 << (max(max_query_len, 1) - 1).bit_length(),
     }
 

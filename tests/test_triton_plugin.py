@@ -397,3 +397,29 @@ def test_plugin_without_triton_is_unavailable_not_broken() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "triton cannot be imported" in done.stdout
+
+
+def test_an_fp8_cache_gets_its_own_decode_config_on_the_h100() -> None:
+    """The cache's dtype is a shape key: FP8-cache decodes on an H100 take the entry swept with an
+    FP8 cache, bf16 caches keep theirs, and a device without an FP8 entry falls back to the
+    decode entry of the model's dtype."""
+    params = LaunchParams()
+
+    def decode(device: str, kv: torch.dtype | None) -> AttentionLaunchConfig:
+        return params.attention(
+            "unified_attention_2d",
+            device,
+            head_size=128,
+            block_size=16,
+            num_queries_per_kv=4,
+            dtype=torch.bfloat16,
+            max_query_len=1,
+            kv_cache_dtype=kv,
+        )
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    fp8, bf16 = decode(h100, torch.float8_e4m3fn), decode(h100, torch.bfloat16)
+    assert (fp8.tile_size, fp8.num_stages, fp8.prefetch_block_ids) == (32, 3, True)
+    assert (bf16.tile_size, bf16.num_stages, bf16.prefetch_block_ids) == (64, 2, False)
+    assert decode(h100, None) == bf16  # no cache dtype given: the cache holds the model's dtype
+    assert decode("cpu", torch.float8_e4m3fn) == decode("cpu", torch.bfloat16)

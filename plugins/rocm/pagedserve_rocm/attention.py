@@ -185,8 +185,11 @@ class RocmUnifiedAttentionBackend(TritonUnifiedAttentionBackend):
         num_queries_per_kv: int,
         dtype: torch.dtype,
         max_query_len: int,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> AttentionLaunchConfig:
-        """The architecture table's config, with the AMD-only options the launch cannot take removed."""
+        """The architecture table's config, with the AMD-only options the launch cannot take removed.
+        The tables hold one config per shape class whatever the cache's dtype (`kv_cache_dtype` is
+        not looked at)."""
         return self.rocm_config(
             kernel,
             self.target(device),

@@ -371,6 +371,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             num_queries_per_kv=queries_per_kv,
             dtype=query.dtype,
             max_query_len=metadata.max_query_len,
+            kv_cache_dtype=kv_cache.dtype,
         )
         block_m = max(cfg.block_m, triton.next_power_of_2(queries_per_kv))
         block_q = block_m // queries_per_kv
@@ -532,6 +533,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         num_queries_per_kv: int,
         dtype: torch.dtype,
         max_query_len: int,
+        kv_cache_dtype: torch.dtype | None = None,  # None: the cache holds `dtype`
     ) -> AttentionLaunchConfig:
         """Launch parameters of "unified_attention_2d" or "unified_attention_3d" for this shape class
         on `device`, from the tuned configs. Mutates only the launch-parameter cache."""
@@ -543,6 +545,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             num_queries_per_kv=num_queries_per_kv,
             dtype=dtype,
             max_query_len=max_query_len,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     def grid_groups(self, device: torch.device) -> int:

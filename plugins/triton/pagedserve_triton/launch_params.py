@@ -10,6 +10,7 @@ class, so the hot path does a dict lookup and never autotunes. The offline sweep
 Shape keys passed to the lookup (every file's `match` may use any of them, exact or `_le`/`_ge`):
   attention kernels ("unified_attention_2d", "unified_attention_3d"):
       head_size, block_size, num_queries_per_kv, dtype ("float16", "bfloat16", "float32"),
+      kv_cache_dtype (the cache's: `dtype`'s name, or "float8_e4m3fn" / "float8_e5m2"),
       max_query_len (rounded UP to a power of two, so write bounds as powers of two)
   "reduce_segments", "reshape_and_cache": head_size
   "copy_blocks": block_elems (block_size * num_kv_heads * head_size)
@@ -120,7 +121,7 @@ def warp_specialize_supported(device: torch.device) -> bool:
 
 
 def dtype_key(dtype: torch.dtype) -> str:
-    """The `dtype` shape key: "float16", "bfloat16" or "float32". Pure."""
+    """The `dtype` / `kv_cache_dtype` shape key: "bfloat16", "float8_e4m3fn", .... Pure."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -131,7 +132,7 @@ class LaunchParams:
 
     def __init__(self, configs: TunedConfigs | None = None) -> None:
         self._configs = configs if configs is not None else TunedConfigs.from_files(tuned_config_files())
-        self._attention: dict[tuple[str, str, int, int, int, str, int], AttentionLaunchConfig] = {}
+        self._attention: dict[tuple[str, str, int, int, int, str, str, int], AttentionLaunchConfig] = {}
         self._simple: dict[tuple[str, str, tuple[tuple[str, int], ...]], SimpleLaunchConfig] = {}
 
     def attention(
@@ -144,10 +145,13 @@ class LaunchParams:
         num_queries_per_kv: int,
         dtype: torch.dtype,
         max_query_len: int,
+        kv_cache_dtype: torch.dtype | None = None,  # None: the cache holds `dtype`
     ) -> AttentionLaunchConfig:
         """Params of "unified_attention_2d" or "unified_attention_3d" for this shape class."""
         query_bucket = 1 << (max(max_query_len, 1) - 1).bit_length()  # next power of two
-        key = (kernel, device_name, head_size, block_size, num_queries_per_kv, dtype_key(dtype), query_bucket)
+        kv_key = dtype_key(kv_cache_dtype if kv_cache_dtype is not None else dtype)
+        dtypes = (dtype_key(dtype), kv_key)
+        key = (kernel, device_name, head_size, block_size, num_queries_per_kv, *dtypes, query_bucket)
         cached = self._attention.get(key)
         if cached is not None:
             return cached
@@ -156,6 +160,7 @@ class LaunchParams:
             "block_size": block_size,
             "num_queries_per_kv": num_queries_per_kv,
             "dtype": dtype_key(dtype),
+            "kv_cache_dtype": kv_key,
             "max_query_len": query_bucket,
         }
         params = self._configs.lookup(kernel, device_name, **shape)

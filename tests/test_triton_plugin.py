@@ -169,15 +169,22 @@ def _one_entry(params: dict[str, object]) -> LaunchParams:
     return LaunchParams(TunedConfigs([(Path("<test>"), TunedConfigFile.model_validate(content))]))
 
 
-def _lookup(params: LaunchParams) -> AttentionLaunchConfig:
+def _lookup(
+    params: LaunchParams,
+    device: str = "cpu",
+    max_query_len: int = 2048,
+    kv_cache_dtype: torch.dtype | None = None,
+) -> AttentionLaunchConfig:
+    """The 2D kernel's params for an 8B layer (head size 128, 4 queries per KV head, bf16)."""
     return params.attention(
         "unified_attention_2d",
-        "cpu",
+        device,
         head_size=128,
         block_size=16,
         num_queries_per_kv=4,
         dtype=torch.bfloat16,
-        max_query_len=2048,
+        max_query_len=max_query_len,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -406,20 +413,10 @@ def test_an_fp8_cache_gets_its_own_decode_config_on_the_h100() -> None:
     params = LaunchParams()
 
     def decode(device: str, kv: torch.dtype | None) -> AttentionLaunchConfig:
-        return params.attention(
-            "unified_attention_2d",
-            device,
-            head_size=128,
-            block_size=16,
-            num_queries_per_kv=4,
-            dtype=torch.bfloat16,
-            max_query_len=1,
-            kv_cache_dtype=kv,
-        )
+        return _lookup(params, device, max_query_len=1, kv_cache_dtype=kv)
 
-    h100 = "NVIDIA H100 80GB HBM3"
-    fp8, bf16 = decode(h100, torch.float8_e4m3fn), decode(h100, torch.bfloat16)
+    fp8, bf16 = decode(H100, torch.float8_e4m3fn), decode(H100, torch.bfloat16)
     assert (fp8.tile_size, fp8.num_stages, fp8.prefetch_block_ids) == (32, 3, True)
     assert (bf16.tile_size, bf16.num_stages, bf16.prefetch_block_ids) == (64, 2, False)
-    assert decode(h100, None) == bf16  # no cache dtype given: the cache holds the model's dtype
+    assert decode(H100, None) == bf16  # no cache dtype given: the cache holds the model's dtype
     assert decode("cpu", torch.float8_e4m3fn) == decode("cpu", torch.bfloat16)

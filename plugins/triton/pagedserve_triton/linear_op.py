@@ -8,8 +8,8 @@ alternative, quantizing the activations of every step, costs a launch per produc
 one row 2.7 ms of FP8-codes products plus 0.5 ms of quantization against 2.9 ms widened). Past it
 the activations are quantized per row as `torch._scaled_mm` would get them and the dot runs on the
 FP8 tensor cores with the weight tile as its M side (`SkinnyGemmConfig.weight_major`), where
-widened weights made the kernel compute-bound: the 8B layer's four products per step took 3.4
-ms against 3.9 at 32 rows and 3.5 against 4.3 at 64, quantization included.
+widened weights made the kernel compute-bound: the 8B layer's four products per step took 3.5
+ms against 3.9 at 32 rows and 3.7 against 4.3 at 64, quantization included.
 
 Launch parameters per weight shape come from `choose_config`, fitted to the sweep of
 `benchmarks/skinny_gemm.py --sweep --fp8` on an H100 (8B Llama shapes, 1 row): the winners differ

@@ -249,6 +249,16 @@ def _config_file(kernel: str, family: str, entries: list[dict[str, object]]) -> 
     return content
 
 
+def configs_with_point(kernel: str, params: dict[str, Any]) -> TunedConfigs:
+    """The shipped tuned configs, except that `kernel` gets only `params`: one point of a sweep,
+    the other kernels on their shipped configs."""
+    content = _config_file(kernel, "default", [{"params": params}])
+    files = [(Path(f"<sweep {kernel}>"), TunedConfigFile.model_validate(content))]
+    others = [p for p in sorted(CONFIG_DIR.glob("*.json")) if not p.name.startswith(kernel + "-")]
+    files += [(p, TunedConfigFile.model_validate_json(p.read_text())) for p in others]
+    return TunedConfigs(files)
+
+
 def tune(shape: Shape, out_dir: Path) -> None:
     """Sweep 2D params on a decode class and a prefill class, 3D params on a long decode, and write
     `<kernel>-<family>.json` with entries for this head size ahead of the default file's entries."""
@@ -273,13 +283,9 @@ def tune(shape: Shape, out_dir: Path) -> None:
             params = dict(zip(grid, values, strict=True))
             if cls == "decode" and params["BLOCK_M"] > max(16, shape.q_heads // shape.kv_heads):
                 continue  # a decode tile holds one token: more rows than grouped heads are wasted
-            content = _config_file(kernel, "default", [{"params": params}])
-            files = [(Path(f"<sweep {kernel}>"), TunedConfigFile.model_validate(content))]
-            # The other kernels keep their shipped configs; the swept kernel gets only this point.
-            others = [p for p in sorted(CONFIG_DIR.glob("*.json")) if not p.name.startswith(kernel + "-")]
-            files += [(p, TunedConfigFile.model_validate_json(p.read_text())) for p in others]
+            splits = 1 if kernel.endswith("2d") else None
             try:
-                t = triton_time(batch, 1 if kernel.endswith("2d") else None, TunedConfigs(files))
+                t = triton_time(batch, splits, configs_with_point(kernel, params))
             except Exception as e:  # out of shared memory / registers: skip this point, say so
                 print(f"  {kernel} {cls} {params}: {type(e).__name__}")
                 continue

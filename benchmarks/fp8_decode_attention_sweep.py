@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from attention import CONFIG_DIR, Shape, _config_file, kv_bytes, make_batch, triton_time
+from attention import Shape, configs_with_point, kv_bytes, make_batch, triton_time
 
-from pagedserve.platforms.tuned_configs import TunedConfigFile, TunedConfigs
+from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.launch_params import tuned_config_files
 
 SHAPE = Shape(q_heads=32, kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
@@ -46,19 +46,11 @@ def sweep_case(batch: int, context: int) -> dict[str, Any]:
         "bf16_shipped_us": triton_time(bf16, 1, shipped),
         "fp8_shipped_us": triton_time(fp8, 1, shipped),
     }
-    # The swept kernel gets only the grid point; the others keep their shipped files.
-    others = [p for p in sorted(CONFIG_DIR.glob("*.json")) if not p.name.startswith("unified_attention_2d-")]
-    other_files = [(p, TunedConfigFile.model_validate_json(p.read_text())) for p in others]
     timed: list[tuple[float, dict[str, Any]]] = []
     for values in itertools.product(*GRID.values()):
         params = dict(zip(GRID, values, strict=True))
-        point = TunedConfigFile.model_validate(
-            _config_file("unified_attention_2d", "default", [{"params": params}])
-        )
         try:
-            timed.append(
-                (triton_time(fp8, 1, TunedConfigs([(Path("<sweep>"), point), *other_files])), params)
-            )
+            timed.append((triton_time(fp8, 1, configs_with_point("unified_attention_2d", params)), params))
         except Exception as exc:  # out of shared memory / registers: skip the point, say so
             print(f"  {params}: {type(exc).__name__}", flush=True)
     timed.sort(key=lambda t: t[0])

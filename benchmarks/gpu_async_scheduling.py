@@ -18,7 +18,8 @@ step in flight and hide exactly what is measured):
   * the decode measurements also list the kernels that took the most device time per step.
 
 `--quantization fp8` and `--kv-cache-dtype fp8` measure the same with FP8 weights and/or an FP8
-KV cache (the KV pool keeps `--num-kv-blocks` blocks either way).
+KV cache (the KV pool keeps `--num-kv-blocks` blocks either way); `--no-programmatic-launch` the
+same with every kernel launched after the previous one has finished.
 
     python benchmarks/gpu_async_scheduling.py --platform cuda --json async.json
     python benchmarks/gpu_async_scheduling.py --platform cuda --workload sharegpt_like_256.json
@@ -123,6 +124,7 @@ def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) ->
             async_scheduling=async_scheduling,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            programmatic_launch=not args.no_programmatic_launch,
         )
     )
     out: dict[str, Any] = {"single_stream": single_stream(engine, args.prompt_len, args.output_len)}
@@ -181,6 +183,11 @@ def main() -> None:
     parser.add_argument("--modes", default="async,sync")
     parser.add_argument("--quantization", choices=["fp8"], help="FP8 weights (the same measurements)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
+    parser.add_argument(
+        "--no-programmatic-launch",
+        action="store_true",
+        help="launch kernels one after another (the engine's programmatic_launch=False)",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

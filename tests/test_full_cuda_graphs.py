@@ -21,6 +21,7 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.cli.engine_options import add_engine_options, engine_args_from
 from pagedserve.config import EngineArgs
+from pagedserve.models.loader import load_model
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape
 from pagedserve.worker.cuda_graphs import default_graph_sizes, padded_size
@@ -33,7 +34,12 @@ from pagedserve.worker.full_cuda_graphs import (
     forward_graph_key,
     seq_len_buckets,
 )
-from pagedserve.worker.gpu_compile import configure_compile_caches
+from pagedserve.worker.gpu_compile import (
+    PROGRAMMATIC_MAX_TOKENS,
+    GpuCompiledForward,
+    configure_compile_caches,
+    programmatic_options,
+)
 from pagedserve.worker.graph_modes import GraphPlan, plan_graphs, step_path
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.warmup import WarmupBatch, attention_warmup_batches, prepare_runner, warm_up_attention
@@ -555,6 +561,50 @@ def test_warm_up_attention_runs_every_batch_and_leaves_the_cache_alone() -> None
     # Once per batch and per layer layout (full attention and the 4-token window).
     assert sorted(calls, key=str) == sorted([(b.num_tokens, w) for b in batches for w in (None, 4)], key=str)
     assert torch.equal(cache, before)
+
+
+# ----------------------------------------------------------------------------- programmatic launches
+def test_programmatic_launch_needs_the_compiled_forward_and_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    assert _plan_with(programmatic_launch=True).programmatic_launch
+    assert "programmatic dependent launches" in _plan_with(programmatic_launch=True).describe()
+    assert not _plan_with(programmatic_launch=False).programmatic_launch
+    assert not _plan_with(programmatic_launch=True, gpu_compile=False).programmatic_launch
+    assert not _plan_with(programmatic_launch=True, enforce_eager=True).programmatic_launch
+    capability[0] = (8, 9)
+    ada = _plan_with(programmatic_launch=True)
+    assert not ada.programmatic_launch
+    assert any("sm_89 has no programmatic dependent launch" in note for note in ada.notes)
+
+
+def _plan_with(**overrides: object) -> GraphPlan:
+    kwargs: dict[str, object] = dict(
+        enforce_eager=False, gpu_compile=True, device=CUDA, spec=_spec(), backend_supports_full=True,
+        cache_ops_skip_padding=True,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    return plan_graphs("full_and_piecewise", **kwargs)  # type: ignore[arg-type]
+
+
+def test_short_steps_run_the_programmatic_compilation(checkpoint: Path) -> None:
+    """With programmatic launches, steps of at most PROGRAMMATIC_MAX_TOKENS tokens run the second
+    compilation (inductor's `triton.enable_pdl`), longer ones the plain one; warm-up covers both."""
+    model = load_model(checkpoint, dtype=torch.float32).model
+    plain = GpuCompiledForward(model)
+    assert not plain.programmatic and plain.warm_up_sizes() == (2, 1)
+    if programmatic_options() is None:
+        pytest.skip("this torch's inductor has no programmatic dependent launches")
+    compiled = GpuCompiledForward(model, programmatic_launch=True)
+    assert compiled.programmatic
+    assert compiled.warm_up_sizes() == (2, 1, PROGRAMMATIC_MAX_TOKENS + 1)
+    calls: list[str] = []
+    compiled._short = lambda ids, positions: calls.append("short") or ids  # type: ignore[assignment]
+    compiled._forward = lambda ids, positions: calls.append("plain") or ids  # type: ignore[assignment]
+    for tokens in (1, PROGRAMMATIC_MAX_TOKENS, PROGRAMMATIC_MAX_TOKENS + 1, 300):
+        ids = torch.zeros(tokens, dtype=torch.long)
+        compiled(ids, ids)
+    assert calls == ["short", "short", "plain", "plain"]
 
 
 # ----------------------------------------------------------------------------- compile caches

@@ -1,4 +1,4 @@
-"""Linear layers routed through a platform's `LinearKernel` (API 1.2/1.3), on CPU with a torch operator."""
+"""Linear layers routed through a platform's `LinearKernel` (API 1.2-1.4), on CPU with a torch operator."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pagedserve.models.platform_linear import PlatformLinear, route_linear_layer
 from pagedserve.platforms.api import LinearKernel
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve.platforms.registry import PlatformRegistry
+from pagedserve.worker.runner_setup import _route_linear_layers
 
 CALLS: list[int] = []  # rows of every call of the test operator
 
@@ -40,6 +41,19 @@ def _(
 
 KERNEL = LinearKernel(
     name="counting test GEMM", op=_counting_linear, weight_dtypes=frozenset({torch.float8_e4m3fn})
+)
+
+
+@torch.library.custom_op("pagedserve_tests::linear_dependent", mutates_args=())
+def _dependent_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return _counting_linear(x, weight, scale, bias)
+
+
+_dependent_linear.register_fake(_counting_linear._abstract_fn)
+DEPENDENT_KERNEL = LinearKernel(
+    name="counting test GEMM", op=_counting_linear, weight_dtypes=frozenset(), dependent_op=_dependent_linear
 )
 GATED_CALLS: list[int] = []  # rows of every call of the test's gated operator
 
@@ -233,6 +247,29 @@ def test_platform_answers_are_checked() -> None:
     assert any("not a LinearKernel" in str(problem) for problem in registry.load_errors)
 
 
+@pytest.mark.parametrize("programmatic", [True, False])
+def test_programmatic_launch_routes_the_dependent_operator(checkpoint: Path, programmatic: bool) -> None:
+    """With `programmatic_launch` every routed layer and the LM head run the kernel's
+    `dependent_op`; without it, or for a kernel that has none, its `op`."""
+
+    class _Platform:
+        def __init__(self, kernel: LinearKernel) -> None:
+            self.kernel = kernel
+
+        def linear_kernel(self) -> LinearKernel:
+            return self.kernel
+
+    for kernel in (DEPENDENT_KERNEL, KERNEL):
+        model = load_model(checkpoint, dtype=torch.float32).model
+        _route_linear_layers(model, _Platform(kernel), torch.float32, programmatic)  # type: ignore[arg-type]
+        expected = _dependent_linear if programmatic and kernel is DEPENDENT_KERNEL else _counting_linear
+        layer = model.model.layers[0]
+        assert layer.self_attn.qkv_proj.kernel.op is expected
+        assert layer.mlp.down_proj.kernel.op is expected
+        assert model.head_kernel is not None and model.head_kernel.op is expected
+        assert ("programmatic" in model.head_kernel.name) == (expected is _dependent_linear)
+
+
 def test_the_command_line_turns_the_routing_off() -> None:
     import argparse
 
@@ -242,3 +279,6 @@ def test_the_command_line_turns_the_routing_off() -> None:
     add_engine_options(parser)
     assert engine_args_from(parser.parse_args([]), None).platform_linear is True
     assert engine_args_from(parser.parse_args(["--no-platform-linear"]), None).platform_linear is False
+    assert engine_args_from(parser.parse_args([]), None).programmatic_launch is True
+    no_pdl = engine_args_from(parser.parse_args(["--no-programmatic-launch"]), None)
+    assert no_pdl.programmatic_launch is False

@@ -27,6 +27,7 @@ from pagedserve_triton.linear_op import (
     linear,
     max_kernel_rows,
 )
+from pagedserve_triton.programmatic_launch import programmatic_launch_supported
 from pagedserve_triton.skinny_gemm import (
     MAX_COLUMN_BLOCKS,
     MAX_ROWS,
@@ -226,6 +227,20 @@ def test_refuses_what_it_does_not_take() -> None:
         skinny_linear(torch.randn(4, 32), codes, config, x_scale=scales.reshape(-1))
     with pytest.raises(ValueError, match="an out_dtype and FP8 weights"):
         skinny_linear(codes, codes, config, x_scale=scales.reshape(-1))
+
+
+def test_programmatic_launches_are_refused_where_there_are_none() -> None:
+    """Off an sm_90+ NVIDIA GPU (here: CPU tensors, the interpreter) a dependent launch is a clear
+    error, and the plugin's dependent operator runs the plain product."""
+    config = SkinnyGemmConfig(16, 32, 1, 4, 2)
+    x, w = torch.randn(2, 32), torch.randn(16, 32)
+    assert not programmatic_launch_supported(x.device)
+    with pytest.raises(ValueError, match="no programmatic dependent launch"):
+        skinny_linear(x, w, config, dependent=True)
+    with pytest.raises(ValueError, match="no programmatic dependent launch"):
+        quantize_rows_fused(x, dependent=True)
+    assert LINEAR_KERNEL.dependent_op is not None
+    assert torch.equal(LINEAR_KERNEL.dependent_op(x, w, None, None), LINEAR_KERNEL.op(x, w, None, None))
 
 
 def test_configs_follow_the_measured_rules_and_fit_shared_memory() -> None:

@@ -1,7 +1,8 @@
 """The weight-streaming GEMM and the platform linear operator on a real NVIDIA GPU: numbers against
 torch at the 8B model's shapes (bf16 and FP8 weights, every row count
-the engine sends it), the fused activation quantization bit for bit, and the engine's greedy
-tokens with the routing on and off.
+the engine sends it), programmatic dependent launches against plain ones, the fused activation
+quantization bit for bit, and the engine's greedy tokens with the routing on and off and with
+programmatic launches off.
 
 Skipped without an NVIDIA GPU of compute capability 8.9+ (FP8), and when the Triton kernels were
 imported in interpreter mode in this process.
@@ -61,6 +62,55 @@ def test_operator_matches_torch(n: int, k: int, rows: int) -> None:
     )
 
 
+SM90 = SM89 and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.skipif(not SM90, reason="programmatic dependent launches need sm_90+")
+@pytest.mark.parametrize("rows", [1, 16, 32, 128])
+def test_dependent_launches_give_the_same_products(rows: int) -> None:
+    """Each 8B product as programmatic dependent launches (FP8 past 16 rows: the quantization
+    too) equals the plain launch bit for bit, eagerly and replayed from one CUDA graph where each
+    product's input is the previous one's output (a launch that read its input early would read
+    the last replay's)."""
+    from pagedserve.models.fp8 import quantize_rows
+    from pagedserve_triton.linear_op import kernel_config, kernel_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    layers = []
+    for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (4096, 4096)]:
+        w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
+        codes, scales = quantize_rows(w.float())
+        layers.append((w, codes, scales.reshape(-1)))
+    x = torch.randn(rows, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    def chain(dependent: bool, fp8: bool) -> torch.Tensor:
+        h = x
+        for w, codes, scales in layers:
+            weight, scale = (codes, scales) if fp8 else (w, None)
+            config = kernel_config(h, weight)
+            if config is None:  # bf16 past 16 rows: torch's GEMM, nothing to compare
+                return h
+            h = kernel_linear(h, weight, config, scale, None, dependent)
+            h = h / h.float().abs().amax().clamp_min(1e-3).to(h.dtype)  # a kernel between products
+        return h
+
+    for fp8 in (False, True):
+        plain = chain(False, fp8)
+        assert torch.equal(chain(True, fp8), plain)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(True, fp8)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = chain(True, fp8)
+        for scale in (0.5, 2.0):
+            x.mul_(scale)
+            graph.replay()
+            assert torch.equal(captured, chain(False, fp8))
+
+
 def test_fused_quantization_is_bit_exact_on_the_gpu() -> None:
     from pagedserve.models.fp8 import quantize_rows
     from pagedserve_triton.linear_activations import quantize_rows_fused
@@ -97,3 +147,4 @@ def test_engine_tokens_do_not_depend_on_the_routing(platform: str, tmp_path: Pat
     reference = tokens(platform="cpu_reference")
     assert tokens(platform=platform) == reference
     assert tokens(platform=platform, platform_linear=False) == reference
+    assert tokens(platform=platform, programmatic_launch=False) == reference

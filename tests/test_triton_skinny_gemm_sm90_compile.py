@@ -3,7 +3,8 @@ the engine's bf16 and FP8 launch parameters at the 8B shapes (FP8 also at 32 and
 activations on the FP8 tensor cores' warpgroup instructions, nothing widened) compile within an
 H100's shared memory, keep their loads pipelined (cp.async), and the split-K launches meet through
 one device-scope acquire-release ticket per column block, after a block-wide barrier, reading the
-other splits' partials from L2. The compilations run in one child process without
+other splits' partials from L2; launched as programmatic dependents they wait before touching
+memory. The compilations run in one child process without
 TRITON_INTERPRET (kernels decorated under the interpreter cannot be compiled)."""
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ for name, n, k, wdt, rows in json.loads(sys.argv[1]):
             BLOCK_M=row_block(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
             EVEN_K=True, HAS_SCALE=wdt == "fp8", HAS_X_SCALE=x_dtype != torch.bfloat16, HAS_BIAS=False,
             DOT_IN_FP32=False, WIDEN_BITS=wdt == "fp8", WEIGHT_MAJOR=config.weight_major,
+            DEPENDENT=False,
         )
         types = {"w_ptr": "*bf16" if wdt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
                  "x_ptr": "*bf16" if x_dtype == torch.bfloat16 else "*fp8e4nv", "x_scale_ptr": "*fp32",
@@ -77,6 +79,31 @@ for name, n, k, wdt, rows in json.loads(sys.argv[1]):
             "fp8_wgmma": len(re.findall(r"wgmma\\.mma_async[\\w.]*\\.e4m3\\.e4m3", ptx)),
             "fp8_conversions": len(re.findall(r"cvt\\.[\\w.]*e4m3", ptx)),
         }
+# programmatic dependent launches: the plain one-pass launch of each case again with DEPENDENT
+for name, n, k, wdt, rows in json.loads(sys.argv[1]):
+    weight = torch.bfloat16 if wdt == "bf16" else torch.float8_e4m3fn
+    x_dtype = activation_dtype(weight, rows, torch.bfloat16)
+    config = choose_config(n, k, weight, x_dtype, rows, H100_BUDGET)
+    constexprs = dict(
+        BLOCK_M=row_block(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        EVEN_K=True, HAS_SCALE=wdt == "fp8", HAS_X_SCALE=x_dtype != torch.bfloat16, HAS_BIAS=False,
+        DOT_IN_FP32=False, WIDEN_BITS=wdt == "fp8", WEIGHT_MAJOR=config.weight_major, DEPENDENT=True,
+    )
+    types = {"w_ptr": "*bf16" if wdt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
+             "x_ptr": "*bf16" if x_dtype == torch.bfloat16 else "*fp8e4nv", "x_scale_ptr": "*fp32",
+             "partial_ptr": "*fp32", "counter_ptr": "*i32"}
+    ptx = sm90_compile(
+        kernel, constexprs, types, config.num_warps, config.num_stages, divisible=("N", "K", "k_per_split"),
+    ).asm["ptx"]
+    memory = r"\\b(?:cp\\.async\\.c[ag]|ld\\.global|st\\.global|atom)\\."
+    accesses = [m.start() for m in re.finditer(memory, ptx)]
+    loads = [m.start() for m in re.finditer(r"\\bcp\\.async\\.c[ag]\\.", ptx)]
+    results[f"{name}_dependent"] = {
+        "waits": [m.start() for m in re.finditer(r"griddepcontrol\\.wait", ptx)],
+        "launches": [m.start() for m in re.finditer(r"griddepcontrol\\.launch_dependents", ptx)],
+        "first_access": min(accesses),
+        "last_load": max(loads),
+    }
 print(json.dumps(results))
 """
 )
@@ -131,3 +158,19 @@ def test_fp8_codes_run_on_the_fp8_warpgroup_mma_without_widening(
             fp8_wgmma = result["fp8_wgmma"]
             assert isinstance(fp8_wgmma, int) and fp8_wgmma > 0, key
             assert result["fp8_conversions"] == 0, key
+
+
+@pytest.mark.parametrize("name", [case[0] for case in CASES])
+def test_dependent_launches_wait_before_any_memory_access(
+    name: str, compiled: dict[str, dict[str, object]]
+) -> None:
+    """Launched as a programmatic dependent, the kernel waits for the previous kernel before its
+    first global memory access and lets the next one launch after its last weight load."""
+    result = compiled[f"{name}_dependent"]
+    waits, launches = result["waits"], result["launches"]
+    assert isinstance(waits, list) and isinstance(launches, list)
+    assert len(waits) == 1 and len(launches) == 1
+    first_access, last_load = result["first_access"], result["last_load"]
+    assert isinstance(first_access, int) and isinstance(last_load, int)
+    assert waits[0] < first_access
+    assert launches[0] > last_load

@@ -113,8 +113,14 @@ class EngineArgs(_Config):
     platform_linear: bool = Field(
         True,
         description="GPU platforms that provide their own GEMM for linear layers (triton, cuda: a "
-        "weight-streaming kernel for steps of at most 16 tokens, 64 with FP8 weights): use it; "
+        "weight-streaming kernel for steps of at most 16 tokens, 128 with FP8 weights): use it; "
         "False keeps torch's (cuBLAS / torch._scaled_mm) for every step",
+    )
+    programmatic_launch: bool = Field(
+        True,
+        description="NVIDIA sm_90+ GPUs: launch the platform's linear-layer kernels (where it offers "
+        "that) and the compiled forward's kernels as programmatic dependent launches, each set up "
+        "while the previous one drains; False (or enforce_eager) launches them one after another",
     )
     cpu_compile: bool = Field(
         False,

@@ -60,6 +60,11 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
         False,
         "GPU: linear layers on torch's GEMMs, not the platform's",
     ),
+    "--no-programmatic-launch": (
+        "programmatic_launch",
+        False,
+        "GPU: launch kernels one after another (no programmatic dependent launches)",
+    ),
     "--skip-tokenizer-init": ("skip_tokenizer_init", True, "no tokenizer: token-id prompts only"),
     "--async-scheduling": ("async_scheduling", True, "schedule step N+1 while step N runs (default on GPUs)"),
     "--no-async-scheduling": ("async_scheduling", False, "every step synchronous (for debugging)"),

@@ -29,6 +29,12 @@ Fused gated activation (API 1.3): `LinearKernel.silu_gate_op`, optional, compute
 MLP's activation `silu(gate) * up` straight from its input and fused gate/up weight, so a
 platform whose GEMM can apply it in its epilogue faster than a separate kernel may do so.
 
+Programmatic dependent launches (API 1.4): `LinearKernel.dependent_op`, optional, is `op` with its
+kernels launched so that each may start while the previous kernel on the stream drains (NVIDIA
+sm_90+), waiting on the device before it touches memory. The engine uses it when
+`EngineArgs.programmatic_launch` is on (the default), and launches the compiled forward's kernels
+the same way.
+
 Full-graph plans (API 1.2): `AttentionBackend.full_graph_key` tells the engine what a backend's
 launches for a batch depend on besides tensor addresses (its plan: kernel, grid, split count), for
 one layer shape (`AttentionLayerShape`). Full decode graphs are captured once per padded request
@@ -50,9 +56,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.3"
+PLUGIN_API_VERSION = "1.4"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.3"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.4"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -142,6 +148,12 @@ class LinearKernel:
     # rounded once. Returns [M, I]. Used instead of `gated_op` when a kernel offers both.
     # None: the model computes it.
     silu_gate_op: LinearOp | None = None
+    # Optional (API 1.4): `op` with its kernels launched as programmatic dependent launches where
+    # the device has them (NVIDIA sm_90+; plainly elsewhere): each kernel may start while the
+    # previous one on the stream drains and waits for it on the device (`griddepcontrol.wait`)
+    # before its first memory access, and lets the next one launch only after that wait. Used
+    # instead of `op` when `EngineArgs.programmatic_launch` is on. None: `op` everywhere.
+    dependent_op: LinearOp | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,12 +47,16 @@ class GraphPlan:
     # JIT the attention kernels at start (`warmup`): on CUDA unless enforce_eager, which asks for
     # the plainest engine (a quick start for debugging)
     warm_up_kernels: bool = True
+    # the compiled forward's kernels are programmatic dependent launches (`programmatic_launch`)
+    programmatic_launch: bool = False
 
     def describe(self) -> str:
         """One line for the log. Pure."""
         kinds = [k for k, on in (("full decode", self.full_decode), ("piecewise", self.piecewise)) if on]
         graphs = " + ".join(kinds) if kinds else "no"
         text = f"{graphs} CUDA graphs, forward {'compiled' if self.compile else 'not compiled'}"
+        if self.compile and self.programmatic_launch:
+            text += " (programmatic dependent launches)"
         return text + ("" if not self.notes else " (" + "; ".join(self.notes) + ")")
 
 
@@ -62,6 +66,7 @@ def plan_graphs(
     enforce_eager: bool,
     gpu_compile: bool,
     device: torch.device,
+    programmatic_launch: bool = False,
     spec: ModelSpec,
     backend_supports_full: bool,
     cache_ops_skip_padding: bool,
@@ -100,7 +105,12 @@ def plan_graphs(
         full = False
     if wanted is CudaGraphMode.NONE:
         notes.append("cudagraph_mode=none")
-    return GraphPlan(piecewise, full, gpu_compile, tuple(notes))
+    programmatic = programmatic_launch and gpu_compile
+    if programmatic and torch.cuda.get_device_capability(device)[0] < 9:
+        major, minor = torch.cuda.get_device_capability(device)
+        notes.append(f"programmatic_launch: sm_{major}{minor} has no programmatic dependent launch (sm_90+)")
+        programmatic = False
+    return GraphPlan(piecewise, full, gpu_compile, tuple(notes), programmatic_launch=programmatic)
 
 
 StepPath = Literal["full", "piecewise", "eager"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -136,7 +136,8 @@ def load_device_model(
     )
     logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
     if args.platform_linear and device.type == "cuda":
-        _route_linear_layers(loaded.model, platform, dtype)
+        programmatic = args.programmatic_launch and not args.enforce_eager
+        _route_linear_layers(loaded.model, platform, dtype, programmatic)
     max_model_len = _max_model_len(args, loaded.spec)
     backend, kv_dtype = choose_backend(platform, loaded.spec, args.block_size, args.kv_cache_dtype)
     max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
@@ -145,12 +146,18 @@ def load_device_model(
     return DeviceModel(platform, loaded, backend, platform.cache_ops(), max_model_len, max_batched, kv_dtype)
 
 
-def _route_linear_layers(model: PagedCausalLM, platform: LoadedPlatform, dtype: torch.dtype) -> None:
-    """Run the decoder's linear layers on the platform's `LinearKernel`, if it has one. Mutates
+def _route_linear_layers(
+    model: PagedCausalLM, platform: LoadedPlatform, dtype: torch.dtype, programmatic: bool
+) -> None:
+    """Run the decoder's linear layers on the platform's `LinearKernel`, if it has one, through
+    its programmatic-dependent-launch operator when `programmatic` and it offers one. Mutates
     `model`."""
     kernel = platform.linear_kernel()
     if kernel is None or not isinstance(model, DecoderForCausalLM):
         return
+    if programmatic and kernel.dependent_op is not None:
+        name = f"{kernel.name}, programmatic dependent launches"
+        kernel = replace(kernel, name=name, op=kernel.dependent_op)
     routed = route_linear_layers(model.model, kernel, dtype)
     if model.vocab_parallel is None and model.packed_head is None:  # a plain LM head in `dtype`
         model.head_kernel = kernel
@@ -229,6 +236,7 @@ def _prepare_graphs(
         # would have to trace as functional ones; ranks run their forward uncompiled for now.
         gpu_compile=args.gpu_compile and not tensor_parallel,
         device=device,
+        programmatic_launch=args.programmatic_launch,
         spec=dm.loaded.spec,
         backend_supports_full=dm.backend.supports_full_cuda_graph,
         cache_ops_skip_padding=dm.cache_ops.skips_negative_slots,

@@ -218,7 +218,7 @@ def prepare_runner(
     compile_s = kernels_s = capture_s = 0.0
     num_batches = 0
     if plan.compile:
-        compiled = GpuCompiledForward(runner.model)
+        compiled = GpuCompiledForward(runner.model, programmatic_launch=plan.programmatic_launch)
         compile_s = compiled.warm_up(runner.kv_caches, runner.backend, runner.cache_ops)
         runner.compiled = compiled
     # Before the sweep: which full graphs will be captured decides which plans it must compile.

@@ -17,6 +17,7 @@ import triton.language as tl
 from pagedserve.attention.kv_cache_dtype import FP8_FORMATS
 from pagedserve.models.fp8 import AMAX_FLOOR, FP8_MAX, FP8_WEIGHT_DTYPE, INV_FP8_MAX
 from pagedserve_triton.cache_kernels import _round_to_fp8_grid
+from pagedserve_triton.programmatic_launch import launch_options
 
 
 @triton.jit
@@ -32,6 +33,7 @@ def quantize_rows_kernel(
     fp8_min_subnormal,
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,  # BLOCK >= K: the row is read once and kept in registers
+    DEPENDENT: tl.constexpr,  # a programmatic dependent launch (`programmatic_launch`)
 ):
     """One row per program: `scale = max(amax(|x|), amax_floor) * inv_fp8_max`, then
     `codes = fp8(clamp(x / scale))` (IEEE division, ties to even), exactly as
@@ -41,9 +43,13 @@ def quantize_rows_kernel(
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     codes_row = codes_ptr + row.to(tl.int64) * K
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
     if ONE_PASS:
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if DEPENDENT:
+            tl.extra.cuda.gdc_launch_dependents()
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor) * inv_fp8_max
         tl.store(scales_ptr + row, scale)
         tl.store(codes_row + offs, _codes(x, scale, fp8_max, fp8_min_subnormal, codes_ptr), mask=mask)
@@ -58,6 +64,8 @@ def quantize_rows_kernel(
             mask = k + offs < K
             x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(codes_row + k + offs, _codes(x, scale, fp8_max, fp8_min_subnormal, codes_ptr), mask=mask)
+        if DEPENDENT:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -71,14 +79,16 @@ ONE_PASS_COLUMNS = 16384
 """Rows up to this long are quantized in one read (64 float32 values per thread at 8 warps)."""
 
 
-def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_fused(x: torch.Tensor, *, dependent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`pagedserve.models.fp8.quantize_rows` in one launch: codes [M, K] float8_e4m3fn and scales
-    [M, 1] float32, bit for bit the same. Allocates both; raises ValueError for a non-2-D `x`."""
+    [M, 1] float32, bit for bit the same; with `dependent` a programmatic dependent launch
+    (`programmatic_launch`). Allocates both; raises ValueError for a non-2-D `x`."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_rows_fused takes [M, K] with unit stride along K, got {tuple(x.shape)}")
     m, k = x.shape
     codes = torch.empty((m, k), dtype=FP8_WEIGHT_DTYPE, device=x.device)
     scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    launch = launch_options(dependent, x.device)
     if m:
         fmt = FP8_FORMATS[FP8_WEIGHT_DTYPE]
         one_pass = k <= ONE_PASS_COLUMNS
@@ -95,6 +105,8 @@ def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             fmt.min_subnormal,
             BLOCK=block,
             ONE_PASS=one_pass,
+            DEPENDENT=dependent,
             num_warps=8,
+            **launch,
         )
     return codes, scales

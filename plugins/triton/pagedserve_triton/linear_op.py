@@ -30,11 +30,16 @@ import triton
 from pagedserve.models.fp8 import FP8_WEIGHT_DTYPE, scaled_linear
 from pagedserve.platforms.api import LinearKernel
 from pagedserve_triton.linear_activations import quantize_rows_fused
+from pagedserve_triton.programmatic_launch import programmatic_launch_supported
 from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, row_block, skinny_linear
 
 ROWS_16BIT = 16  # the most rows 16-bit (and float32) weights take the Triton kernel for
 ROWS_FP8 = MAX_ROWS  # the most rows FP8 weights take it for
 FP8_FEW_ROWS = 16  # the most rows FP8 weights meet exact (widened) activations for
+# The most rows `linear_dependent` launches programmatically for. Such launches pay only between
+# kernels launched the same way, and the engine compiles its forward that way for short steps
+# only (`pagedserve.worker.gpu_compile.PROGRAMMATIC_MAX_TOKENS`, which says why).
+DEPENDENT_MAX_ROWS = 16
 
 _NARROW = SkinnyGemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6)
 _WIDE_OR_SQUARE = SkinnyGemmConfig(block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=4)
@@ -145,16 +150,41 @@ def kernel_linear(
     config: SkinnyGemmConfig,
     scale: torch.Tensor | None,  # [N] float32 (FP8 weights)
     bias: torch.Tensor | None,  # [N]
+    dependent: bool = False,  # programmatic dependent launches (the device must have them)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """The Triton kernel's product as the operator runs it: past `FP8_FEW_ROWS` rows FP8 weights
     meet activations quantized per row (`quantize_rows_fused`, as `torch._scaled_mm` would get),
     below it the weights are widened and the activations stay exact. Pure."""
     if activation_dtype(weight.dtype, x.shape[0], x.dtype) == x.dtype:
-        return skinny_linear(x, weight, config, scale=scale, bias=bias)
-    codes, x_scale = quantize_rows_fused(x)
+        return skinny_linear(x, weight, config, scale=scale, bias=bias, dependent=dependent)
+    codes, x_scale = quantize_rows_fused(x, dependent=dependent)
     return skinny_linear(
-        codes, weight, config, scale=scale, bias=bias, x_scale=x_scale.reshape(-1), out_dtype=x.dtype
-    )
+        codes, weight, config, scale=scale, bias=bias, x_scale=x_scale.reshape(-1), out_dtype=x.dtype,
+        dependent=dependent,
+    )  # fmt: skip
+
+
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dependent: bool,
+) -> torch.Tensor:
+    """Both operators' body; `dependent` asks for programmatic dependent launches of the Triton
+    kernels, made only where the device has them."""
+    config = kernel_config(x, weight)
+    if config is not None:
+        dependent = dependent and x.shape[0] <= DEPENDENT_MAX_ROWS and programmatic_launch_supported(x.device)
+        return kernel_linear(x, weight, config, scale, bias, dependent)
+    if weight.dtype == FP8_WEIGHT_DTYPE:
+        if scale is None:
+            raise ValueError("pagedserve_triton::linear: FP8 weights need their per-channel scale")
+        fused = quantize_rows_fused if x.is_cuda and x.stride(1) == 1 else None
+        return scaled_linear(x, weight, scale, bias, quantize=fused)
+    if scale is not None:
+        raise ValueError(f"pagedserve_triton::linear: a scale is for FP8 weights, not {weight.dtype}")
+    return F.linear(x, weight, bias)
 
 
 @torch.library.custom_op("pagedserve_triton::linear", mutates_args=())
@@ -167,17 +197,20 @@ def linear(
     """`x @ (weight * scale[:, None]).T + bias`: the Triton kernel for decode steps on a CUDA
     device (`max_kernel_rows`), else cuBLAS (`F.linear`) or, for FP8 weights, `scaled_linear`
     (its activation quantization in one Triton launch on a CUDA device)."""
-    config = kernel_config(x, weight)
-    if config is not None:
-        return kernel_linear(x, weight, config, scale, bias)
-    if weight.dtype == FP8_WEIGHT_DTYPE:
-        if scale is None:
-            raise ValueError("pagedserve_triton::linear: FP8 weights need their per-channel scale")
-        fused = quantize_rows_fused if x.is_cuda and x.stride(1) == 1 else None
-        return scaled_linear(x, weight, scale, bias, quantize=fused)
-    if scale is not None:
-        raise ValueError(f"pagedserve_triton::linear: a scale is for FP8 weights, not {weight.dtype}")
-    return F.linear(x, weight, bias)
+    return _linear(x, weight, scale, bias, dependent=False)
+
+
+@torch.library.custom_op("pagedserve_triton::linear_dependent", mutates_args=())
+def linear_dependent(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] in x's dtype, or float8_e4m3fn with `scale`
+    scale: torch.Tensor | None,  # [N] float32 per output channel (FP8 weights)
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """`linear` with its Triton kernels launched as programmatic dependent launches for steps of
+    at most `DEPENDENT_MAX_ROWS` rows on devices that have them (NVIDIA sm_90+;
+    `programmatic_launch`), plainly otherwise."""
+    return _linear(x, weight, scale, bias, dependent=True)
 
 
 @linear.register_fake
@@ -187,8 +220,12 @@ def _linear_shape(
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+linear_dependent.register_fake(_linear_shape)
+
+
 LINEAR_KERNEL = LinearKernel(
     name=f"triton skinny GEMM (steps of <= {ROWS_16BIT} tokens, <= {ROWS_FP8} with FP8 weights; torch above)",
     op=linear,
     weight_dtypes=frozenset({FP8_WEIGHT_DTYPE}),
+    dependent_op=linear_dependent,
 )

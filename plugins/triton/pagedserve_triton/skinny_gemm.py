@@ -31,6 +31,14 @@ is built for the weight stream only:
   activation block of 16-32 rows does not, and Triton then falls back to the older MMA, which
   has no FP8 form there and widens both FP8 operands first (sm_90 machine code: 96 conversion
   instructions per 8 KiB of weights, none weight-major).
+* With `dependent` (NVIDIA sm_90+) the launch is a programmatic dependent launch: the grid is set
+  up while the previous kernel drains, waits on the device (`griddepcontrol.wait`) before its
+  first memory access, and lets the next kernel launch once its loads are issued. With the small
+  kernels between the products launched the same way (inductor's `triton.enable_pdl`), 32 layers'
+  four products of an 8B model in one CUDA graph took 2.93 against 3.06 ms per step (FP8, one
+  row), 5.04 against 5.16 (bf16) and 3.24 against 3.41 (FP8, 64 rows) on an H100; after kernels
+  that do not let it launch early it is about 2% slower. Prefetching each program's leading
+  weight bytes into L2 before the wait was slower still (3.5-5.2 ms for 1-4 KiB per row).
 
 What it does not do: a gated MLP's `silu(gate) * up`, in either of the two places a GEMM could
 compute it, both built and measured slower than this kernel plus the compiled model's fused
@@ -54,6 +62,7 @@ import triton.language as tl
 
 from pagedserve_triton.fp8_widen import bit_widening, widen_fp8
 from pagedserve_triton.interpreter import INTERPRETED
+from pagedserve_triton.programmatic_launch import launch_options
 
 
 @triton.jit
@@ -84,6 +93,7 @@ def skinny_gemm_kernel(
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw uint16 bits
     WIDEN_BITS: tl.constexpr,  # FP8 weights widened by `widen_fp8`'s bit-moving path (NVIDIA)
     WEIGHT_MAJOR: tl.constexpr,  # the dot takes the weight tile as its M side (see `SkinnyGemmConfig`)
+    DEPENDENT: tl.constexpr,  # launched as a programmatic dependent launch (see `skinny_linear`)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -101,6 +111,10 @@ def skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if DEPENDENT:
+        # Before any memory access: the previous kernel has finished and its writes are visible
+        # (the activations; and nothing this launch writes is still read by an earlier kernel).
+        tl.extra.cuda.gdc_wait()
     for k in range(k_start, k_end, BLOCK_K):
         offs_k = k + offs_kb
         if EVEN_K:
@@ -121,6 +135,9 @@ def skinny_gemm_kernel(
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     if WEIGHT_MAJOR:
         acc = tl.trans(acc)
+    if DEPENDENT:
+        # Every load is issued: the next kernel may launch and wait for this one's end on the SMs.
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
         _store_output(
             acc, out_ptr, scale_ptr, x_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, mask_mn,
@@ -234,11 +251,14 @@ def skinny_linear(
     bias: torch.Tensor | None = None,  # [N]
     x_scale: torch.Tensor | None = None,  # [M] float32, per row, when x holds FP8 codes
     out_dtype: torch.dtype | None = None,  # default: x's dtype (required with x_scale)
+    dependent: bool = False,  # a programmatic dependent launch (NVIDIA sm_90+ only)
 ) -> torch.Tensor:  # [M, N] in out_dtype
     """`(x * x_scale[:, None]) @ (weight * scale[:, None]).T + bias` by streaming the weight once.
-    With FP8 codes in both `x` and `weight` the dot runs on the FP8 tensor cores. Allocates the
-    output (and float32 partials when `config.split_k > 1`); raises ValueError for shapes it does
-    not take."""
+    With FP8 codes in both `x` and `weight` the dot runs on the FP8 tensor cores. With `dependent`
+    the launch is a programmatic dependent launch: it may start while the previous kernel on the
+    stream drains and waits for it on the device (`programmatic_launch` module; raises ValueError
+    where that does not exist). Allocates the output (and float32 partials when `config.split_k > 1`); raises
+    ValueError for shapes it does not take."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply"
@@ -255,6 +275,7 @@ def skinny_linear(
         raise ValueError(
             "skinny_linear: FP8 codes need x_scale [M], an out_dtype and FP8 weights of their type"
         )
+    launch = launch_options(dependent, x.device)
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     blocks_k = triton.cdiv(k, config.block_k)
     split = min(config.split_k, blocks_k)
@@ -277,6 +298,7 @@ def skinny_linear(
         # The interpreter's bfloat16 dot multiplies raw bits, and it has no FP8 dot.
         DOT_IN_FP32=INTERPRETED and (x.dtype == torch.bfloat16 or x_scale is not None),
         WIDEN_BITS=bit_widening(x.device, weight.dtype, x.dtype), WEIGHT_MAJOR=config.weight_major,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DEPENDENT=dependent,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )  # fmt: skip
     return out

@@ -23,7 +23,9 @@ still run:
   peers       HF transformers + static cache + torch.compile single stream, and HF continuous
               batching on the 256-request workload (scripts from PEERS_DIR)
   gemm        the linear layers of a decode step (1-128 rows, 8B shapes), the Triton GEMM the
-              engine uses against cuBLAS and torch._scaled_mm (`benchmarks/skinny_gemm.py --fp8`)
+              engine uses against cuBLAS and torch._scaled_mm (`benchmarks/skinny_gemm.py --fp8`),
+              and 32 layers of them with and without programmatic dependent launches
+              (`benchmarks/programmatic_launch.py`, sm_90+)
   fp8         FP8 weights + FP8 KV cache against bfloat16: KV tokens, TPOT, throughput on the
               256-request workload (`benchmarks/gpu_fp8.py`)
 
@@ -256,6 +258,10 @@ def stage_gemm(suite: Suite) -> dict[str, Any]:
         "gemm", [suite.python, "benchmarks/skinny_gemm.py", "--fp8", "--json", str(path)], timeout_s=600
     )
     res["result"] = read_json(path)
+    launches = suite.out / "raw" / "programmatic_launch.json"
+    argv = [suite.python, "benchmarks/programmatic_launch.py", "--json", str(launches)]
+    res["programmatic_launch"] = suite.run("gemm_programmatic_launch", argv, timeout_s=600)
+    res["programmatic_launch"]["result"] = read_json(launches)
     return res
 
 

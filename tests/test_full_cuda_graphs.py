@@ -40,7 +40,7 @@ from pagedserve.worker.gpu_compile import (
     configure_compile_caches,
     programmatic_options,
 )
-from pagedserve.worker.graph_modes import GraphPlan, plan_graphs, step_path
+from pagedserve.worker.graph_modes import GraphPlan, no_programmatic_launch, plan_graphs, step_path
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.warmup import WarmupBatch, attention_warmup_batches, prepare_runner, warm_up_attention
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
@@ -576,6 +576,7 @@ def test_programmatic_launch_needs_the_compiled_forward_and_sm90(monkeypatch: py
     ada = _plan_with(programmatic_launch=True)
     assert not ada.programmatic_launch
     assert any("sm_89 has no programmatic dependent launch" in note for note in ada.notes)
+    assert no_programmatic_launch(torch.device("cpu")) is not None
 
 
 def _plan_with(**overrides: object) -> GraphPlan:

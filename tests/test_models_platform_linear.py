@@ -270,6 +270,24 @@ def test_programmatic_launch_routes_the_dependent_operator(checkpoint: Path, pro
         assert ("programmatic" in model.head_kernel.name) == (expected is _dependent_linear)
 
 
+def test_the_dependent_operator_needs_the_compiled_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The linear layers launch programmatically only where the kernels between them do: an
+    sm_90+ NVIDIA GPU with the compiled forward on (alone, the products were measured slower)."""
+    from pagedserve.config import EngineArgs
+    from pagedserve.worker.runner_setup import _programmatic
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    args = EngineArgs(model="unused")
+    assert _programmatic(args, cuda, tensor_parallel=False)
+    assert not _programmatic(args, cuda, tensor_parallel=True)  # ranks run the forward uncompiled
+    assert not _programmatic(args, torch.device("cpu"), tensor_parallel=False)
+    for off in ({"programmatic_launch": False}, {"gpu_compile": False}, {"enforce_eager": True}):
+        assert not _programmatic(EngineArgs(model="unused", **off), cuda, tensor_parallel=False), off
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not _programmatic(args, cuda, tensor_parallel=False)
+
+
 def test_the_command_line_turns_the_routing_off() -> None:
     import argparse
 

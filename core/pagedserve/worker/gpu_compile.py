@@ -51,7 +51,7 @@ WARM_UP_SIZES = (2, 1)
 # and 9-32 requests took 0.10, 0.11 and 0.08 ms less, 33-128 the same, and 129-256 0.6 ms more
 # (the pointwise kernels after cuBLAS's products, launched early, ran about twice as long).
 PROGRAMMATIC_MAX_TOKENS = 16
-# Compiled entries dynamo may keep per code object: two per model (see `GpuCompiledForward`).
+# Compiled entries dynamo may keep per code object: two or three per model (`GpuCompiledForward`).
 RECOMPILE_LIMIT = 64
 CACHE_ROOT_ENV = "PAGEDSERVE_CACHE_DIR"  # where compile caches go unless their own variables say
 

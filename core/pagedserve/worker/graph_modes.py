@@ -106,11 +106,22 @@ def plan_graphs(
     if wanted is CudaGraphMode.NONE:
         notes.append("cudagraph_mode=none")
     programmatic = programmatic_launch and gpu_compile
-    if programmatic and torch.cuda.get_device_capability(device)[0] < 9:
-        major, minor = torch.cuda.get_device_capability(device)
-        notes.append(f"programmatic_launch: sm_{major}{minor} has no programmatic dependent launch (sm_90+)")
+    unavailable = no_programmatic_launch(device) if programmatic else None
+    if unavailable is not None:
+        notes.append(f"programmatic_launch: {unavailable}")
         programmatic = False
     return GraphPlan(piecewise, full, gpu_compile, tuple(notes), programmatic_launch=programmatic)
+
+
+def no_programmatic_launch(device: torch.device) -> str | None:
+    """Why kernels on `device` cannot be programmatic dependent launches, or None when they can
+    (an NVIDIA GPU of compute capability 9.0+)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return "programmatic dependent launches are an NVIDIA GPU feature"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"sm_{major}{minor} has no programmatic dependent launch (sm_90+)"
+    return None
 
 
 StepPath = Literal["full", "piecewise", "eager"]

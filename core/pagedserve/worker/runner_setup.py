@@ -24,7 +24,7 @@ from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.worker.cpu_compile import compile_reason
 from pagedserve.worker.gpu_compile import configure_compile_caches
-from pagedserve.worker.graph_modes import plan_graphs
+from pagedserve.worker.graph_modes import no_programmatic_launch, plan_graphs
 from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.profile import profile_activation_bytes
@@ -136,14 +136,22 @@ def load_device_model(
     )
     logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
     if args.platform_linear and device.type == "cuda":
-        programmatic = args.programmatic_launch and not args.enforce_eager
-        _route_linear_layers(loaded.model, platform, dtype, programmatic)
+        tensor_parallel = tp is not None and tp.world_size > 1
+        _route_linear_layers(loaded.model, platform, dtype, _programmatic(args, device, tensor_parallel))
     max_model_len = _max_model_len(args, loaded.spec)
     backend, kv_dtype = choose_backend(platform, loaded.spec, args.block_size, args.kv_cache_dtype)
     max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     if not args.enable_chunked_prefill:
         max_batched = max(max_batched, max_model_len)
     return DeviceModel(platform, loaded, backend, platform.cache_ops(), max_model_len, max_batched, kv_dtype)
+
+
+def _programmatic(args: EngineArgs, device: torch.device, tensor_parallel: bool) -> bool:
+    """Whether the linear layers take the platform's programmatic-dependent-launch operator: asked
+    for, and the kernels between them are launched that way too (the compiled forward, which
+    `plan_graphs` gives them; alone, the products were measured slower)."""
+    compiled = args.gpu_compile and not args.enforce_eager and not tensor_parallel
+    return args.programmatic_launch and compiled and no_programmatic_launch(device) is None
 
 
 def _route_linear_layers(

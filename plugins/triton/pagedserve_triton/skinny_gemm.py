@@ -34,11 +34,13 @@ is built for the weight stream only:
 * With `dependent` (NVIDIA sm_90+) the launch is a programmatic dependent launch: the grid is set
   up while the previous kernel drains, waits on the device (`griddepcontrol.wait`) before its
   first memory access, and lets the next kernel launch once its loads are issued. With the small
-  kernels between the products launched the same way (inductor's `triton.enable_pdl`), 32 layers'
-  four products of an 8B model in one CUDA graph took 2.93 against 3.06 ms per step (FP8, one
-  row), 5.04 against 5.16 (bf16) and 3.24 against 3.41 (FP8, 64 rows) on an H100; after kernels
-  that do not let it launch early it is about 2% slower. Prefetching each program's leading
-  weight bytes into L2 before the wait was slower still (3.5-5.2 ms for 1-4 KiB per row).
+  kernels between the products launched the same way (as inductor's `triton.enable_pdl` builds
+  them), 32 layers' four products of an 8B model in one CUDA graph took 2.93 against 3.07 ms per
+  step (FP8, one row), 5.04 against 5.15 (bf16, one row) and 3.70 against 3.95 (FP8, 64 rows,
+  quantization included) on an H100 (`benchmarks/programmatic_launch.py`); after kernels that do
+  not let them launch early the products alone were 2% slower at 1-8 rows. Prefetching each
+  program's leading weight bytes into L2 before the wait was slower still (3.5-5.2 ms for 1-4 KiB
+  per row, FP8, one row).
 
 What it does not do: a gated MLP's `silu(gate) * up`, in either of the two places a GEMM could
 compute it, both built and measured slower than this kernel plus the compiled model's fused

@@ -1,8 +1,10 @@
-"""What FP8 costs in accuracy: FP8 KV caches and FP8 weights against the same model in bfloat16.
+"""What FP8 costs in accuracy: FP8 KV caches, FP8 weights and an FP8 LM head against the same model
+in bfloat16.
 
 For each model the bfloat16 run generates greedy continuations of a fixed prompt set; then every
-variant (FP8 KV e4m3 / e5m2, FP8 weights, both) is scored teacher-forced on exactly those
-sequences, so the numbers compare the same tokens:
+variant (FP8 KV e4m3 / e5m2, FP8 weights, FP8 weights and LM head, each of the weight variants
+with an e4m3 cache too) is scored teacher-forced on exactly those sequences, so the numbers
+compare the same tokens:
 
 * logprob error: |log p_fp8(token) - log p_bf16(token)| over every continuation token (mean, max);
 * top-1 agreement: the share of continuation positions where the bfloat16 run's greedy token is
@@ -30,12 +32,20 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 
-VARIANTS: dict[str, dict[str, str]] = {  # name -> EngineArgs changes against the bfloat16 run
+VARIANTS: dict[str, dict[str, str | bool]] = {  # name -> EngineArgs changes against the bfloat16 run
     "kv fp8_e4m3": {"kv_cache_dtype": "fp8"},
     "kv fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
     "weights fp8": {"quantization": "fp8"},
     "weights fp8 + kv fp8_e4m3": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    "weights + head fp8": {"quantization": "fp8", "quantize_lm_head": True},
+    "weights + head fp8 + kv fp8_e4m3": {
+        "quantization": "fp8",
+        "quantize_lm_head": True,
+        "kv_cache_dtype": "fp8",
+    },
 }
+
+_NAME_WIDTH = max(map(len, VARIANTS))  # the variant column of the printed tables
 
 SMOLLM2_PROMPTS = [
     "The capital of France is",
@@ -143,14 +153,16 @@ def _tiny_checkpoints(directory: Path) -> dict[str, Path]:
 def _print(title: str, results: dict[str, Score | str]) -> None:
     print(f"\n{title}")
     print(
-        f"  {'variant':28} {'mean |dlogp|':>13} {'max |dlogp|':>12} {'top-1 agree':>12} {'greedy match':>13}"
+        f"  {'variant':{_NAME_WIDTH}} {'mean |dlogp|':>13} {'max |dlogp|':>12} "
+        f"{'top-1 agree':>12} {'greedy match':>13}"
     )
     for name, result in results.items():
         if isinstance(result, str):
-            print(f"  {name:28} {result}")
+            print(f"  {name:{_NAME_WIDTH}} {result}")
         else:
             print(
-                f"  {name:28} {result.mean_abs_logprob_err:13.4f} {result.max_abs_logprob_err:12.4f} "
+                f"  {name:{_NAME_WIDTH}} {result.mean_abs_logprob_err:13.4f} "
+                f"{result.max_abs_logprob_err:12.4f} "
                 f"{result.top1_agreement:12.1%} {result.greedy_match:13.1%}   ({result.positions} positions)"
             )
 

@@ -18,8 +18,9 @@ step in flight and hide exactly what is measured):
   * the decode measurements also list the kernels that took the most device time per step.
 
 `--quantization fp8` and `--kv-cache-dtype fp8` measure the same with FP8 weights and/or an FP8
-KV cache (the KV pool keeps `--num-kv-blocks` blocks either way); `--no-programmatic-launch` the
-same with every kernel launched after the previous one has finished.
+KV cache (the KV pool keeps `--num-kv-blocks` blocks either way), `--quantize-lm-head` (with
+`--quantization fp8`) with the LM head in FP8 too; `--no-programmatic-launch` the same with every
+kernel launched after the previous one has finished.
 
     python benchmarks/gpu_async_scheduling.py --platform cuda --json async.json
     python benchmarks/gpu_async_scheduling.py --platform cuda --workload sharegpt_like_256.json
@@ -123,6 +124,7 @@ def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) ->
             platform=args.platform,
             async_scheduling=async_scheduling,
             quantization=args.quantization,
+            quantize_lm_head=args.quantize_lm_head,
             kv_cache_dtype=args.kv_cache_dtype,
             programmatic_launch=not args.no_programmatic_launch,
         )
@@ -182,6 +184,11 @@ def main() -> None:
     )
     parser.add_argument("--modes", default="async,sync")
     parser.add_argument("--quantization", choices=["fp8"], help="FP8 weights (the same measurements)")
+    parser.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="with --quantization fp8: the LM head in FP8 too (the engine's quantize_lm_head)",
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     parser.add_argument(
         "--no-programmatic-launch",
@@ -190,6 +197,8 @@ def main() -> None:
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.quantize_lm_head and args.quantization != "fp8":
+        parser.error("--quantize-lm-head quantizes the head like the FP8 weights: add --quantization fp8")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:

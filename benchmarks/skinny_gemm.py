@@ -15,7 +15,9 @@ matrix product at `--rows` activation rows with:
 
 Times are CUDA-graph replays of 20 products in a row that cycle through enough weight copies to
 exceed the L2 cache, so every product streams its weight from HBM, as in a real decode step.
-GB/s counts the weight bytes.
+For the gate/up weight also `skinny-gated` / `skinny-fp8-gated` — the product writing
+`silu(gate) * up` from its epilogue (`gated=True`, what the engine runs) against the plain product
+plus the separate `silu_mul` launch (`*-plus-silu-mul`). GB/s counts the weight bytes.
 
     python benchmarks/skinny_gemm.py --sweep --fp8 --json skinny.json
     python benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 16 --rows 16 --fp8-only
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedserve_triton.linear_activations import quantize_rows_fused
+from pagedserve_triton.linear_activations import quantize_rows_fused, silu_mul
 from pagedserve_triton.linear_op import (
     activation_dtype,
     choose_config,
@@ -137,6 +139,7 @@ def _measure_rows(
     config: SkinnyGemmConfig,
     fp8: tuple[list[torch.Tensor], torch.Tensor, SkinnyGemmConfig] | None,  # FP8 copies, scale, config
     engine_configs: bool,  # take the engine's config for `m` rows instead of the ones given
+    gated: bool = False,  # a gated MLP's [gate; up] weight: also time the SiLU-and-multiply epilogue
 ) -> dict[str, float]:
     n, k = weights[0].shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -145,6 +148,7 @@ def _measure_rows(
         config = choose_config(n, k, weights[0].dtype, x.dtype, m, budget)
     else:  # chosen at the sweep's row count: its pipeline may not fit at m rows
         config = fit_shared_memory(config, m, weights[0].dtype, x.dtype, budget)
+    y16 = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)  # a product's output, for `silu_mul`
     row = {
         "torch_us": _graph_time_us(lambda i: F.linear(x, weights[i]), len(weights)),
         "skinny_us": _graph_time_us(lambda i: skinny_linear(x, weights[i], config), len(weights)),
@@ -168,6 +172,21 @@ def _measure_rows(
         row["skinny_fp8_us"] = _graph_time_us(
             lambda i: kernel_linear(x, fp8_weights[i], fp8_config, scale, None), len(fp8_weights)
         )
+    if gated:
+        row["skinny_plus_silu_mul_us"] = row["skinny_us"] + _graph_time_us(
+            lambda i: silu_mul(y16), len(weights)
+        )
+        row["skinny_gated_us"] = _graph_time_us(
+            lambda i: kernel_linear(x, weights[i], config, None, None, gated=True), len(weights)
+        )
+        if fp8 is not None:
+            row["skinny_fp8_plus_silu_mul_us"] = row["skinny_fp8_us"] + _graph_time_us(
+                lambda i: silu_mul(y16), len(weights)
+            )
+            row["skinny_fp8_gated_us"] = _graph_time_us(
+                lambda i: kernel_linear(x, fp8_weights[i], fp8_config, scale, None, gated=True),
+                len(fp8_weights),
+            )
     row["torch_GBps"] = n * k * 2 / row["torch_us"] / 1e3
     row["skinny_GBps"] = n * k * 2 / row["skinny_us"] / 1e3
     return row
@@ -222,7 +241,9 @@ def measure_shape(
         out.update(fp8_config=str(fp8_config), fp8_sweep_top=fp8_top)
         fp8_args = (fp8_weights, scale, fp8_config)
     for m in rows:
-        out["rows"][m] = _measure_rows(m, weights, config, fp8_args, engine_configs=grid is None)
+        out["rows"][m] = _measure_rows(
+            m, weights, config, fp8_args, engine_configs=grid is None, gated=name == "gate_up"
+        )
     return out
 
 

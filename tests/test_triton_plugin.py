@@ -73,7 +73,7 @@ def test_plugin_registers_cleanly_and_is_unavailable_without_gpu() -> None:
 
 
 def test_hooks_ignore_other_platforms() -> None:
-    assert plugin.PAGEDSERVE_PLUGIN_API == PLUGIN_API_VERSION == "1.4"
+    assert plugin.PAGEDSERVE_PLUGIN_API == PLUGIN_API_VERSION == "1.5"
     assert plugin.pagedserve_attention_backends(platform="cpu_reference") is None
     assert plugin.pagedserve_cache_ops(platform="cpu_reference") is None
     assert plugin.pagedserve_tuned_config_files(platform="cpu_reference") is None
@@ -275,8 +275,10 @@ def test_heuristic_splits_small_batches_of_long_decodes() -> None:
     assert plan.kind == "3d" and plan.num_splits >= 2 and plan.num_splits & (plan.num_splits - 1) == 0
     # Two programs per SM: 8 tiles -> 33 splits wanted -> rounded up to 64 (== MAX_SPLITS).
     assert plan == SplitPlan("3d", 64)
-    # A shorter context caps the splits at MIN_KEYS_PER_SPLIT keys each: 1024 // 64 = 16.
+    # A shorter context caps the splits at MIN_KEYS_PER_SPLIT keys each: 1024 / 64 = 16.
     assert choose_split(1, 1, 1024, 8, 132) == SplitPlan("3d", 16)
+    # ... rounded up to a power of two: 576 keys are 9 chunks -> 16 splits (the last ones short or empty).
+    assert choose_split(1, 1, 576, 8, 132) == SplitPlan("3d", 16)
     # Speculative queries of a small batch are still split.
     assert choose_split(4, 3, 4096, 8, 132, block_q=4).kind == "3d"
 
@@ -284,9 +286,10 @@ def test_heuristic_splits_small_batches_of_long_decodes() -> None:
 def test_heuristic_respects_length_and_split_caps() -> None:
     # Too short to split: fewer than two chunks of MIN_KEYS_PER_SPLIT keys.
     assert choose_split(1, 1, 2 * MIN_KEYS_PER_SPLIT - 1, 8, 132) == PLAN_2D
-    # 3 chunks of keys allowed -> largest power of two <= 3.
-    assert choose_split(1, 1, 3 * MIN_KEYS_PER_SPLIT, 8, 132) == SplitPlan("3d", 2)
-    # A 3D tile longer than MIN_KEYS_PER_SPLIT sets the cap instead: 1024 // 128 = 8.
+    # Two whole chunks split in two; 3 chunks of keys -> rounded up to 4 splits.
+    assert choose_split(1, 1, 2 * MIN_KEYS_PER_SPLIT, 8, 132) == SplitPlan("3d", 2)
+    assert choose_split(1, 1, 3 * MIN_KEYS_PER_SPLIT, 8, 132) == SplitPlan("3d", 4)
+    # A 3D tile longer than MIN_KEYS_PER_SPLIT sets the chunk instead: 1024 / 128 = 8.
     assert choose_split(1, 1, 1024, 8, 132, tile_size=128) == SplitPlan("3d", 8)
     # A single KV head on a huge GPU asks for many splits; capped at MAX_SPLITS.
     assert choose_split(1, 1, 1 << 20, 1, 10_000).num_splits == MAX_SPLITS
@@ -333,8 +336,9 @@ def test_full_graph_key_is_the_plan_forward_makes() -> None:
     backend = TritonUnifiedAttentionBackend()
     keys = {b: backend.full_graph_key(_capture_metadata(1, b), LLAMA_8B) for b in BUCKETS}
     assert keys == {b: _plan_of(backend, 1, b) for b in BUCKETS}
-    # One request of 600 tokens plans 8 splits; planned for 4096 it would launch 64.
-    assert backend.full_graph_key(_capture_metadata(1, 600), LLAMA_8B) == SplitPlan("3d", 8)
+    # One request of 600 tokens plans 16 splits (10 chunks of 64 keys, rounded up); planned for
+    # 4096 it would launch 64.
+    assert backend.full_graph_key(_capture_metadata(1, 600), LLAMA_8B) == SplitPlan("3d", 16)
     assert keys[4096] == SplitPlan("3d", 64)
     splits = [keys[b].num_splits for b in BUCKETS]
     assert splits == sorted(splits) and len(set(splits)) == len(BUCKETS)

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction
 
 from pagedserve.models.fp8 import quantize_rows, scaled_linear
-from pagedserve_triton.linear_activations import ONE_PASS_COLUMNS, quantize_rows_fused
+from pagedserve_triton.linear_activations import ONE_PASS_COLUMNS, quantize_rows_fused, silu_mul
 from pagedserve_triton.linear_op import (
     LINEAR_KERNEL,
     ROWS_16BIT,
@@ -203,11 +203,62 @@ def test_fused_activation_quantization_is_bit_exact(rows: int, k: int) -> None:
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
 
 
-def test_the_triton_plugin_leaves_the_gated_activation_to_the_compiled_model() -> None:
-    """Computing silu(gate) * up inside the GEMM, in the down projection's load or in the gate/up
-    product's epilogue, was measured slower than a separate kernel: the plugin offers neither."""
+@pytest.mark.parametrize(
+    ("rows", "inter", "k", "split_k", "fp8", "weight_major", "bias"),
+    [
+        (1, 40, 96, 1, False, False, True),
+        (3, 48, 96, 2, True, False, False),
+        (17, 40, 100, 2, True, True, True),
+        (5, 64, 128, 1, False, True, False),
+    ],
+)
+def test_gated_epilogue_is_silu_of_the_plain_product(
+    rows: int, inter: int, k: int, split_k: int, fp8: bool, weight_major: bool, bias: bool
+) -> None:
+    """With `gated` the product of a [gate; up] weight writes silu(gate) * up [M, I]: each
+    program's tile gathers gate rows and the matching up rows (masked past I, which is not a
+    multiple of the half tile here), scales and bias follow their rows, one K pass and split K,
+    either dot orientation. float32 activations, so that rounding gate and up to x's dtype is
+    exact and the comparison can be tight."""
+    gen = torch.Generator().manual_seed(rows * inter + k)
+    x = torch.randn(rows, k, generator=gen)
+    w: torch.Tensor = torch.randn(2 * inter, k, generator=gen) / k**0.5
+    scale = None
+    if fp8:
+        w, scales = quantize_rows(w)
+        scale = scales.reshape(-1)
+    b = torch.randn(2 * inter, generator=gen) if bias else None
+    config = SkinnyGemmConfig(32, 32, split_k, num_warps=4, num_stages=2, weight_major=weight_major)
+    gated = skinny_linear(x, w, config, scale=scale, bias=b, gated=True)
+    full = skinny_linear(x, w, config, scale=scale, bias=b)
+    gate, up = full.split(inter, dim=1)
+    assert gated.shape == (rows, inter)
+    torch.testing.assert_close(gated, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    # Through the operator's entry point (FP8 past 16 rows: activations quantized per row first).
+    via_op = kernel_linear(x, w, config, scale, b, gated=True)
+    gate, up = kernel_linear(x, w, config, scale, b).split(inter, dim=1)
+    torch.testing.assert_close(via_op, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_operator_off_the_kernel_uses_torch_and_one_activation_launch() -> None:
+    """Off a CUDA device (and past the kernel's rows) the gated operator is the plain product
+    followed by `silu_mul`; an odd row count is not a [gate; up] weight."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 32, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(48, 32, generator=gen) / 6).to(torch.bfloat16)
     assert LINEAR_KERNEL.gated_op is None
-    assert LINEAR_KERNEL.silu_gate_op is None
+    assert LINEAR_KERNEL.silu_gate_op is not None and LINEAR_KERNEL.dependent_silu_gate_op is not None
+    y = LINEAR_KERNEL.silu_gate_op(x, w, None, None)
+    h = torch.nn.functional.linear(x, w).float()
+    expected = (torch.nn.functional.silu(h[:, :24]) * h[:, 24:]).to(torch.bfloat16)
+    assert y.shape == (4, 24) and torch.equal(y, expected)
+    assert torch.equal(LINEAR_KERNEL.dependent_silu_gate_op(x, w, None, None), y)
+    with pytest.raises(ValueError, match="even row count"):
+        LINEAR_KERNEL.silu_gate_op(x, w[:47], None, None)
+    with pytest.raises(ValueError, match=r"silu_mul takes \[M, 2I\]"):
+        silu_mul(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="gated weight stacks gate and up rows"):
+        skinny_linear(x, w[:47], SkinnyGemmConfig(16, 32, 1, 4, 2), gated=True)
 
 
 def test_refuses_what_it_does_not_take() -> None:

@@ -62,6 +62,28 @@ def test_operator_matches_torch(n: int, k: int, rows: int) -> None:
     )
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rows", [1, 16, 17, 64, 128, 200])
+def test_gated_operator_matches_silu_of_the_product(rows: int, fp8: bool) -> None:
+    """The gated operator at the 8B gate/up shape (SiLU-and-multiply in the GEMM's epilogue where
+    the kernel takes the step, `silu_mul` after the library GEMM above) against silu(gate) * up of
+    the plain operator's bf16 output: within a bf16 rounding or two."""
+    from pagedserve.models.fp8 import quantize_rows
+    from pagedserve_triton.linear_op import linear, silu_gate
+
+    inter, k = 14336, 4096
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(2 * inter, k, device="cuda", generator=gen, dtype=torch.bfloat16) / k**0.5
+    weight, scale = w, None
+    if fp8:
+        weight, scales = quantize_rows(w.float())
+        scale = scales.reshape(-1)
+    h = linear(x, weight, scale, None).float()
+    expected = F.silu(h[:, :inter]) * h[:, inter:]
+    _close(silu_gate(x, weight, scale, None), expected, 1e-2)
+
+
 SM90 = SM89 and torch.cuda.get_device_capability() >= (9, 0)
 
 

@@ -28,6 +28,10 @@ CASES = [
     ("fp8_qkv_32rows", 6144, 4096, "fp8", 32),
     ("fp8_gate_up_128rows", 28672, 4096, "fp8", 128),
     ("fp8_down_128rows", 4096, 14336, "fp8", 128),
+    # SiLU-and-multiply in the epilogue of a gated MLP's gate/up product
+    ("bf16_gate_up_gated", 28672, 4096, "bf16", 1),
+    ("fp8_gate_up_gated", 28672, 4096, "fp8", 1),
+    ("fp8_gate_up_64rows_gated", 28672, 4096, "fp8", 64),
 ]
 
 _CHILD = (
@@ -49,7 +53,7 @@ for name, n, k, wdt, rows in json.loads(sys.argv[1]):
             BLOCK_M=row_block(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
             EVEN_K=True, HAS_SCALE=wdt == "fp8", HAS_X_SCALE=x_dtype != torch.bfloat16, HAS_BIAS=False,
             DOT_IN_FP32=False, WIDEN_BITS=wdt == "fp8", WEIGHT_MAJOR=config.weight_major,
-            DEPENDENT=False,
+            DEPENDENT=False, GATED=name.endswith("_gated"),
         )
         types = {"w_ptr": "*bf16" if wdt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
                  "x_ptr": "*bf16" if x_dtype == torch.bfloat16 else "*fp8e4nv", "x_scale_ptr": "*fp32",
@@ -88,6 +92,7 @@ for name, n, k, wdt, rows in json.loads(sys.argv[1]):
         BLOCK_M=row_block(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
         EVEN_K=True, HAS_SCALE=wdt == "fp8", HAS_X_SCALE=x_dtype != torch.bfloat16, HAS_BIAS=False,
         DOT_IN_FP32=False, WIDEN_BITS=wdt == "fp8", WEIGHT_MAJOR=config.weight_major, DEPENDENT=True,
+        GATED=name.endswith("_gated"),
     )
     types = {"w_ptr": "*bf16" if wdt == "bf16" else "*fp8e4nv", "scale_ptr": "*fp32",
              "x_ptr": "*bf16" if x_dtype == torch.bfloat16 else "*fp8e4nv", "x_scale_ptr": "*fp32",

@@ -94,6 +94,11 @@ class EngineArgs(_Config):
         description="'gguf': keep a GGUF file's Q4_1/Q8_0 blocks packed (CPU, bfloat16); 'fp8': "
         "linear weights quantized to FP8 at load time, per output channel (GPUs with sm_89+)",
     )
+    quantize_lm_head: bool = Field(
+        False,
+        description="with quantization='fp8': the LM head too, to FP8 per vocabulary row (half the "
+        "head's bytes per decode step; the logits take the FP8 error directly, hence off by default)",
+    )
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="'auto': the model's dtype; 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2': an FP8 KV cache"
     )
@@ -150,3 +155,26 @@ class EngineArgs(_Config):
     max_logprobs: int = Field(
         20, ge=0, description="most logprobs / prompt_logprobs a request may ask for (larger: refused)"
     )
+
+    @model_validator(mode="after")
+    def _lm_head_quantization_needs_fp8_weights(self) -> EngineArgs:
+        if not self.quantize_lm_head:
+            return self
+        if self.quantization != "fp8":
+            raise ValueError(
+                f"quantize_lm_head=True quantizes the LM head like the FP8 weights of quantization='fp8', "
+                f"but quantization is {self.quantization!r}: add quantization='fp8' (--quantization fp8) "
+                "or drop quantize_lm_head (--quantize-lm-head)"
+            )
+        if self.tensor_parallel_size > 1:
+            # Checked here so the combination fails before any rank starts: the loader refuses
+            # quantization='fp8' under tensor parallelism (`quantize_linear_layers` would swap a
+            # shard's row-parallel layers for plain FP8 ones without their all-reduce), so an FP8
+            # head sharded by vocabulary rows would have no FP8 decoder to run with.
+            raise ValueError(
+                f"quantize_lm_head=True with tensor_parallel_size={self.tensor_parallel_size}: FP8 "
+                "weights (quantization='fp8'), the LM head's included, are not sharded over "
+                "tensor-parallel ranks; use tensor_parallel_size=1, or drop quantization='fp8' and "
+                "quantize_lm_head for a sharded bfloat16 model"
+            )
+        return self

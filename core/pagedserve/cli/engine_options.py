@@ -50,6 +50,11 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
     "--max-logprobs": ("max_logprobs", int, "most logprobs a request may ask for (default 20)"),
 }
 _SWITCHES: dict[str, tuple[str, bool, str]] = {
+    "--quantize-lm-head": (
+        "quantize_lm_head",
+        True,
+        "with --quantization fp8: the LM head in FP8 too (per vocabulary row; logits take its error)",
+    ),
     "--no-prefix-caching": ("enable_prefix_caching", False, "turn prefix caching off"),
     "--no-chunked-prefill": ("enable_chunked_prefill", False, "turn chunked prefill off"),
     "--enforce-eager": ("enforce_eager", True, "no CUDA graphs, no compilation"),
@@ -92,7 +97,14 @@ def engine_args_from(args: argparse.Namespace, model: str | None) -> EngineArgs:
     try:
         return EngineArgs(model=model, **values)
     except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(_problem(e["loc"], e["msg"]) for e in exc.errors())
         raise SystemExit(f"pagedserve: invalid engine options: {problems}") from None
+
+
+def _problem(loc: tuple[int | str, ...], message: str) -> str:
+    """One validation error as the command line names it: `--flag: message` for a field, the
+    message alone for a rule across fields (which names its options itself). Pure."""
+    message = message.removeprefix("Value error, ")  # pydantic's wrapping of a validator's ValueError
+    if not loc:
+        return message
+    return f"--{'-'.join(str(p) for p in loc).replace('_', '-')}: {message}"

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from pagedserve.attention.layer import PagedAttention
 from pagedserve.distributed.layers import VocabParallelLogits
+from pagedserve.models.fp8 import Fp8Linear, scaled_linear
 from pagedserve.models.layers import (
     GatedMLP,
     MergedLinear,
@@ -178,8 +179,9 @@ class DecoderForCausalLM(PagedCausalLM):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied models have no lm_head module at all: a Parameter shared by two modules does not
         # stay shared through `to_empty` (which materializes the meta-built model), whereas
-        # compute_logits reading the embedding matrix directly cannot come apart.
-        self.lm_head = (
+        # compute_logits reading the embedding matrix directly cannot come apart. After loading,
+        # `quantize_head_fp8` makes it an `Fp8Linear`, tied or not (a tied one is an FP8 copy).
+        self.lm_head: nn.Linear | Fp8Linear | None = (
             None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         # Set by `pack_quantized_weights`: the head as packed 4-bit codes (CPU decode).
@@ -215,14 +217,44 @@ class DecoderForCausalLM(PagedCausalLM):
         """[num_selected, hidden_size] -> [num_selected, vocab_size] float32. Does not mutate."""
         if self.packed_head is not None:
             return self.packed_head(hidden_states).float()
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.head_kernel is not None:  # the platform's GEMM (`platform_linear`)
-            logits = self.head_kernel.op(hidden_states, head, None, None)
+        if isinstance(self.lm_head, Fp8Linear):  # `quantize_head_fp8`: codes and per-row scales
+            codes, scale = self.lm_head.weight, self.lm_head.weight_scale
+            if self.head_kernel is not None:  # routed only when it takes FP8 (`platform_linear`)
+                logits = self.head_kernel.op(hidden_states, codes, scale.reshape(-1), None)
+            else:
+                logits = scaled_linear(hidden_states, codes, scale, None)
         else:
-            logits = F.linear(hidden_states, head)
+            head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            if self.head_kernel is not None:  # the platform's GEMM (`platform_linear`)
+                logits = self.head_kernel.op(hidden_states, head, None, None)
+            else:
+                logits = F.linear(hidden_states, head)
         if self.vocab_parallel is not None:
             logits = self.vocab_parallel.gather(logits)
         return logits.float()
+
+    @torch.no_grad()
+    def quantize_head_fp8(self) -> None:
+        """Make the LM head FP8 per vocabulary row (`quantize_lm_head`): an `Fp8Linear` in the
+        format of the decoder's FP8 layers (`float8_e4m3fn` codes [vocab, hidden], one float32
+        scale `amax(row) / 448` per row). Untied, it replaces the `lm_head` linear, whose weight
+        is dropped (the head's bytes halve from bfloat16). Tied, the embedding stays in the model's
+        dtype for the lookup and `lm_head` becomes an FP8 copy of the shared matrix: vocab x hidden
+        bytes of codes plus vocab x 4 bytes of scales on top of the embedding (27 MiB for
+        SmolLM2-135M, 0.5 GiB for a 128K x 4096 vocabulary). Call after the weights are loaded.
+        Raises `ValueError` for a packed 4-bit or vocabulary-parallel head. Mutates `lm_head`."""
+        if self.packed_head is not None:
+            raise ValueError(
+                "quantize_lm_head=True cannot quantize a head kept as packed 4-bit codes "
+                "(quantization='gguf'); use quantization='fp8' on a dense checkpoint"
+            )
+        if self.vocab_parallel is not None:
+            raise ValueError(
+                "quantize_lm_head=True cannot quantize a head sharded over tensor-parallel ranks; "
+                "use tensor_parallel_size=1"
+            )
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head = Fp8Linear(head.data, None)
 
     @torch.no_grad()
     def pack_quantized_weights(self, recovered: dict[str, RecoveredCodes]) -> int:

@@ -1,4 +1,5 @@
-"""FP8 weights (`quantization="fp8"`): the decoder's linear layers quantized per output channel.
+"""FP8 weights (`quantization="fp8"`): the decoder's linear layers (and, with `quantize_lm_head`,
+the LM head) quantized per output channel.
 
 Weights are quantized at load time; activations get dynamic per-token scales.
 A decode step streams every weight once, so FP8 weights halve the bytes a step must read next to
@@ -12,8 +13,12 @@ bfloat16. Each `nn.Linear` of the decoder layers (fused qkv, o, fused gate/up, d
 * the GEMM: `torch._scaled_mm(x_fp8, w_fp8.T, scale_a=[M, 1], scale_b=[1, N])` ("row-wise"
   scaling), accumulating in float32 and writing the model's dtype; the bias is added after.
 
-The embedding and the LM head stay in the model's dtype (they are looked up or read once per
-sampled token, and the logits are the most sensitive output).
+The embedding stays in the model's dtype (it is looked up, not multiplied), and by default so does
+the LM head: the logits are the most sensitive output, and an FP8 head puts its error into them
+directly. `quantize_lm_head=True` quantizes the head too, in the same format (an `Fp8Linear` of
+one scale per vocabulary row; `DecoderForCausalLM.quantize_head_fp8`), which halves the head's
+bytes per decode step (1.05 GB -> 0.53 GB on an 8B Llama); a tied head keeps its embedding and
+adds an FP8 copy of the matrix (vocab x hidden bytes).
 
 Where it runs: `torch._scaled_mm` with row-wise scales needs an NVIDIA GPU of compute capability
 8.9 or newer (Ada, Hopper) or a torch whose CPU build implements it (torch 2.13's does);
@@ -141,7 +146,8 @@ def check_fp8_support(device: torch.device, dtype: torch.dtype) -> None:
 def quantize_linear_layers(model: nn.Module) -> int:
     """Replace every `nn.Linear` inside `model` (fused ones included) with an `Fp8Linear` made
     from its weights; returns how many were replaced. Pass the decoder (`model.model`), not the
-    whole causal LM, to keep the LM head in the model's dtype. Mutates `model`."""
+    whole causal LM, to keep the LM head in the model's dtype (`quantize_lm_head` quantizes it
+    separately, tied heads included). Mutates `model`."""
     replaced = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):

@@ -145,14 +145,21 @@ def load_model(
     allow_fallback: bool = True,
     quantization: Quantization | None = None,
     tp: TensorParallelGroup | None = None,
+    quantize_lm_head: bool = False,
 ) -> LoadedModel:
     """Build the model `model` names, on `device` in `dtype`, with weights from its checkpoint
     (or random ones for `load_format="dummy"`, seeded by `seed`). Native implementation when
     there is one, the transformers fallback otherwise (unless `allow_fallback=False`).
     `quantization="gguf"` keeps a GGUF file's Q4_1/Q8_0 blocks packed (`packed_int4`);
-    `quantization="fp8"` quantizes the decoder's linear layers to FP8 after loading (`fp8`).
+    `quantization="fp8"` quantizes the decoder's linear layers to FP8 after loading (`fp8`), and
+    with `quantize_lm_head` the LM head too (`DecoderForCausalLM.quantize_head_fp8`).
     With a `tp` group of more than one rank, builds and loads only that rank's shard
     (`distributed.sharding`)."""
+    if quantize_lm_head and quantization != "fp8":
+        raise ValueError(
+            f"quantize_lm_head=True needs quantization='fp8' (got {quantization!r}): the head is "
+            "quantized like the decoder's FP8 weights; add quantization='fp8' or drop quantize_lm_head"
+        )
     source = resolve_model_source(model, gguf_file)
     fmt = _resolve_format(source, load_format)
     device = torch.device(device)
@@ -165,13 +172,17 @@ def load_model(
     built: PagedCausalLM
     if choice.native_class is None:
         if quantization is not None:
+            what = "quantization= and quantize_lm_head" if quantize_lm_head else "quantization="
             raise ValueError(
                 f"quantization={quantization!r} needs a native pagedserve model; {choice.architecture} "
-                "runs through the transformers fallback, which keeps dense weights (drop quantization=)"
+                "runs through the transformers fallback, which keeps dense weights and its own dense "
+                f"LM head (drop {what})"
             )
         built = _build_fallback(config, source, fmt, dtype, device, seed)
     else:
-        built = _build_native(choice.native_class, config, source, fmt, dtype, device, seed, quantization)
+        built = _build_native(
+            choice.native_class, config, source, fmt, dtype, device, seed, quantization, quantize_lm_head
+        )
     built.eval()
     return LoadedModel(model=built, hf_config=config, spec=built.spec, source=source)
 
@@ -206,9 +217,11 @@ def _build_native(
     device: torch.device,
     seed: int,
     quantization: Quantization | None,
+    quantize_lm_head: bool = False,
 ) -> DecoderForCausalLM:
     """The native model for `config`, with the weights `fmt` names (GGUF blocks kept packed for
-    `quantization="gguf"`; linear layers quantized after loading for `quantization="fp8"`)."""
+    `quantization="gguf"`; linear layers, and the LM head with `quantize_lm_head`, quantized after
+    loading for `quantization="fp8"`)."""
     # Built on the meta device and materialized uninitialized: every parameter is written
     # by the checkpoint or the dummy filler, so an init pass would be wasted time.
     with torch.device("meta"):
@@ -225,7 +238,7 @@ def _build_native(
     else:
         native.load_weights(iter_safetensors(source.directory))
     if quantization == "fp8":
-        _quantize_fp8(native)
+        _quantize_fp8(native, quantize_lm_head)
     return native
 
 
@@ -260,9 +273,9 @@ def _check_quantization(quantization: str, fmt: str, dtype: torch.dtype, device:
         )
 
 
-def _quantize_fp8(model: PagedCausalLM) -> None:
-    """Swap the decoder's linear layers for FP8 ones (the embedding and LM head stay). Mutates
-    `model`."""
+def _quantize_fp8(model: PagedCausalLM, lm_head: bool) -> None:
+    """Swap the decoder's linear layers for FP8 ones; the embedding stays, and the LM head stays
+    unless `lm_head` (then it becomes FP8 per vocabulary row too). Mutates `model`."""
     from pagedserve.models.decoder import DecoderForCausalLM
     from pagedserve.models.fp8 import quantize_linear_layers
 
@@ -270,6 +283,10 @@ def _quantize_fp8(model: PagedCausalLM) -> None:
         raise ValueError(f"quantization='fp8' is not available for {type(model).__name__}")
     replaced = quantize_linear_layers(model.model)
     logger.info("quantization='fp8': %d linear layers quantized per output channel", replaced)
+    if lm_head:
+        model.quantize_head_fp8()
+        extra = " (an FP8 copy beside the tied embedding)" if model.tie_word_embeddings else ""
+        logger.info("quantize_lm_head: the LM head quantized per vocabulary row%s", extra)
 
 
 def _load_gguf_packed(model: PagedCausalLM, gguf_path: Path, config: Any) -> None:
@@ -328,8 +345,8 @@ def _load_shard(
         )
     if quantization is not None:
         raise ValueError(
-            f"quantization={quantization!r} runs on one CPU and cannot be sharded: drop quantization= "
-            "or use tensor_parallel_size=1"
+            f"quantization={quantization!r} is not sharded over tensor-parallel ranks (its layers are "
+            "made for one device); drop quantization= or use tensor_parallel_size=1"
         )
     layout = ShardLayout.for_config(config, tp)
     with torch.device("meta"):

@@ -11,8 +11,9 @@ How. `route_linear_layers` swaps every `nn.Linear` of the decoder (fused ones in
 SiLU-gated MLPs the kernel's fused activation when it has one: `LinearKernel.silu_gate_op` (the
 gate/up product with SiLU and the multiply in its epilogue; API 1.3), else `gated_op` (the down
 projection applying them as it loads its input), one elementwise kernel fewer per layer. The LM
-head lives outside the decoder: the runner hands the kernel to the model's logits computation
-(`DecoderForCausalLM.head_kernel`). The platform's
+head lives outside the decoder: `route_lm_head` hands the kernel to the model's logits computation
+(`DecoderForCausalLM.head_kernel`) when the kernel takes the head's weights (an FP8 head of
+`quantize_lm_head` only if `weight_dtypes` lists `float8_e4m3fn`). The platform's
 operator is opaque to `torch.compile` and decides per call, from the row count, whether it runs
 its own kernel or the library's, so one compiled graph serves every step size.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.models.decoder import DecoderForCausalLM
 from pagedserve.models.fp8 import Fp8Linear
 from pagedserve.models.layers import GatedMLP, MergedLinear
 from pagedserve.platforms.api import LinearKernel
@@ -78,3 +80,21 @@ def route_linear_layers(decoder: nn.Module, kernel: LinearKernel, dtype: torch.d
         owner, _, attr = name.rpartition(".")
         setattr(decoder.get_submodule(owner) if owner else decoder, attr, PlatformLinear(module, kernel))
     return routed
+
+
+def route_lm_head(model: DecoderForCausalLM, kernel: LinearKernel, dtype: torch.dtype) -> bool:
+    """Give `model`'s LM head `kernel` when the kernel takes its weights: a plain head (or the tied
+    embedding) in `dtype`, or the FP8 head of `quantize_lm_head` when `weight_dtypes` lists
+    `float8_e4m3fn`; otherwise the head keeps torch's product (`F.linear` / `scaled_linear`).
+    Packed 4-bit and vocabulary-parallel heads keep theirs. Returns whether the head was routed.
+    Mutates `model.head_kernel`."""
+    if model.vocab_parallel is not None or model.packed_head is not None:
+        return False
+    head = model.lm_head
+    if isinstance(head, Fp8Linear):
+        routable = head.weight.dtype in kernel.weight_dtypes
+    else:
+        weight = model.model.embed_tokens.weight if head is None else head.weight
+        routable = weight.dtype == dtype
+    model.head_kernel = kernel if routable else None
+    return routable

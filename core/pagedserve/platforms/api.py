@@ -33,7 +33,8 @@ Programmatic dependent launches (API 1.4): `LinearKernel.dependent_op`, optional
 kernels launched so that each may start while the previous kernel on the stream drains (NVIDIA
 sm_90+), waiting on the device before it touches memory. The engine uses it when
 `EngineArgs.programmatic_launch` is on (the default), and launches the compiled forward's kernels
-the same way.
+the same way. `LinearKernel.dependent_silu_gate_op` (API 1.5), optional, is `silu_gate_op`
+launched that way.
 
 Full-graph plans (API 1.2): `AttentionBackend.full_graph_key` tells the engine what a backend's
 launches for a batch depend on besides tensor addresses (its plan: kernel, grid, split count), for
@@ -56,9 +57,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.4"
+PLUGIN_API_VERSION = "1.5"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.4"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.5"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -154,6 +155,9 @@ class LinearKernel:
     # before its first memory access, and lets the next one launch only after that wait. Used
     # instead of `op` when `EngineArgs.programmatic_launch` is on. None: `op` everywhere.
     dependent_op: LinearOp | None = None
+    # Optional (API 1.5): `silu_gate_op` launched the way `dependent_op` launches `op`; used
+    # instead of it when `EngineArgs.programmatic_launch` is on. None: `silu_gate_op` everywhere.
+    dependent_silu_gate_op: LinearOp | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from pagedserve.config import EngineArgs
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.decoder import DecoderForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model
-from pagedserve.models.platform_linear import route_linear_layers
+from pagedserve.models.platform_linear import route_linear_layers, route_lm_head
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
 from pagedserve.platforms.loaded_platform import LoadedPlatform
@@ -133,6 +133,7 @@ def load_device_model(
         seed=args.seed,
         quantization=args.quantization,
         tp=tp,
+        quantize_lm_head=args.quantize_lm_head,
     )
     logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
     if args.platform_linear and device.type == "cuda":
@@ -165,11 +166,9 @@ def _route_linear_layers(
         return
     if programmatic and kernel.dependent_op is not None:
         name = f"{kernel.name}, programmatic dependent launches"
-        kernel = replace(kernel, name=name, op=kernel.dependent_op)
-    routed = route_linear_layers(model.model, kernel, dtype)
-    if model.vocab_parallel is None and model.packed_head is None:  # a plain LM head in `dtype`
-        model.head_kernel = kernel
-        routed += 1
+        silu_gate = kernel.dependent_silu_gate_op or kernel.silu_gate_op
+        kernel = replace(kernel, name=name, op=kernel.dependent_op, silu_gate_op=silu_gate)
+    routed = route_linear_layers(model.model, kernel, dtype) + int(route_lm_head(model, kernel, dtype))
     logger.info("linear layers: %d on %s", routed, kernel.name)
 
 

@@ -1,11 +1,12 @@
 # Triton kernel arguments are IR values (pointers, scalars, constexprs) with no Python types.
 # mypy: disable-error-code="no-untyped-def"
-"""The FP8 activation quantization of the linear operator's larger steps, in one launch.
+"""The elementwise work around the linear operator's library GEMMs, one launch each.
 
 Inside an operator that `torch.compile` keeps opaque nothing fuses torch's elementwise chains, so
 the steps too large for the weight-streaming GEMM quantize their activations for
 `torch._scaled_mm` with `quantize_rows_fused`: bit for bit `pagedserve.models.fp8.quantize_rows`
-(the same float32 operations and rounding; rows of up to 16384 columns read once).
+(the same float32 operations and rounding; rows of up to 16384 columns read once); and the gated
+operator's steps too large for the GEMM's epilogue apply SiLU-and-multiply with `silu_mul`.
 """
 
 from __future__ import annotations
@@ -110,3 +111,41 @@ def quantize_rows_fused(x: torch.Tensor, *, dependent: bool = False) -> tuple[to
             **launch,
         )
     return codes, scales
+
+
+@triton.jit
+def silu_mul_kernel(
+    h_ptr,  # [M, 2I], rows `stride_hm` apart: gate columns, then up columns
+    out_ptr,  # [M, I], contiguous
+    half,  # I
+    stride_hm,
+    BLOCK: tl.constexpr,
+):
+    """`silu(gate) * up` of one row's BLOCK columns, in float32, rounded once."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < half
+    gate = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + row * stride_hm + half + offs, mask=mask, other=0.0).to(tl.float32)
+    act = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
+    tl.store(out_ptr + row * half + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+SILU_MUL_BLOCK = 1024
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:  # [M, I]
+    """`silu(gate) * up` of a gated MLP's fused gate/up output `h` [M, 2I] (unit stride along the
+    columns): one launch on a CUDA device, torch elsewhere; float32, rounded once to h's dtype.
+    Allocates the output; raises ValueError for an odd column count."""
+    if h.dim() != 2 or h.shape[1] % 2 or h.stride(1) != 1:
+        raise ValueError(f"silu_mul takes [M, 2I] with unit column stride, got {tuple(h.shape)}")
+    m, half = h.shape[0], h.shape[1] // 2
+    if not h.is_cuda:
+        gate, up = h.float().split(half, dim=1)
+        return (torch.nn.functional.silu(gate) * up).to(h.dtype)
+    out = torch.empty((m, half), dtype=h.dtype, device=h.device)
+    if m:
+        grid = (m, triton.cdiv(half, SILU_MUL_BLOCK))
+        silu_mul_kernel[grid](h, out, half, h.stride(0), BLOCK=SILU_MUL_BLOCK, num_warps=4)
+    return out

@@ -29,7 +29,7 @@ import triton
 
 from pagedserve.models.fp8 import FP8_WEIGHT_DTYPE, scaled_linear
 from pagedserve.platforms.api import LinearKernel
-from pagedserve_triton.linear_activations import quantize_rows_fused
+from pagedserve_triton.linear_activations import quantize_rows_fused, silu_mul
 from pagedserve_triton.programmatic_launch import programmatic_launch_supported
 from pagedserve_triton.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, row_block, skinny_linear
 
@@ -151,16 +151,17 @@ def kernel_linear(
     scale: torch.Tensor | None,  # [N] float32 (FP8 weights)
     bias: torch.Tensor | None,  # [N]
     dependent: bool = False,  # programmatic dependent launches (the device must have them)
-) -> torch.Tensor:  # [M, N] in x's dtype
+    gated: bool = False,  # weight is a gated MLP's [gate; up]: silu(gate) * up, [M, N // 2]
+) -> torch.Tensor:  # [M, N] (gated: [M, N // 2]) in x's dtype
     """The Triton kernel's product as the operator runs it: past `FP8_FEW_ROWS` rows FP8 weights
     meet activations quantized per row (`quantize_rows_fused`, as `torch._scaled_mm` would get),
     below it the weights are widened and the activations stay exact. Pure."""
     if activation_dtype(weight.dtype, x.shape[0], x.dtype) == x.dtype:
-        return skinny_linear(x, weight, config, scale=scale, bias=bias, dependent=dependent)
+        return skinny_linear(x, weight, config, scale=scale, bias=bias, dependent=dependent, gated=gated)
     codes, x_scale = quantize_rows_fused(x, dependent=dependent)
     return skinny_linear(
         codes, weight, config, scale=scale, bias=bias, x_scale=x_scale.reshape(-1), out_dtype=x.dtype,
-        dependent=dependent,
+        dependent=dependent, gated=gated,
     )  # fmt: skip
 
 
@@ -185,6 +186,26 @@ def _linear(
     if scale is not None:
         raise ValueError(f"pagedserve_triton::linear: a scale is for FP8 weights, not {weight.dtype}")
     return F.linear(x, weight, bias)
+
+
+def _silu_gate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dependent: bool,
+) -> torch.Tensor:
+    """Both gated operators' body: the Triton kernel with SiLU-and-multiply in its epilogue where
+    it takes the step, else `_linear`'s product and one `silu_mul` launch."""
+    if weight.shape[0] % 2:
+        raise ValueError(
+            f"pagedserve_triton::silu_gate: a [gate; up] weight has an even row count, got {weight.shape[0]}"
+        )
+    config = kernel_config(x, weight)
+    if config is not None:
+        dependent = dependent and x.shape[0] <= DEPENDENT_MAX_ROWS and programmatic_launch_supported(x.device)
+        return kernel_linear(x, weight, config, scale, bias, dependent, gated=True)
+    return silu_mul(_linear(x, weight, scale, bias, dependent=False))
 
 
 @torch.library.custom_op("pagedserve_triton::linear", mutates_args=())
@@ -213,6 +234,31 @@ def linear_dependent(
     return _linear(x, weight, scale, bias, dependent=True)
 
 
+@torch.library.custom_op("pagedserve_triton::silu_gate", mutates_args=())
+def silu_gate(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [2I, K], gate rows first, in x's dtype or float8_e4m3fn with `scale`
+    scale: torch.Tensor | None,  # [2I] float32 per output channel (FP8 weights)
+    bias: torch.Tensor | None,  # [2I]
+) -> torch.Tensor:  # [M, I] in x's dtype
+    """`silu(gate) * up` where [gate | up] = `linear(x, weight, scale, bias)` (gate and up rounded
+    to x's dtype, the product in float32, rounded once): the Triton kernel writes it from its
+    epilogue for the steps it takes, so the [M, 2I] product never reaches memory."""
+    return _silu_gate(x, weight, scale, bias, dependent=False)
+
+
+@torch.library.custom_op("pagedserve_triton::silu_gate_dependent", mutates_args=())
+def silu_gate_dependent(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [2I, K], gate rows first
+    scale: torch.Tensor | None,  # [2I] float32 (FP8 weights)
+    bias: torch.Tensor | None,  # [2I]
+) -> torch.Tensor:  # [M, I] in x's dtype
+    """`silu_gate` with its Triton kernels launched as programmatic dependent launches, as
+    `linear_dependent` launches them."""
+    return _silu_gate(x, weight, scale, bias, dependent=True)
+
+
 @linear.register_fake
 def _linear_shape(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
@@ -220,7 +266,15 @@ def _linear_shape(
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+@silu_gate.register_fake
+def _silu_gate_shape(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
 linear_dependent.register_fake(_linear_shape)
+silu_gate_dependent.register_fake(_silu_gate_shape)
 
 
 LINEAR_KERNEL = LinearKernel(
@@ -228,4 +282,6 @@ LINEAR_KERNEL = LinearKernel(
     op=linear,
     weight_dtypes=frozenset({FP8_WEIGHT_DTYPE}),
     dependent_op=linear_dependent,
+    silu_gate_op=silu_gate,
+    dependent_silu_gate_op=silu_gate_dependent,
 )

@@ -42,16 +42,14 @@ is built for the weight stream only:
   program's leading weight bytes into L2 before the wait was slower still (3.5-5.2 ms for 1-4 KiB
   per row, FP8, one row).
 
-What it does not do: a gated MLP's `silu(gate) * up`, in either of the two places a GEMM could
-compute it, both built and measured slower than this kernel plus the compiled model's fused
-activation kernel:
-
-* in the down projection's load (the activation tile made from the gate/up output as it is
-  read): the tile then passes through registers instead of streaming into shared memory; on an
-  H100, at one row, the best of 48 launch configurations took 140 us against 42 us + 1.4 us;
-* in the gate/up product's epilogue (gate rows and the matching up rows streamed side by side
-  into two accumulators): on an H200, at one row, 91 us against 63 us for the product plus a
-  separate SiLU-and-multiply with bf16 weights, and 147 us against 47 us with FP8 weights.
+* With `gated` a gated MLP's gate/up product writes `silu(gate) * up` from its epilogue: each
+  program's weight tile gathers half its rows from the gate and half from the matching up rows,
+  so the main loop is the plain product's (one tile, one dot), and the compiled model's
+  SiLU-and-multiply kernel goes. Two earlier builds were slower than the product plus that
+  kernel and were dropped: the activation made in the down projection's load (the tile passed
+  through registers instead of streaming into shared memory: on an H100, at one row, 140 us
+  against 42 us + 1.4 us) and gate and up tiles streamed side by side into two accumulators
+  (on an H200, at one row, 91 us against 63 us with bf16 weights, 147 against 47 with FP8).
 """
 
 from __future__ import annotations
@@ -74,9 +72,9 @@ def skinny_gemm_kernel(
     scale_ptr,  # [N] float32 per-output-channel weight scales (read only if HAS_SCALE)
     x_scale_ptr,  # [M] float32 per-row activation scales of FP8 codes (read only if HAS_X_SCALE)
     bias_ptr,  # [N] (read only if HAS_BIAS)
-    out_ptr,  # [M, N], rows `stride_om` apart
+    out_ptr,  # [M, N] (GATED: [M, N // 2]), rows `stride_om` apart
     partial_ptr,  # [SPLIT_K, M, N] float32 partial tiles (used only if SPLIT_K > 1)
-    counter_ptr,  # [cdiv(N, BLOCK_N)] int32, zero between launches (used only if SPLIT_K > 1)
+    counter_ptr,  # [column blocks] int32, zero between launches (used only if SPLIT_K > 1)
     M,
     N,
     K,
@@ -96,14 +94,24 @@ def skinny_gemm_kernel(
     WIDEN_BITS: tl.constexpr,  # FP8 weights widened by `widen_fp8`'s bit-moving path (NVIDIA)
     WEIGHT_MAJOR: tl.constexpr,  # the dot takes the weight tile as its M side (see `SkinnyGemmConfig`)
     DEPENDENT: tl.constexpr,  # launched as a programmatic dependent launch (see `skinny_linear`)
+    GATED: tl.constexpr,  # w is [gate; up] (N = 2I): write silu(gate) * up [M, I] (see `skinny_linear`)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:
+        # The tile's first half are gate rows, its second half the up rows of the same output
+        # columns: one weight tile and one dot, as for any other product.
+        half_cols = N // 2
+        offs_c = tl.arange(0, BLOCK_N)
+        col = pid_n * (BLOCK_N // 2) + offs_c % (BLOCK_N // 2)
+        offs_n = (offs_c // (BLOCK_N // 2)) * half_cols + col
+        mask_n = col < half_cols
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     offs_kb = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
-    mask_n = offs_n < N
     mask_mn = mask_m[:, None] & mask_n[None, :]
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -143,7 +151,7 @@ def skinny_gemm_kernel(
     if SPLIT_K == 1:
         _store_output(
             acc, out_ptr, scale_ptr, x_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, mask_mn,
-            stride_om, HAS_SCALE, HAS_X_SCALE, HAS_BIAS,
+            stride_om, pid_n, N, HAS_SCALE, HAS_X_SCALE, HAS_BIAS, GATED, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     else:
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -162,7 +170,7 @@ def skinny_gemm_kernel(
                 )
             _store_output(
                 total, out_ptr, scale_ptr, x_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, mask_mn,
-                stride_om, HAS_SCALE, HAS_X_SCALE, HAS_BIAS,
+                stride_om, pid_n, N, HAS_SCALE, HAS_X_SCALE, HAS_BIAS, GATED, BLOCK_M, BLOCK_N,
             )  # fmt: skip
             tl.store(counter_ptr + pid_n, 0)  # ready for the next launch
 
@@ -170,18 +178,29 @@ def skinny_gemm_kernel(
 @triton.jit
 def _store_output(
     acc, out_ptr, scale_ptr, x_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, mask_mn, stride_om,
-    HAS_SCALE: tl.constexpr, HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    pid_n, N, HAS_SCALE: tl.constexpr, HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The epilogue: the per-channel and per-row scales, the bias and the cast of a float32
-    [BLOCK_M, BLOCK_N] tile, stored to its place in the output."""
+    [BLOCK_M, BLOCK_N] tile of weight rows `offs_n`, stored to its place in the output; GATED:
+    the tile's gate and up halves rounded to the output dtype, then `silu(gate) * up` in float32,
+    rounded once, into [BLOCK_M, BLOCK_N // 2] output columns."""
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_X_SCALE:
         acc = acc * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_mn)
+    if GATED:
+        rounded = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.permute(tl.reshape(rounded, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        act = gate * (1.0 / (1.0 + tl.exp(-gate))) * up  # silu as torch writes it: x * sigmoid(x)
+        col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out = out_ptr + offs_m[:, None] * stride_om + col[None, :]
+        tl.store(out, act.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (col < N // 2)[None, :])
+    else:
+        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_mn)
 
 
 MAX_ROWS = 128
@@ -254,13 +273,18 @@ def skinny_linear(
     x_scale: torch.Tensor | None = None,  # [M] float32, per row, when x holds FP8 codes
     out_dtype: torch.dtype | None = None,  # default: x's dtype (required with x_scale)
     dependent: bool = False,  # a programmatic dependent launch (NVIDIA sm_90+ only)
-) -> torch.Tensor:  # [M, N] in out_dtype
+    gated: bool = False,  # weight is a gated MLP's [gate; up]: return silu(gate) * up [M, N // 2]
+) -> torch.Tensor:  # [M, N] (gated: [M, N // 2]) in out_dtype
     """`(x * x_scale[:, None]) @ (weight * scale[:, None]).T + bias` by streaming the weight once.
     With FP8 codes in both `x` and `weight` the dot runs on the FP8 tensor cores. With `dependent`
     the launch is a programmatic dependent launch: it may start while the previous kernel on the
     stream drains and waits for it on the device (`programmatic_launch` module; raises ValueError
-    where that does not exist). Allocates the output (and float32 partials when `config.split_k > 1`); raises
-    ValueError for shapes it does not take."""
+    where that does not exist). With `gated` (`weight` [2I, K], gate rows first) each program's
+    weight tile takes half its rows from the gate and half from the matching up rows, and the
+    epilogue writes `silu(gate) * up` (gate and up rounded to the output dtype, the product in
+    float32, rounded once): the [M, 2I] product never reaches memory and the activation needs no
+    kernel of its own. Allocates the output (and float32 partials when `config.split_k > 1`);
+    raises ValueError for shapes it does not take."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply"
@@ -277,14 +301,17 @@ def skinny_linear(
         raise ValueError(
             "skinny_linear: FP8 codes need x_scale [M], an out_dtype and FP8 weights of their type"
         )
+    if gated and n % 2:
+        raise ValueError(f"skinny_linear: a gated weight stacks gate and up rows, got {n} rows")
     launch = launch_options(dependent, x.device)
-    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if gated else n), dtype=out_dtype or x.dtype, device=x.device)
     blocks_k = triton.cdiv(k, config.block_k)
     split = min(config.split_k, blocks_k)
     k_per_split = triton.cdiv(blocks_k, split) * config.block_k
     split = triton.cdiv(k, k_per_split)  # no empty split
     even_k = k % config.block_k == 0 and k_per_split * split == k
-    grid = (triton.cdiv(n, config.block_n), split)
+    # Gated: each column block covers block_n // 2 output columns, from gate and up rows alike.
+    grid = (triton.cdiv(n // 2, config.block_n // 2) if gated else triton.cdiv(n, config.block_n), split)
     if split > 1:
         partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, grid[0])
@@ -300,7 +327,7 @@ def skinny_linear(
         # The interpreter's bfloat16 dot multiplies raw bits, and it has no FP8 dot.
         DOT_IN_FP32=INTERPRETED and (x.dtype == torch.bfloat16 or x_scale is not None),
         WIDEN_BITS=bit_widening(x.device, weight.dtype, x.dtype), WEIGHT_MAJOR=config.weight_major,
-        DEPENDENT=dependent,
+        DEPENDENT=dependent, GATED=gated,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )  # fmt: skip
     return out

@@ -511,7 +511,7 @@ def test_full_graph_key_of_decode_routed_to_triton_is_the_triton_plan() -> None:
     for bucket in BUCKETS:
         md = _capture_metadata(1, bucket)
         assert backend.full_graph_key(md, LLAMA_LAYER) == ("triton", triton.full_graph_key(md, LLAMA_LAYER))
-    assert backend.full_graph_key(_capture_metadata(1, 600), LLAMA_LAYER) == ("triton", SplitPlan("3d", 8))
+    assert backend.full_graph_key(_capture_metadata(1, 600), LLAMA_LAYER) == ("triton", SplitPlan("3d", 16))
     # Off CUDA `forward` always runs Triton (one interpreter "SM": the 2D kernel).
     forced = CudaPagedAttentionBackend(tuning=TUNING)
     on_cpu = AttentionLayerShape(32, 8, 128, 16, BF16, BF16, torch.device("cpu"))

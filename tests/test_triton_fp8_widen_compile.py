@@ -46,7 +46,7 @@ gemm_pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "o
 for bits in (False, True):
     constexprs = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, EVEN_K=True, HAS_SCALE=True,
                       HAS_BIAS=False, DOT_IN_FP32=False, WIDEN_BITS=bits, WEIGHT_MAJOR=False,
-                      DEPENDENT=False)
+                      DEPENDENT=False, GATED=False)
     compiled = sm90_compile(
         skinny_gemm_kernel, constexprs, gemm_pointers, 4, 3, divisible=("K", "k_per_split")
     )

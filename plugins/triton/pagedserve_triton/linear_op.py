@@ -1,5 +1,7 @@
 """The `LinearKernel` of the triton and cuda platforms: `skinny_gemm` for decode steps, torch above,
-as one operator `torch.compile` keeps opaque.
+as one operator `torch.compile` keeps opaque; and the gated operator (`silu_gate`) computing a
+SiLU-gated MLP's activation from its gate/up weight, in the GEMM's epilogue for the steps the
+kernel takes, with one `silu_mul` launch after the library GEMM above.
 
 Which steps take the Triton kernel: with 16-bit weights, steps of at most `ROWS_16BIT` tokens
 (where it was measured ahead of cuBLAS); with FP8 weights, steps of at most `ROWS_FP8` tokens.

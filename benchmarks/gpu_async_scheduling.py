@@ -92,10 +92,15 @@ def decode(engine: LLMEngine, batch: int, steps: int, long_prompt: int = 0) -> d
         engine.step()
     torch.cuda.synchronize()
     start = time.perf_counter()
+    ends = []
     for _ in range(steps):
         engine.step()
+        ends.append(time.perf_counter())  # host time between step returns: async steps overlap
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / steps * 1e3
+    # A one-off stall (a kernel build, a full garbage collection) shows as one long gap: the
+    # median and the longest say whether the mean is the steady state.
+    gaps = [(b - a) * 1e3 for a, b in zip([start, *ends[:-1]], ends, strict=True)]
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
@@ -106,6 +111,8 @@ def decode(engine: LLMEngine, batch: int, steps: int, long_prompt: int = 0) -> d
         "batch": batch,
         "long_prompt": long_prompt,
         "step_mean_ms": step_ms,
+        "step_median_ms": statistics.median(gaps),
+        "step_max_ms": max(gaps),
         **_gpu_busy(prof),
         "kernels": kernel_table(prof, steps),
     }

@@ -167,6 +167,12 @@ def kernel_linear(
     )  # fmt: skip
 
 
+def _launch_dependent(x: torch.Tensor, dependent: bool) -> bool:
+    """Whether the Triton kernels of a product of `x` launch as programmatic dependents: asked
+    for, a step of at most `DEPENDENT_MAX_ROWS` rows, and a device that has them. Pure."""
+    return dependent and x.shape[0] <= DEPENDENT_MAX_ROWS and programmatic_launch_supported(x.device)
+
+
 def _linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -178,8 +184,7 @@ def _linear(
     kernels, made only where the device has them."""
     config = kernel_config(x, weight)
     if config is not None:
-        dependent = dependent and x.shape[0] <= DEPENDENT_MAX_ROWS and programmatic_launch_supported(x.device)
-        return kernel_linear(x, weight, config, scale, bias, dependent)
+        return kernel_linear(x, weight, config, scale, bias, _launch_dependent(x, dependent))
     if weight.dtype == FP8_WEIGHT_DTYPE:
         if scale is None:
             raise ValueError("pagedserve_triton::linear: FP8 weights need their per-channel scale")
@@ -205,8 +210,7 @@ def _silu_gate(
         )
     config = kernel_config(x, weight)
     if config is not None:
-        dependent = dependent and x.shape[0] <= DEPENDENT_MAX_ROWS and programmatic_launch_supported(x.device)
-        return kernel_linear(x, weight, config, scale, bias, dependent, gated=True)
+        return kernel_linear(x, weight, config, scale, bias, _launch_dependent(x, dependent), gated=True)
     return silu_mul(_linear(x, weight, scale, bias, dependent=False))
 
 

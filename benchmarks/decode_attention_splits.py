@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from attention import BACKEND, Batch, Shape, configs_with_point, make_batch
+from attention import BACKEND, Batch, Shape, configs_with_point, make_batch, time_graph
 
 from pagedserve.platforms.api import KVCacheScales
 from pagedserve.platforms.tuned_configs import TunedConfigs
@@ -48,25 +48,7 @@ def layers_time_us(batches: list[Batch], num_splits: int | None, configs: TunedC
                 batch.query, batch.kv_cache, batch.metadata, scale=scale, out=out, kv_scales=scales
             )
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # builds the kernels outside the graph
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(5):
-            step()
-    best = float("inf")
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (5 * len(batches)))
-    return best
+    return time_graph(step, iters=5) / len(batches)
 
 
 def measure_case(kv_dtype: torch.dtype | None, requests: int, keys: int) -> dict[str, Any]:

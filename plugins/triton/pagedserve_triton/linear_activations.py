@@ -114,6 +114,13 @@ def quantize_rows_fused(x: torch.Tensor, *, dependent: bool = False) -> tuple[to
 
 
 @triton.jit
+def silu_times(gate, up):
+    """float32 `silu(gate) * up`, silu written as torch writes it (`x * sigmoid(x)`): the one
+    formula of `silu_mul_kernel` and of the gated GEMM's epilogue."""
+    return gate * (1.0 / (1.0 + tl.exp(-gate))) * up
+
+
+@triton.jit
 def silu_mul_kernel(
     h_ptr,  # [M, 2I], rows `stride_hm` apart: gate columns, then up columns
     out_ptr,  # [M, I], contiguous
@@ -127,8 +134,7 @@ def silu_mul_kernel(
     mask = offs < half
     gate = tl.load(h_ptr + row * stride_hm + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + row * stride_hm + half + offs, mask=mask, other=0.0).to(tl.float32)
-    act = gate * (1.0 / (1.0 + tl.exp(-gate))) * up
-    tl.store(out_ptr + row * half + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * half + offs, silu_times(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 SILU_MUL_BLOCK = 1024

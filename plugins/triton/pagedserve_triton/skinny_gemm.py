@@ -62,6 +62,7 @@ import triton.language as tl
 
 from pagedserve_triton.fp8_widen import bit_widening, widen_fp8
 from pagedserve_triton.interpreter import INTERPRETED
+from pagedserve_triton.linear_activations import silu_times
 from pagedserve_triton.programmatic_launch import launch_options
 
 
@@ -194,7 +195,7 @@ def _store_output(
     if GATED:
         rounded = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         gate, up = tl.split(tl.permute(tl.reshape(rounded, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        act = gate * (1.0 / (1.0 + tl.exp(-gate))) * up  # silu as torch writes it: x * sigmoid(x)
+        act = silu_times(gate, up)
         col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out = out_ptr + offs_m[:, None] * stride_om + col[None, :]
         tl.store(out, act.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (col < N // 2)[None, :])

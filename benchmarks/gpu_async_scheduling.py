@@ -15,7 +15,10 @@ step in flight and hide exactly what is measured):
     where its time went (`bench.throughput.summarize_trace`: the admission phase, then the steps
     by running-request count); `--throughput-runs K` runs it K times in the same engine, the
     repeats with the prefix cache forgotten first;
-  * the decode measurements also list the kernels that took the most device time per step.
+  * the decode measurements also list the kernels that took the most device time per step;
+  * `gc_pauses`: every garbage collection of the process after the engine is built (count per
+    generation; the full ones' durations), which the engine's start-up heap freeze keeps short
+    (`--no-freeze-startup-heap` measures without it).
 
 `--quantization fp8` and `--kv-cache-dtype fp8` measure the same with FP8 weights and/or an FP8
 KV cache (the KV pool keeps `--num-kv-blocks` blocks either way), `--quantize-lm-head` (with
@@ -47,6 +50,35 @@ from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_tr
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling.sampling_params import SamplingParams
+
+
+class GcPauses:
+    """Python's garbage collections while it is open: how many per generation, and how long each
+    full (oldest-generation) one took."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.full_ms: list[float] = []
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.counts[generation] += 1
+        if generation == 2:
+            self.full_ms.append((time.perf_counter() - self._start) * 1000)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"collections_by_generation": self.counts, "full_ms": [round(ms, 1) for ms in self.full_ms]}
 
 
 def _run_to_end(engine: LLMEngine) -> None:
@@ -134,8 +166,20 @@ def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) ->
             quantize_lm_head=args.quantize_lm_head,
             kv_cache_dtype=args.kv_cache_dtype,
             programmatic_launch=not args.no_programmatic_launch,
+            freeze_startup_heap=not args.no_freeze_startup_heap,
         )
     )
+    with GcPauses() as pauses:
+        out = _measure_engine(args, engine)
+    out["gc_pauses"] = pauses.to_dict()
+    print(out["gc_pauses"], flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def _measure_engine(args: argparse.Namespace, engine: LLMEngine) -> dict[str, Any]:
     out: dict[str, Any] = {"single_stream": single_stream(engine, args.prompt_len, args.output_len)}
     print(out, flush=True)
     out["decode_b1"] = decode(engine, 1, args.steps)
@@ -162,9 +206,6 @@ def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) ->
             out["throughput" + suffix] = run_throughput(engine, requests, trace).to_dict()
             out["throughput_steps" + suffix] = summarize_trace(trace)
             print(out["throughput" + suffix], out["throughput_steps" + suffix], flush=True)
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
     return out
 
 
@@ -201,6 +242,11 @@ def main() -> None:
         "--no-programmatic-launch",
         action="store_true",
         help="launch kernels one after another (the engine's programmatic_launch=False)",
+    )
+    parser.add_argument(
+        "--no-freeze-startup-heap",
+        action="store_true",
+        help="keep the start-up objects in full garbage collections (the engine's freeze_startup_heap=False)",
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()

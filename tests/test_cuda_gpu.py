@@ -150,3 +150,38 @@ def test_backend_picks_v2_for_a_small_long_batch_and_v1_for_a_big_one() -> None:
     assert backend.choose(small, device).kernel == "cuda_v2"
     assert backend.choose(big, device).kernel == "cuda_v1"
     assert backend.choose(prefill, device).kernel == "triton"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_programmatic_cache_writes_match_plain_ones_in_a_cuda_graph(kv_dtype: torch.dtype) -> None:
+    """`reshape_and_cache` launched as a programmatic dependent launch (`cuLaunchKernelEx`, sm_90+)
+    after a torch kernel that makes its keys, eagerly and replayed from a CUDA graph: the bits a
+    plain launch writes."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launches need sm_90+")
+    from pagedserve.platforms.api import KVCacheScales
+    from pagedserve_cuda.cache_ops import CudaCacheOps
+
+    scales = {"kv_scales": KVCacheScales(0.05, 0.02)} if kv_dtype != torch.bfloat16 else {}
+    plain, dependent = CudaCacheOps(), CudaCacheOps()
+    assert dependent.enable_programmatic_launch(16)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    kv_in = torch.randn(3, 2, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    slots = torch.tensor([5, 70, 33], device="cuda")
+    caches = [torch.zeros(2, 8, 16, 8, 128, device="cuda", dtype=kv_dtype) for _ in range(2)]
+
+    def write(ops: CudaCacheOps, cache: torch.Tensor) -> None:
+        kv = kv_in * 2.0  # a plain kernel right before the write
+        ops.reshape_and_cache(kv[:, 0], kv[:, 1], cache, slots, **scales)
+
+    write(dependent, caches[1])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write(dependent, caches[1])
+    for _ in range(2):
+        kv_in.copy_(torch.randn(3, 2, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen))
+        graph.replay()
+        write(plain, caches[0])
+        torch.cuda.synchronize()
+        assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))

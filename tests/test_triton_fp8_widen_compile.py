@@ -54,8 +54,9 @@ for bits in (False, True):
 attention_pointers = {"kv_ptr": "*fp8e4nv", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                       "query_start_loc_ptr": "*i32", "segm_acc_ptr": "*fp32", "segm_max_ptr": "*fp32",
                       "segm_sum_ptr": "*fp32"}
-for name, kernel, extra in (("attention_2d", unified_attention_2d_kernel, {}),
-                            ("attention_3d", unified_attention_3d_kernel, {"NUM_SPLITS": 8})):
+for name, kernel, extra in (("attention_2d", unified_attention_2d_kernel, {"DEPENDENT": False}),
+                            ("attention_3d", unified_attention_3d_kernel,
+                             {"NUM_SPLITS": 8, "DEPENDENT": False})):
     constexprs = dict(
         QUERIES_PER_KV=4, BLOCK_M=16, BLOCK_Q=4, HEAD_SIZE=128, HEAD_SIZE_PADDED=128, BLOCK_SIZE=16,
         TILE_SIZE=32, USE_SOFTCAP=False, USE_WINDOW=False, DOT_IN_FP32=False, NUM_GRID_GROUPS=1,

@@ -256,3 +256,49 @@ def test_cached_launch_goes_direct_on_gpu() -> None:
         assert launch.fast, f"call {i} did not leave a compiled kernel to launch directly"
         flat = cache.view(2, 64 * 16, 8, 128)
         assert torch.equal(flat[0, slots], key) and torch.equal(flat[1, slots], value)
+
+
+@pytest.mark.parametrize("num_splits", [1, 16], ids=["2d", "split3d"])
+def test_programmatic_decode_chain_in_a_cuda_graph(num_splits: int) -> None:
+    """Eight layers of decode attention launched as programmatic dependent launches, each layer's
+    query made from the previous layer's output by a plain torch kernel, captured in one CUDA
+    graph and replayed for new inputs: the same bits as the plain backend run eagerly."""
+    if not torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("programmatic dependent launches need sm_90+")
+    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve_triton.attention import TritonUnifiedAttentionBackend
+
+    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    seq_lens = [600, 37, 1200]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    need = [-(-s // bs) for s in seq_lens]
+    bt = torch.randperm(sum(need), device="cuda", generator=gen).int()
+    table = torch.zeros(len(need), max(need), dtype=torch.int32, device="cuda")
+    for i, start in enumerate([0, *torch.tensor(need).cumsum(0).tolist()[:-1]]):
+        table[i, : need[i]] = bt[start : start + need[i]]
+    md = AttentionMetadata.build([1, 1, 1], seq_lens, table, bs, device="cuda")
+    caches = [
+        torch.randn(2, sum(need), bs, hkv, d, device="cuda", dtype=dtype, generator=gen) for _ in range(8)
+    ]
+
+    def chain(backend: TritonUnifiedAttentionBackend, q0: torch.Tensor) -> torch.Tensor:
+        q = q0
+        for cache in caches:
+            q = backend.forward(q * 1.5, cache, md, scale=d**-0.5) + q0
+        return q
+
+    plain = TritonUnifiedAttentionBackend(num_splits=num_splits)
+    dependent = TritonUnifiedAttentionBackend(num_splits=num_splits)
+    dependent.enable_programmatic_launch(16)
+    q_in = torch.randn(3, hq, d, device="cuda", dtype=dtype, generator=gen)
+    chain(dependent, q_in)  # compile and build the launches before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_out = chain(dependent, q_in)
+    for seed in range(3):
+        q_in.copy_(torch.randn(3, hq, d, device="cuda", dtype=dtype, generator=gen))
+        graph.replay()
+        expected = chain(plain, q_in)
+        torch.cuda.synchronize()
+        assert torch.equal(q_out, expected), f"replay {seed}"

@@ -56,7 +56,7 @@ for name, block_m, tile, warps, stages, params in json.loads(sys.argv[1]):
     constexprs = dict(
         QUERIES_PER_KV=4, BLOCK_M=block_m, BLOCK_Q=block_m // 4, HEAD_SIZE=128, HEAD_SIZE_PADDED=128,
         BLOCK_SIZE=16, TILE_SIZE=tile, USE_SOFTCAP=False, USE_WINDOW=False, DOT_IN_FP32=False,
-        NUM_GRID_GROUPS=1, KV_CACHE_MODIFIER="", WIDEN_BITS=False,
+        NUM_GRID_GROUPS=1, KV_CACHE_MODIFIER="", WIDEN_BITS=False, DEPENDENT=False,
         **config.variant_constexprs(warp_specialize_supported=True),
     )
     try:
@@ -83,3 +83,54 @@ def test_variant_compiles_for_sm90_within_shared_memory(
     assert result["error"] is None, result["error"]
     shared = result["shared"]
     assert isinstance(shared, int) and 0 < shared <= H100_SHARED_BYTES
+
+
+# The decode kernels as a one-request decode step launches them: programmatic dependent launches.
+_DECODE_CHILD = (
+    SM90_COMPILE
+    + """
+import json
+from pagedserve_triton.unified_attention import (
+    reduce_segments_kernel, unified_attention_2d_kernel, unified_attention_3d_kernel,
+)
+
+POINTERS = {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+            "segm_acc_ptr": "*fp32", "segm_max_ptr": "*fp32", "segm_sum_ptr": "*fp32"}
+FLOATS = {"scale_log2", "out_scale", "softcap"}
+common = dict(
+    QUERIES_PER_KV=4, BLOCK_M=16, BLOCK_Q=4, HEAD_SIZE=128, HEAD_SIZE_PADDED=128, BLOCK_SIZE=16,
+    TILE_SIZE=32, USE_SOFTCAP=False, USE_WINDOW=False, DOT_IN_FP32=False, NUM_GRID_GROUPS=1,
+    KV_CACHE_MODIFIER="", PREFETCH_BLOCK_IDS=False, LAZY_RESCALE=False, LOOP_STAGES=0,
+    WARP_SPECIALIZE=False, LONGEST_FIRST=False, WIDEN_BITS=False,
+)
+launches = {
+    "2d_dependent": (unified_attention_2d_kernel, {**common, "DEPENDENT": True}),
+    "3d_plain": (unified_attention_3d_kernel, {**common, "NUM_SPLITS": 16, "DEPENDENT": False}),
+    "3d_dependent": (unified_attention_3d_kernel, {**common, "NUM_SPLITS": 16, "DEPENDENT": True}),
+    "reduce_dependent": (reduce_segments_kernel,
+                         {"HEAD_SIZE": 128, "HEAD_SIZE_PADDED": 128, "NUM_SPLITS": 16, "DEPENDENT": True}),
+}
+results = {}
+for name, (kernel, constexprs) in launches.items():
+    ptx = sm90_compile(kernel, constexprs, POINTERS, 4, 2, floats=FLOATS).asm["ptx"]
+    results[name] = {
+        "wait": ptx.count("griddepcontrol.wait"),
+        "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),
+    }
+print(json.dumps(results))
+"""
+)
+
+
+@pytest.fixture(scope="module")
+def decode_ptx() -> dict[str, dict[str, int]]:
+    results: dict[str, dict[str, int]] = run_without_interpreter(_DECODE_CHILD)
+    return results
+
+
+def test_dependent_decode_kernels_wait_and_release_on_the_device(
+    decode_ptx: dict[str, dict[str, int]],
+) -> None:
+    for name in ("2d_dependent", "3d_dependent", "reduce_dependent"):
+        assert decode_ptx[name]["wait"] >= 1 and decode_ptx[name]["launch_dependents"] >= 1, name
+    assert decode_ptx["3d_plain"]["wait"] == decode_ptx["3d_plain"]["launch_dependents"] == 0

@@ -127,6 +127,12 @@ class EngineArgs(_Config):
         "that) and the compiled forward's kernels as programmatic dependent launches, each set up "
         "while the previous one drains; False (or enforce_eager) launches them one after another",
     )
+    freeze_startup_heap: bool = Field(
+        True,
+        description="after start-up, move the engine's long-lived objects out of Python's full "
+        "garbage collections (`gc.freeze`), so a collection during serving does not stall the host "
+        "for the time it takes to walk them; False leaves the collector as it is",
+    )
     cpu_compile: bool = Field(
         False,
         description="CPU platforms: run steps of up to 32 tokens through torch.compile (needs a C++ "

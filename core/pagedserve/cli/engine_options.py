@@ -70,6 +70,11 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
         False,
         "GPU: launch kernels one after another (no programmatic dependent launches)",
     ),
+    "--no-freeze-startup-heap": (
+        "freeze_startup_heap",
+        False,
+        "keep start-up objects in Python's full garbage collections",
+    ),
     "--skip-tokenizer-init": ("skip_tokenizer_init", True, "no tokenizer: token-id prompts only"),
     "--async-scheduling": ("async_scheduling", True, "schedule step N+1 while step N runs (default on GPUs)"),
     "--no-async-scheduling": ("async_scheduling", False, "every step synchronous (for debugging)"),

@@ -34,6 +34,7 @@ from pagedserve.worker.runner_setup import (
     resolve_dtype,
     swap_space_blocks,
 )
+from pagedserve.worker.startup_heap import freeze_startup_heap
 
 # Re-exported: they lived here before the per-device half of the setup moved to `runner_setup`.
 __all__ = [
@@ -96,6 +97,8 @@ def build_engine(args: EngineArgs) -> EngineSetup:
         async_scheduling=async_scheduling,
         structured=structured,
     )
+    if args.freeze_startup_heap:
+        freeze_startup_heap()
     return EngineSetup(
         platform, spec, dm.loaded, dm.backend, tokenizer, eos, dm.max_model_len, num_blocks, core
     )
@@ -135,6 +138,8 @@ def _build_parallel_engine(args: EngineArgs, platform: LoadedPlatform) -> Engine
             "step synchronously"
         )
     core = EngineCore(scheduler, executor, max_model_len=first.max_model_len, proposer=proposer)
+    if args.freeze_startup_heap:
+        freeze_startup_heap()  # the driver's; each rank freezes its own after it is ready
     spec = _whole_model_spec(first)
     return EngineSetup(platform, spec, None, backend, tokenizer, eos, first.max_model_len, num_blocks, core)
 

@@ -21,6 +21,7 @@ from pagedserve.platforms.registry import load_platforms
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagedserve.worker.runner_setup import DeviceModel, build_runner, fit_kv_blocks, load_device_model
+from pagedserve.worker.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class TensorParallelWorker:
             eos_token_ids=eos_token_ids,
             tensor_parallel=True,
         )
+        if self.args.freeze_startup_heap:
+            freeze_startup_heap()
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; rank 0 returns its result, the others None (theirs is identical)."""

@@ -36,6 +36,12 @@ sm_90+), waiting on the device before it touches memory. The engine uses it when
 the same way. `LinearKernel.dependent_silu_gate_op` (API 1.5), optional, is `silu_gate_op`
 launched that way.
 
+Programmatic launches of attention and cache writes (API 1.6): `AttentionBackend` and `CacheOps`
+have an optional `enable_programmatic_launch(max_tokens)`. With `EngineArgs.programmatic_launch`
+on, the engine asks both once, before the first step, to launch the kernels of steps of at most
+`max_tokens` tokens that way too, so that a decode step's chain of kernels is programmatic from
+one product to the next. The default answers False and changes nothing.
+
 Full-graph plans (API 1.2): `AttentionBackend.full_graph_key` tells the engine what a backend's
 launches for a batch depend on besides tensor addresses (its plan: kernel, grid, split count), for
 one layer shape (`AttentionLayerShape`). Full decode graphs are captured once per padded request
@@ -57,9 +63,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.5"
+PLUGIN_API_VERSION = "1.6"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.5"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.6"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -223,6 +229,15 @@ class AttentionBackend(ABC):
         backend's caches. Meaningful only with `supports_full_cuda_graph`."""
         return None
 
+    def enable_programmatic_launch(self, max_tokens: int) -> bool:
+        """API 1.6. Launch the kernels of steps of at most `max_tokens` tokens as programmatic
+        dependent launches where the device has them (NVIDIA sm_90+), as `LinearKernel.dependent_op`
+        does: each waits on the device for the previous kernel before its first memory access and
+        lets the next one launch only after that wait. Called at most once, before the first step,
+        when `EngineArgs.programmatic_launch` is on. Returns whether the backend will; the default
+        returns False and changes nothing."""
+        return False
+
     def check_supported(
         self,
         *,
@@ -342,6 +357,12 @@ class CacheOps(ABC):
     # API 1.1. True promises that `reshape_and_cache` leaves the rows whose slot is negative
     # unwritten (the padding tokens of full CUDA graphs), without a device sync.
     skips_negative_slots: ClassVar[bool] = False
+
+    def enable_programmatic_launch(self, max_tokens: int) -> bool:
+        """API 1.6. `reshape_and_cache` of steps of at most `max_tokens` tokens launched as
+        programmatic dependent launches, as `AttentionBackend.enable_programmatic_launch` says.
+        Returns whether the cache ops will; the default returns False and changes nothing."""
+        return False
 
     @abstractmethod
     def reshape_and_cache(

@@ -23,7 +23,7 @@ from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.worker.cpu_compile import compile_reason
-from pagedserve.worker.gpu_compile import configure_compile_caches
+from pagedserve.worker.gpu_compile import PROGRAMMATIC_MAX_TOKENS, configure_compile_caches
 from pagedserve.worker.graph_modes import no_programmatic_launch, plan_graphs
 from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
 from pagedserve.worker.model_runner import ModelRunner
@@ -136,15 +136,32 @@ def load_device_model(
         quantize_lm_head=args.quantize_lm_head,
     )
     logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
+    tensor_parallel = tp is not None and tp.world_size > 1
+    programmatic = _programmatic(args, device, tensor_parallel)
     if args.platform_linear and device.type == "cuda":
-        tensor_parallel = tp is not None and tp.world_size > 1
-        _route_linear_layers(loaded.model, platform, dtype, _programmatic(args, device, tensor_parallel))
+        _route_linear_layers(loaded.model, platform, dtype, programmatic)
     max_model_len = _max_model_len(args, loaded.spec)
     backend, kv_dtype = choose_backend(platform, loaded.spec, args.block_size, args.kv_cache_dtype)
+    cache_ops = platform.cache_ops()
+    if programmatic:
+        _launch_attention_programmatically(backend, cache_ops)
     max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     if not args.enable_chunked_prefill:
         max_batched = max(max_batched, max_model_len)
-    return DeviceModel(platform, loaded, backend, platform.cache_ops(), max_model_len, max_batched, kv_dtype)
+    return DeviceModel(platform, loaded, backend, cache_ops, max_model_len, max_batched, kv_dtype)
+
+
+def _launch_attention_programmatically(backend: AttentionBackend, cache_ops: CacheOps) -> None:
+    """Ask the attention backend and the cache ops (API 1.6) to launch the kernels of the steps
+    the compiled forward launches programmatically (`PROGRAMMATIC_MAX_TOKENS`) the same way, so a
+    decode step's chain of kernels is programmatic from one product to the next. Mutates both."""
+    answers = {
+        "attention": backend.enable_programmatic_launch(PROGRAMMATIC_MAX_TOKENS),
+        "cache writes": cache_ops.enable_programmatic_launch(PROGRAMMATIC_MAX_TOKENS),
+    }
+    for what, enabled in answers.items():
+        how = "programmatic dependent launches" if enabled else "plain launches (the plugin has none)"
+        logger.info("%s: %s for steps of <= %d tokens", what, how, PROGRAMMATIC_MAX_TOKENS)
 
 
 def _programmatic(args: EngineArgs, device: torch.device, tensor_parallel: bool) -> bool:

@@ -105,6 +105,18 @@ class CudaPagedAttentionBackend(AttentionBackend):
         self._choices: dict[tuple[object, ...], KernelChoice] = {}
         self._triton: AttentionBackend | None = None
         self._validated: set[tuple[object, ...]] = set()  # layout signatures check_decode_layout passed
+        self._dependent_max_tokens = 0  # `enable_programmatic_launch`, passed on to the Triton backend
+
+    def enable_programmatic_launch(self, max_tokens: int) -> bool:
+        """The Triton kernels (every batch the CUDA kernels do not take, the one-request decode
+        included) launch as programmatic dependent launches for steps of at most `max_tokens`
+        tokens; the CUDA v1/v2 kernels launch plainly. Returns True. Mutates the instance."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 0 (0 turns programmatic launches off)")
+        self._dependent_max_tokens = max_tokens
+        if self._triton is not None:
+            self._triton.enable_programmatic_launch(max_tokens)
+        return True
 
     def device_props(self, device: torch.device) -> DeviceProps:
         """The GPU's name, SM count and capability, read once per device."""
@@ -186,6 +198,8 @@ class CudaPagedAttentionBackend(AttentionBackend):
                     f"be imported ({e}); {INSTALL_HINT}"
                 ) from e
             self._triton = TritonUnifiedAttentionBackend(tuned_configs=self._configs)
+            if self._dependent_max_tokens:
+                self._triton.enable_programmatic_launch(self._dependent_max_tokens)
         return self._triton
 
     def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> Hashable:

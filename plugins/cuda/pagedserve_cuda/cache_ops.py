@@ -63,15 +63,24 @@ def copy_unit(*byte_quantities: int) -> int:
     raise ValueError(f"CudaCacheOps: addresses/strides {byte_quantities} are not even 2-byte aligned")
 
 
-def _source(unit: int) -> KernelSource:
-    return KernelSource("cache_ops.cu", (("UNIT_BYTES", unit),), with_common=False)
+def _source(unit: int, dependent: bool = False) -> KernelSource:
+    """`cache_ops.cu` moving `unit`-byte units; `dependent` builds `reshape_and_cache` for
+    programmatic dependent launches. Pure."""
+    return KernelSource(
+        "cache_ops.cu", (("UNIT_BYTES", unit), ("DEPENDENT", int(dependent))), with_common=False
+    )
 
 
-def fp8_source(dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> KernelSource:
-    """`reshape_and_cache_fp8` for keys/values of `dtype` written into a `kv_cache_dtype` cache. Pure."""
+def fp8_source(dtype: torch.dtype, kv_cache_dtype: torch.dtype, dependent: bool = False) -> KernelSource:
+    """`reshape_and_cache_fp8` for keys/values of `dtype` written into a `kv_cache_dtype` cache,
+    built for programmatic dependent launches with `dependent`. Pure."""
     return KernelSource(
         "reshape_and_cache_fp8.cu",
-        (("SCALAR_KIND", SCALAR_KIND[dtype]), ("KV_KIND", FP8_KV_KIND[kv_cache_dtype])),
+        (
+            ("SCALAR_KIND", SCALAR_KIND[dtype]),
+            ("KV_KIND", FP8_KV_KIND[kv_cache_dtype]),
+            ("DEPENDENT", int(dependent)),
+        ),
     )
 
 
@@ -124,6 +133,20 @@ class CudaCacheOps(CacheOps):
         # copy_blocks calls over the same caches do not upload it again.
         self._bases: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
         self._validated: set[tuple[object, ...]] = set()  # reshape_and_cache layouts that passed
+        self._dependent_max_tokens = 0  # `enable_programmatic_launch`
+
+    def enable_programmatic_launch(self, max_tokens: int) -> bool:
+        """`reshape_and_cache` of steps of at most `max_tokens` tokens launches as a programmatic
+        dependent launch on sm_90+ devices (plainly on older ones). Returns True. Mutates the
+        instance."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 0 (0 turns programmatic launches off)")
+        self._dependent_max_tokens = max_tokens
+        return True
+
+    def _dependent(self, num_tokens: int, device: torch.device) -> bool:
+        """Whether a write of `num_tokens` tokens on `device` launches programmatically."""
+        return num_tokens <= self._dependent_max_tokens and torch.cuda.get_device_capability(device)[0] >= 9
 
     def reshape_and_cache(
         self,
@@ -187,8 +210,12 @@ class CudaCacheOps(CacheOps):
             value.data_ptr(), value.stride(0) * size, value.stride(1) * size,
             kv_cache.data_ptr(), *(s * size for s in kv_cache.stride()[:4]),
         )  # fmt: skip
-        kernel = self._loader.kernel(_source(unit), "reshape_and_cache", RESHAPE_SIGNATURE, kv_cache.device)
-        kernel.launch(
+        dependent = self._dependent(num_tokens, kv_cache.device)
+        kernel = self._loader.kernel(
+            _source(unit, dependent), "reshape_and_cache", RESHAPE_SIGNATURE, kv_cache.device
+        )
+        launch = kernel.launch_dependent if dependent else kernel.launch
+        launch(
             (num_tokens, 1, 1), CACHE_THREADS, 0, torch.cuda.current_stream(kv_cache.device).cuda_stream,
             key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
             key.stride(0) * size, key.stride(1) * size, value.stride(0) * size, value.stride(1) * size,
@@ -209,13 +236,15 @@ class CudaCacheOps(CacheOps):
         if num_tokens == 0:
             return
         _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        dependent = self._dependent(num_tokens, kv_cache.device)
         kernel = self._loader.kernel(
-            fp8_source(key.dtype, kv_cache.dtype),
+            fp8_source(key.dtype, kv_cache.dtype, dependent),
             "reshape_and_cache_fp8",
             RESHAPE_FP8_SIGNATURE,
             kv_cache.device,
         )
-        kernel.launch(
+        launch = kernel.launch_dependent if dependent else kernel.launch
+        launch(
             (num_tokens, 1, 1), fp8_cache_threads(num_kv_heads, head_size), 0,
             torch.cuda.current_stream(kv_cache.device).cuda_stream,
             key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),

@@ -32,6 +32,7 @@ CACHE_ENV = "PAGEDSERVE_CUDA_CACHE"
 INSTALL_HINT = "pip install 'pagedserve[cuda]'"
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 COMMON_HEADER = "common.cuh"
+PROGRAMMATIC_HEADER = "programmatic.cuh"  # prepended to every source: PS_AWAIT_PREVIOUS_KERNEL
 
 
 class CudaToolError(RuntimeError):
@@ -44,8 +45,9 @@ class CudaCompileError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class KernelSource:
-    """One compilable unit: a .cu file of `kernels/`, optionally prefixed with `common.cuh`, and the
-    -D defines that specialise it (dtype, head size, thread counts)."""
+    """One compilable unit: a .cu file of `kernels/`, prefixed with `programmatic.cuh` and optionally
+    `common.cuh`, and the -D defines that specialise it (dtype, head size, thread counts,
+    DEPENDENT for a programmatic dependent launch)."""
 
     file: str  # file name inside kernels/
     defines: tuple[tuple[str, int], ...]  # (name, value), in a fixed order: part of the cache key
@@ -53,7 +55,9 @@ class KernelSource:
 
     def text(self) -> str:
         """The full source NVRTC sees. Reads the files (cached per process). Does not mutate."""
-        parts = [_read_kernel_file(COMMON_HEADER)] if self.with_common else []
+        parts = [_read_kernel_file(PROGRAMMATIC_HEADER)]
+        if self.with_common:
+            parts.append(_read_kernel_file(COMMON_HEADER))
         parts.append(_read_kernel_file(self.file))
         return "\n".join(parts)
 

@@ -1,6 +1,6 @@
 """Loading compiled kernels into torch's CUDA context and launching them on torch's current stream,
 through the CUDA driver API of cuda-python (`cuModuleLoadData`, `cuModuleGetFunction`,
-`cuLaunchKernel`).
+`cuLaunchKernel`, and `cuLaunchKernelEx` for programmatic dependent launches).
 
 Launches happen once per layer per step, so the hot path is short: a `CudaKernel` keeps its
 `CUfunction` and a preallocated parameter block (one 8-byte slot per argument plus the `void*`
@@ -77,7 +77,18 @@ def _make_primary_context_current(driver: ModuleType, index: int) -> None:
 class CudaKernel:
     """One `__global__` function of a loaded module, with its preallocated parameter block."""
 
-    __slots__ = ("_driver", "_func", "_launch", "_params", "_ptrs", "_slots", "_struct", "_success", "name")
+    __slots__ = (
+        "_dependent_config",
+        "_driver",
+        "_func",
+        "_launch",
+        "_params",
+        "_ptrs",
+        "_slots",
+        "_struct",
+        "_success",
+        "name",
+    )
 
     def __init__(self, driver: ModuleType, func: Any, name: str, signature: str) -> None:
         """`signature` has one kind letter per kernel parameter, in order (see `_SLOT_FORMAT`)."""
@@ -94,6 +105,7 @@ class CudaKernel:
         base = ctypes.addressof(self._slots)
         self._ptrs = (ctypes.c_void_p * len(signature))(*(base + 8 * i for i in range(len(signature))))
         self._params = ctypes.addressof(self._ptrs)
+        self._dependent_config: Any = None  # built at the first programmatic dependent launch
 
     def launch(
         self,
@@ -111,6 +123,37 @@ class CudaKernel:
         )
         if err != self._success:
             _check(self._driver, err, f"cuLaunchKernel({self.name}, grid={grid}, threads={threads})")
+
+    def launch_dependent(
+        self,
+        grid: tuple[int, int, int],
+        threads: int,
+        shared_bytes: int,
+        stream: int,
+        *args: int | float,
+    ) -> None:
+        """`launch` as a programmatic dependent launch (sm_90+): the grid may start while the
+        previous kernel on `stream` drains, so the kernel must have been compiled with DEPENDENT=1
+        (its CTAs wait on the device before touching memory: `kernels/programmatic.cuh`).
+        Asynchronous; mutates the parameter block and the kernel's launch configuration."""
+        config = self._dependent_config
+        if config is None:
+            driver = self._driver
+            attribute = driver.CUlaunchAttribute()
+            attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            config = driver.CUlaunchConfig()
+            config.attrs = [attribute]
+            config.numAttrs = 1
+            self._dependent_config = config
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+        config.sharedMemBytes = shared_bytes
+        config.hStream = stream
+        self._struct.pack_into(self._slots, 0, *args)
+        (err,) = self._driver.cuLaunchKernelEx(config, self._func, self._params, 0)
+        if err != self._success:
+            _check(self._driver, err, f"cuLaunchKernelEx({self.name}, grid={grid}, programmatic dependent)")
 
 
 class KernelLoader:

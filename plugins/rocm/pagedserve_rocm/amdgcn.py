@@ -114,6 +114,7 @@ def _constexprs(variant: AttentionVariant) -> dict[str, Any]:
         NUM_GRID_GROUPS=variant.num_grid_groups,
         KV_CACHE_MODIFIER=config.kv_cache_modifier,
         WIDEN_BITS=False,  # the bit-moving FP8 widening is NVIDIA PTX
+        DEPENDENT=False,  # programmatic dependent launches are NVIDIA's
         # The rocm tables set no interior-loop variant: the plain loop (and never warp specialisation).
         **config.for_backend("hip")[0].variant_constexprs(warp_specialize_supported=False),
     )
@@ -177,7 +178,12 @@ def compile_reduction(arch: str, *, head_size: int, num_splits: int, num_warps: 
     from pagedserve_triton.unified_attention import reduce_segments_kernel
 
     head_padded = max(1 << (head_size - 1).bit_length(), 16)
-    constexprs = {"HEAD_SIZE": head_size, "HEAD_SIZE_PADDED": head_padded, "NUM_SPLITS": num_splits}
+    constexprs = {
+        "HEAD_SIZE": head_size,
+        "HEAD_SIZE_PADDED": head_padded,
+        "NUM_SPLITS": num_splits,
+        "DEPENDENT": False,
+    }
     signature, attrs = _signature(reduce_segments_kernel, constexprs, "bfloat16")
     compiled = triton.compile(
         ASTSource(fn=reduce_segments_kernel, signature=signature, constexprs=constexprs, attrs=attrs),

@@ -36,6 +36,7 @@ from pagedserve_triton.launch_params import (
     device_name_of,
     warp_specialize_supported,
 )
+from pagedserve_triton.programmatic_launch import launch_options, programmatic_launch_supported
 from pagedserve_triton.unified_attention import (
     LOG2E,
     reduce_segments_kernel,
@@ -175,6 +176,19 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         self._num_splits = num_splits
         self._num_sms: dict[torch.device, int] = {}
         self._step: _StepCache | None = None
+        self._dependent_max_tokens = 0  # `enable_programmatic_launch`
+
+    def enable_programmatic_launch(self, max_tokens: int) -> bool:
+        """Launch the kernels of steps of at most `max_tokens` tokens (the 2D or 3D kernel and the
+        reduction) as programmatic dependent launches on devices that have them
+        (`programmatic_launch`): each waits on the device for the previous kernel before its first
+        memory access, so its grid is set up while that kernel drains. Returns True (devices
+        without them launch plainly). Mutates the instance."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 0 (0 turns programmatic launches off)")
+        self._dependent_max_tokens = max_tokens
+        self._step = None  # launches built before were planned without
+        return True
 
     def _sm_count(self, device: torch.device) -> int:
         count = self._num_sms.get(device)
@@ -382,6 +396,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         num_q_blocks = num_tokens // block_q + metadata.num_reqs
         num_programs = num_q_blocks * num_kv_heads * plan.num_splits
         head_padded = max(triton.next_power_of_2(head_size), 16)
+        dependent = num_tokens <= self._dependent_max_tokens and programmatic_launch_supported(query.device)
         # `forward` allocates a missing `out` contiguous.
         out_strides = out.stride() if out is not None else (num_q_heads * head_size, head_size, 1)
         common: dict[str, object] = dict(
@@ -417,9 +432,16 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             NUM_GRID_GROUPS=self.grid_groups(query.device),
             KV_CACHE_MODIFIER=cfg.kv_cache_modifier,
             WIDEN_BITS=bit_widening(query.device, kv_cache.dtype, query.dtype),
+            DEPENDENT=dependent,
             **cfg.variant_constexprs(warp_specialize_supported=warp_specialize_supported(query.device)),
         )
-        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **dict(cfg.backend_options)}
+        launch = launch_options(dependent, query.device)
+        options = {
+            "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages,
+            **dict(cfg.backend_options),
+            **launch,
+        }
         if plan.kind == "2d":
             attention = CachedLaunch(
                 unified_attention_2d_kernel,
@@ -472,9 +494,10 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
                 "HEAD_SIZE": head_size,
                 "HEAD_SIZE_PADDED": head_padded,
                 "NUM_SPLITS": plan.num_splits,
+                "DEPENDENT": dependent,
             },
             ("out_ptr",),
-            {"num_warps": reduce_cfg.num_warps},
+            {"num_warps": reduce_cfg.num_warps, **launch},
         )
         return _LayerLaunch(plan, attention, reduce)
 

@@ -622,7 +622,12 @@ def unified_attention_2d_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,  # launch order: see the q_block numbering below
     WIDEN_BITS: tl.constexpr,  # an e4m3fn cache widened to bfloat16 by `widen_fp8`'s bit path (NVIDIA)
+    DEPENDENT: tl.constexpr,  # a programmatic dependent launch (NVIDIA sm_90+): see `programmatic_launch`
 ):
+    if DEPENDENT:
+        # Before any memory access: every earlier kernel has finished and its writes (the query,
+        # this step's keys and values in the cache) are visible.
+        tl.extra.cuda.gdc_wait()
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     kv_head = tile // num_q_blocks
     q_block = tile % num_q_blocks
@@ -695,6 +700,9 @@ def unified_attention_2d_kernel(
         WIDEN_BITS,
     )
 
+    if DEPENDENT:
+        # Every load is issued: the next kernel may launch and wait for this one's end on the SMs.
+        tl.extra.cuda.gdc_launch_dependents()
     # Every valid row sees at least its own key, so l_i > 0 there; masked rows are not stored.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * out_scale
     out_off = (q_start + tok).to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
@@ -748,7 +756,10 @@ def unified_attention_3d_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,  # launch order: see the q_block numbering below
     WIDEN_BITS: tl.constexpr,  # an e4m3fn cache widened to bfloat16 by `widen_fp8`'s bit path (NVIDIA)
+    DEPENDENT: tl.constexpr,  # a programmatic dependent launch (NVIDIA sm_90+): see `programmatic_launch`
 ):
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()  # before any memory access, as in the 2D kernel
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     split = tile % NUM_SPLITS
     tile = tile // NUM_SPLITS
@@ -828,6 +839,8 @@ def unified_attention_3d_kernel(
         WIDEN_BITS,
     )
 
+    if DEPENDENT:
+        tl.extra.cuda.gdc_launch_dependents()  # every K/V load is issued
     segm = ((q_start + tok).to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split
     tl.store(segm_max_ptr + segm, m_i, mask=row_mask)
     tl.store(segm_sum_ptr + segm, l_i, mask=row_mask)
@@ -847,9 +860,12 @@ def reduce_segments_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DEPENDENT: tl.constexpr,  # a programmatic dependent launch (NVIDIA sm_90+): see `programmatic_launch`
 ):
     """One program per (token, query head): rescale each split's partial to the common maximum
     and normalise by the combined sum."""
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()  # the 3D kernel's partials are written
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -861,6 +877,8 @@ def reduce_segments_kernel(
     weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))
     total = tl.sum(l_s * weight, axis=0)
     acc = tl.load(segm_acc_ptr + segm[:, None] * HEAD_SIZE_PADDED + offs_d[None, :])
+    if DEPENDENT:
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc * weight[:, None], axis=0) / total * out_scale
     out_off = tok * stride_o_tok + head.to(tl.int64) * stride_o_head
     tl.store(out_ptr + out_off + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)

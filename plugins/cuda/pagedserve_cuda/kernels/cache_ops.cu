@@ -2,7 +2,7 @@
 // Both kernels move raw bytes in units of UNIT_BYTES (16 when every address and stride allows
 // 16-byte vectors, else the element size), so one compiled variant serves every dtype.
 //
-// Host-set defines: UNIT_BYTES (16, 8, 4 or 2).
+// Host-set defines: UNIT_BYTES (16, 8, 4 or 2); DEPENDENT (programmatic.cuh, reshape_and_cache only).
 
 #if UNIT_BYTES == 16
 typedef uint4 unit_t;
@@ -25,6 +25,7 @@ extern "C" __global__ void reshape_and_cache(
     long long stride_v_tok, long long stride_v_head,
     long long stride_kv_kind, long long stride_kv_block, long long stride_kv_slot, long long stride_kv_head,
     int block_size, int num_kv_heads, int head_bytes) {
+    PS_AWAIT_PREVIOUS_KERNEL();
     const long long token = blockIdx.x;
     const long long slot = slot_mapping[token];
     if (slot < 0) return;  // a padding token of a full CUDA graph: nothing to write

@@ -2,7 +2,8 @@
 // the float32 reciprocal of its scale, clamped to the format's finite range and rounded to nearest
 // even, exactly as pagedserve.attention.kv_cache_dtype.quantize does on the CPU.
 //
-// Host-set defines: SCALAR_KIND (the keys' and values' dtype), KV_KIND (1 e4m3fn, 2 e5m2).
+// Host-set defines: SCALAR_KIND (the keys' and values' dtype), KV_KIND (1 e4m3fn, 2 e5m2),
+// DEPENDENT (programmatic.cuh).
 
 #if KV_KIND == 0
 #error "reshape_and_cache_fp8 needs KV_KIND 1 (e4m3fn) or 2 (e5m2)"
@@ -26,6 +27,7 @@ extern "C" __global__ void reshape_and_cache_fp8(
     long long stride_kv_kind, long long stride_kv_block, long long stride_kv_slot, long long stride_kv_head,
     int block_size, int num_kv_heads, int head_size,
     float k_inv_scale, float v_inv_scale) {
+    PS_AWAIT_PREVIOUS_KERNEL();
     const long long token = blockIdx.x;
     const long long slot = slot_mapping[token];
     if (slot < 0) return;  // a padding token of a full CUDA graph: nothing to write

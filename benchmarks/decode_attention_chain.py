@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from programmatic_launch import graph_ms
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import KVCacheScales
@@ -35,33 +36,9 @@ Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
 HIDDEN = Q_HEADS * HEAD
 
 
-def _graph_us(step: Callable[[], None], layers: int, repeats: int = 7, replays: int = 10) -> float:
-    """Best mean µs per layer over `replays` back-to-back replays of `step` as one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(repeats):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / (replays * layers))
-    return best
-
-
 def measure(kv_dtype: torch.dtype, batch: int, context: int, layers: int) -> dict[str, Any]:
-    """µs per layer of each way, and whether the second way's outputs equal the first's."""
+    """µs per layer of each way (best mean of CUDA-graph replays), and whether the second way's
+    outputs equal the first's."""
     from pagedserve_cuda.cache_ops import CudaCacheOps
     from pagedserve_triton.attention import TritonUnifiedAttentionBackend
     from pagedserve_triton.linear_op import linear_dependent
@@ -108,7 +85,7 @@ def measure(kv_dtype: torch.dtype, batch: int, context: int, layers: int) -> dic
             backend.enable_programmatic_launch(16)
             cache_ops.enable_programmatic_launch(16)
         step = chain(backend, cache_ops)
-        result[way] = _graph_us(step, layers)
+        result[way] = graph_ms(step) * 1000 / layers
         step()
         torch.cuda.synchronize()
         if way == WAYS[0]:

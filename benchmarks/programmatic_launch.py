@@ -55,7 +55,7 @@ def _between(t: torch.Tensor, dependent: bool) -> None:
     scale_kernel[(triton.cdiv(n, 4096),)](t, n, BLOCK=4096, DEPENDENT=dependent, num_warps=8, **launch)
 
 
-def _graph_ms(step: Callable[[], None], repeats: int = 7, replays: int = 10) -> float:
+def graph_ms(step: Callable[[], None], repeats: int = 7, replays: int = 10) -> float:
     """Best mean time of `replays` back-to-back replays of `step` captured as one CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -106,7 +106,7 @@ def measure(weight_dtype: torch.dtype, rows: int, layers: int) -> dict[str, Any]
     reference: list[torch.Tensor] = []
     for way in WAYS:
         gemm, between = way != "plain", way == "all"
-        result[way] = _graph_ms(lambda gemm=gemm, between=between: step(gemm, between))
+        result[way] = graph_ms(lambda gemm=gemm, between=between: step(gemm, between))
         step(gemm, between)
         if way == "plain":
             reference = list(outputs)

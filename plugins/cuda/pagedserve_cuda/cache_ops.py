@@ -134,6 +134,7 @@ class CudaCacheOps(CacheOps):
         self._bases: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
         self._validated: set[tuple[object, ...]] = set()  # reshape_and_cache layouts that passed
         self._dependent_max_tokens = 0  # `enable_programmatic_launch`
+        self._programmatic_devices: dict[torch.device, bool] = {}  # device -> sm_90+, read once
 
     def enable_programmatic_launch(self, max_tokens: int) -> bool:
         """`reshape_and_cache` of steps of at most `max_tokens` tokens launches as a programmatic
@@ -146,7 +147,12 @@ class CudaCacheOps(CacheOps):
 
     def _dependent(self, num_tokens: int, device: torch.device) -> bool:
         """Whether a write of `num_tokens` tokens on `device` launches programmatically."""
-        return num_tokens <= self._dependent_max_tokens and torch.cuda.get_device_capability(device)[0] >= 9
+        if num_tokens > self._dependent_max_tokens:
+            return False
+        supported = self._programmatic_devices.get(device)
+        if supported is None:
+            supported = self._programmatic_devices[device] = torch.cuda.get_device_capability(device)[0] >= 9
+        return supported
 
     def reshape_and_cache(
         self,

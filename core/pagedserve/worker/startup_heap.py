@@ -11,12 +11,15 @@ the forward holds more). Moving the start-up objects into the collector's perman
 
 The cost: garbage cycles among frozen objects are not found until they are unfrozen. Each engine's
 start-up therefore unfreezes everything first and collects, so the start-up objects of an engine
-dropped earlier in the process are released when the next one starts (and in any case when the
-process ends); then it freezes what is alive.
+dropped earlier in the process are released when the next one starts; then it freezes what is
+alive. At interpreter exit everything is unfrozen again, so that the collection the interpreter
+runs while shutting down finalizes those objects as it would have (extension modules that count
+their objects, such as nanobind's, otherwise report them as leaked).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -37,6 +40,8 @@ def freeze_startup_heap() -> FrozenHeap:
     """Unfreeze anything an earlier engine of this process froze, collect every generation, and
     freeze the survivors. Returns the counts. Mutates the interpreter's collector state."""
     gc.unfreeze()
+    atexit.unregister(gc.unfreeze)  # registered once, however many engines start
+    atexit.register(gc.unfreeze)
     start = time.perf_counter()
     gc.collect()
     collect_s = time.perf_counter() - start

@@ -137,9 +137,14 @@ class MultiprocExecutor(ParallelExecutor):
 
     def _root_cause(self, rank: int, reason: str) -> str:
         """A rank whose peer died usually reports the broken collective before the driver sees the
-        death: name the dead peer as the cause when there is one (waiting briefly for its exit)."""
-        others = [p.sentinel for r, p in enumerate(self.procs) if r != rank]
-        wait(others, PEER_EXIT_WAIT_S)
+        death: name the dead peer as the cause when there is one (waiting briefly for its exit).
+        A peer whose sentinel is ready has closed its files and is exiting, but its exit status
+        can lag on a busy host (the kernel closes a dying process's files before it becomes
+        reapable), so such a peer is joined before its status is read."""
+        others = {p.sentinel: r for r, p in enumerate(self.procs) if r != rank}
+        for ready in wait(list(others), PEER_EXIT_WAIT_S):
+            if isinstance(ready, int):
+                self.procs[others[ready]].join(PEER_EXIT_WAIT_S)
         for other, proc in enumerate(self.procs):
             if other != rank and proc.exitcode is not None:
                 first_line = reason.splitlines()[0]

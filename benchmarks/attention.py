@@ -64,6 +64,7 @@ from pagedserve.platforms.tuned_configs import (
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.interpreter import INTERPRETED
 from pagedserve_triton.launch_params import CONFIG_DIR, device_name_of
+from pagedserve_triton.ragged_prefill import unsupported_reason as ragged_unsupported_reason
 
 # The backend class every timing constructs; `--backend rocm` swaps in the rocm platform's.
 BACKEND: list[type[TritonUnifiedAttentionBackend]] = [TritonUnifiedAttentionBackend]
@@ -785,11 +786,34 @@ class CaseResult:
         }
 
 
-def ours_call(backend: TritonUnifiedAttentionBackend, batch: Batch) -> Callable[[], torch.Tensor]:
-    """One layer's attention call of `backend` on `batch`, writing a preallocated output."""
+def new_kv_of(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's new keys and values as the engine passes them beside the cache: the rows the
+    cache write has just stored, contiguous [num_tokens, kv_heads, head_size]. Does not mutate."""
+    _, _, _, hkv, d = batch.kv_cache.shape
+    slots = batch.metadata.slot_mapping
+    return (
+        batch.kv_cache[0].reshape(-1, hkv, d)[slots].contiguous(),
+        batch.kv_cache[1].reshape(-1, hkv, d)[slots].contiguous(),
+    )
+
+
+def ours_call(
+    backend: TritonUnifiedAttentionBackend,
+    batch: Batch,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Callable[[], torch.Tensor]:
+    """One layer's attention call of `backend` on `batch`, writing a preallocated output; with
+    `new_kv`, the call the engine makes (`enable_new_kv_reads` on, the step's keys and values
+    passed beside the cache)."""
     out = torch.empty_like(batch.query)
     scale = batch.query.shape[-1] ** -0.5
-    return lambda: backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=scale, out=out)
+    if new_kv is None:
+        return lambda: backend.forward(batch.query, batch.kv_cache, batch.metadata, scale=scale, out=out)
+    backend.enable_new_kv_reads()
+    key, value = new_kv
+    return lambda: backend.forward(
+        batch.query, batch.kv_cache, batch.metadata, scale=scale, out=out, new_key=key, new_value=value
+    )
 
 
 def measure_baselines(
@@ -832,8 +856,19 @@ def run_table_case(
     res.plan = plan_of(batch)
     heuristic = BACKEND[0]()
     ours_out = heuristic.forward(batch.query, batch.kv_cache, batch.metadata, scale=scale).clone()
-    for m, splits in ((res.ours, None), (res.forced_2d, 1)):
-        call = ours_call(BACKEND[0](num_splits=splits), batch)
+    new_kv = new_kv_of(batch)
+    if (
+        ragged_unsupported_reason(
+            batch.query, batch.kv_cache, batch.metadata, *new_kv, sliding_window=None, logit_softcap=None
+        )
+        is None
+        and BACKEND[0]().enable_new_kv_reads()
+    ):
+        res.plan = "ragged"
+    # "ours" is the engine's call (new keys and values passed beside the cache); "2d" the
+    # unified 2D kernel reading the cache only.
+    for m, splits, kv in ((res.ours, None, new_kv), (res.forced_2d, 1, None)):
+        call = ours_call(BACKEND[0](num_splits=splits), batch, kv)
         timer(call, m)
         m.max_diff = float((call().float() - ours_out.float()).abs().max())
     measure_baselines(res, batch, ours_out, timer, flex_left_s)

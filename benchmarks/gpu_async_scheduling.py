@@ -23,7 +23,8 @@ step in flight and hide exactly what is measured):
 `--quantization fp8` and `--kv-cache-dtype fp8` measure the same with FP8 weights and/or an FP8
 KV cache (the KV pool keeps `--num-kv-blocks` blocks either way), `--quantize-lm-head` (with
 `--quantization fp8`) with the LM head in FP8 too; `--no-programmatic-launch` the same with every
-kernel launched after the previous one has finished.
+kernel launched after the previous one has finished; `--no-attention-new-kv` with prompt steps'
+attention reading every key and value from the paged cache (no ragged prefill kernel).
 
     python benchmarks/gpu_async_scheduling.py --platform cuda --json async.json
     python benchmarks/gpu_async_scheduling.py --platform cuda --workload sharegpt_like_256.json
@@ -166,6 +167,7 @@ def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) ->
             quantize_lm_head=args.quantize_lm_head,
             kv_cache_dtype=args.kv_cache_dtype,
             programmatic_launch=not args.no_programmatic_launch,
+            attention_reads_new_kv=not args.no_attention_new_kv,
             freeze_startup_heap=not args.no_freeze_startup_heap,
         )
     )
@@ -242,6 +244,11 @@ def main() -> None:
         "--no-programmatic-launch",
         action="store_true",
         help="launch kernels one after another (the engine's programmatic_launch=False)",
+    )
+    parser.add_argument(
+        "--no-attention-new-kv",
+        action="store_true",
+        help="attention reads the cache only (the engine's attention_reads_new_kv=False)",
     )
     parser.add_argument(
         "--no-freeze-startup-heap",

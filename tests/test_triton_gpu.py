@@ -85,6 +85,7 @@ def _run(
     softcap: float | None = None,
     num_splits: int | None = None,
     grid_groups: int = 1,
+    new_kv: bool = False,
 ) -> None:
     from pagedserve.attention.metadata import AttentionMetadata
     from pagedserve.platforms.api import GridOrder
@@ -105,13 +106,33 @@ def _run(
     backend = TritonUnifiedAttentionBackend(
         num_splits=num_splits, grid_order=GridOrder(name="test", num_groups=grid_groups)
     )
-    out = backend.forward(q, kv, md, scale=d**-0.5, sliding_window=window, logit_softcap=softcap)
+    extra: dict[str, torch.Tensor] = {}
+    if new_kv:  # as the engine calls it: the new tokens' cache rows beside the cache
+        from pagedserve_triton.ragged_prefill import unsupported_reason
+
+        assert backend.enable_new_kv_reads()
+        rows = [kv[i].flatten(0, 1)[md.slot_mapping] for i in (0, 1)]
+        extra = {"new_key": rows[0], "new_value": rows[1]}
+        reason = unsupported_reason(q, kv, md, *extra.values(), sliding_window=window, logit_softcap=softcap)
+        assert reason is None or torch.cuda.get_device_capability() < (9, 0), reason
+    out = backend.forward(q, kv, md, scale=d**-0.5, sliding_window=window, logit_softcap=softcap, **extra)
     ref = _reference(q, kv, query_lens, seq_lens, bt, d**-0.5, window, softcap)
     err = (out.float() - ref).abs().max().item()
     assert err <= TOLERANCE[dtype], f"max abs error {err:.3g}"
 
 
 MIXED = ([300, 1, 1, 4, 37, 1], [300, 2049, 77, 516, 1000, 16])
+
+
+# Whole prompts and chunks after cached context, all of 16+ tokens: on NVIDIA sm_90+ the ragged
+# prefill kernel, reading the new tokens' keys and values from the tensors passed beside the cache.
+PROMPT_CHUNKS = ([512, 300, 77, 1030, 16], [512, 300, 977, 1030, 2000])
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prompt_chunks_from_new_keys_and_values(d: int, dtype: torch.dtype) -> None:
+    _run(*PROMPT_CHUNKS, hq=32, hkv=8, d=d, bs=16, dtype=dtype, new_kv=True)
 
 
 @pytest.mark.parametrize("d", [32, 64, 80, 96, 112, 128, 192, 256])

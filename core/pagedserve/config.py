@@ -127,6 +127,13 @@ class EngineArgs(_Config):
         "that) and the compiled forward's kernels as programmatic dependent launches, each set up "
         "while the previous one drains; False (or enforce_eager) launches them one after another",
     )
+    attention_reads_new_kv: bool = Field(
+        True,
+        description="let the attention backend read the keys and values of a step's new tokens from "
+        "the step's own projections as well as from the paged cache (the triton and cuda platforms "
+        "run prompt-only steps on NVIDIA sm_90+ with a prefill kernel that streams them with TMA); "
+        "False makes every step read the cache only",
+    )
     freeze_startup_heap: bool = Field(
         True,
         description="after start-up, move the engine's long-lived objects out of Python's full "

@@ -58,6 +58,9 @@ class ForwardContext:
     attention_hook: AttentionHook | None = None
     # layer_idx -> scales of an FP8 KV cache; None: the caches have the model's dtype.
     kv_scales: list[KVCacheScales] | None = None
+    # The backend's `enable_new_kv_reads` answered True (API 1.7): pass it the step's new keys
+    # and values beside the cache (only for unquantized caches).
+    new_kv_reads: bool = False
 
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("pagedserve_forward_context", default=None)

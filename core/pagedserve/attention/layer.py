@@ -149,6 +149,19 @@ def attend(
             out=out,
         )
     ctx.cache_ops.reshape_and_cache(key, value, kv_cache, ctx.metadata.slot_mapping)
+    if ctx.new_kv_reads:
+        # API 1.7: the backend asked for the step's own keys and values beside the cache.
+        return ctx.backend.forward(
+            query,
+            kv_cache,
+            ctx.metadata,
+            scale=scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            out=out,
+            new_key=key,
+            new_value=value,
+        )
     return ctx.backend.forward(
         query,
         kv_cache,

@@ -70,6 +70,11 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
         False,
         "GPU: launch kernels one after another (no programmatic dependent launches)",
     ),
+    "--no-attention-new-kv": (
+        "attention_reads_new_kv",
+        False,
+        "attention reads every key and value from the paged cache (no prefill kernel over the step's own)",
+    ),
     "--no-freeze-startup-heap": (
         "freeze_startup_heap",
         False,

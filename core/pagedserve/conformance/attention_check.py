@@ -144,6 +144,22 @@ def _call(backend: AttentionBackend, case: AttentionCase, inputs: _Inputs, scale
                 out=inputs.out.tensor if case.pass_out else None,
                 kv_scales=FP8_KV_SCALES,
             )
+        if backend.enable_new_kv_reads():
+            # As `attention.layer.attend` calls it: the new tokens' cache rows passed beside it.
+            cache = inputs.kv_cache.tensor
+            slots = inputs.metadata.slot_mapping
+            new_key, new_value = (cache[i].flatten(0, 1)[slots] for i in (0, 1))
+            return backend.forward(
+                inputs.query,
+                cache,
+                inputs.metadata,
+                scale=scale,
+                sliding_window=case.sliding_window,
+                logit_softcap=case.logit_softcap,
+                out=inputs.out.tensor if case.pass_out else None,
+                new_key=new_key,
+                new_value=new_value,
+            )
         return backend.forward(
             inputs.query,
             inputs.kv_cache.tensor,

@@ -83,6 +83,9 @@ def _geometries(block_size: int, quick: bool) -> dict[str, Geometry]:
     if not quick:
         found["long_decode"] = Geometry((1, 1, 1), (517, 300, 1029))
         found["long_chunked_prefill"] = Geometry((37, 1), (731, 260))
+        # Only prompt chunks of 16+ tokens, a whole prompt and one after cached context: the
+        # batches a backend may run from the new keys and values (`enable_new_kv_reads`).
+        found["prompt_chunks"] = Geometry((40, 17), (40, 167))
     return found
 
 

@@ -155,6 +155,8 @@ class _Probe(AttentionBackend, CacheOps):
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,
         kv_scales: KVCacheScales | None = None,
+        new_key: torch.Tensor | None = None,
+        new_value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Appends to `self.calls`; returns zeros shaped like `query`."""
         layer_idx = _layer_of(kv_cache)

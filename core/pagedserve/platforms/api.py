@@ -42,6 +42,14 @@ on, the engine asks both once, before the first step, to launch the kernels of s
 `max_tokens` tokens that way too, so that a decode step's chain of kernels is programmatic from
 one product to the next. The default answers False and changes nothing.
 
+The step's own keys and values (API 1.7): `AttentionBackend.enable_new_kv_reads()`, optional. With
+`EngineArgs.attention_reads_new_kv` on, the engine asks once, before the first step; a backend
+that answers True is passed `new_key` and `new_value` (the keys and values `reshape_and_cache` has
+just written, as the projections made them) on every `forward` over an unquantized cache, and may
+read the new tokens' keys and values from them instead of the cache: contiguous rows that a
+prefill kernel can stream with the GPU's bulk-copy engine. The default answers False, and the
+keywords are then never passed.
+
 Full-graph plans (API 1.2): `AttentionBackend.full_graph_key` tells the engine what a backend's
 launches for a batch depend on besides tensor addresses (its plan: kernel, grid, split count), for
 one layer shape (`AttentionLayerShape`). Full decode graphs are captured once per padded request
@@ -63,9 +71,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.6"
+PLUGIN_API_VERSION = "1.7"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.6"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.7"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -238,6 +246,13 @@ class AttentionBackend(ABC):
         returns False and changes nothing."""
         return False
 
+    def enable_new_kv_reads(self) -> bool:
+        """API 1.7. Take this step's new keys and values as `forward`'s `new_key` and `new_value`
+        from now on (the module docstring says when they are passed). Called at most once, before
+        the first step, when `EngineArgs.attention_reads_new_kv` is on. Returns whether the backend
+        wants them; the default returns False and changes nothing."""
+        return False
+
     def check_supported(
         self,
         *,
@@ -344,9 +359,13 @@ class AttentionBackend(ABC):
         logit_softcap: float | None = None,  # None: no softcap; else scores = c * tanh(scores / c)
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]; written if given
         kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
+        new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]; API 1.7
+        new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]; API 1.7
     ) -> torch.Tensor:
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype.
 
+        `new_key`/`new_value`, passed only after `enable_new_kv_reads` answered True, hold the
+        same values the cache holds for this step's new tokens (row `t` is query row `t`'s token).
         Rows past `metadata.num_actual_tokens` (padding for CUDA graphs) are left unspecified.
         Does not mutate `kv_cache`; writes only `out`."""
 

@@ -80,6 +80,7 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         kv_scales: list[KVCacheScales] | None = None,  # layer_idx -> scales; exactly for an FP8 cache
         seed: int = 0,
+        new_kv_reads: bool = False,  # `backend.enable_new_kv_reads()` answered True
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -95,6 +96,7 @@ class ModelRunner:
         # and 0 * NaN garbage would poison the output.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
         self.kv_scales = kv_scales
+        self.new_kv_reads = new_kv_reads
         max_blocks_per_req = -(-max_model_len // block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks_per_req, device)
         self.sampler = Sampler()
@@ -146,7 +148,14 @@ class ModelRunner:
         metadata, input_ids, positions = self._build_inputs(plan)
         if plan.pending.any():
             self._read_placeholders(plan, input_ids)
-        ctx = ForwardContext(metadata, self.kv_caches, self.backend, self.cache_ops, kv_scales=self.kv_scales)
+        ctx = ForwardContext(
+            metadata,
+            self.kv_caches,
+            self.backend,
+            self.cache_ops,
+            kv_scales=self.kv_scales,
+            new_kv_reads=self.new_kv_reads,
+        )
         full, graphs, compiled = self.full_graphs, self.cuda_graphs, self.compiled
         if full is not None and full.covers(metadata):
             hidden = full.run(metadata, input_ids, positions)

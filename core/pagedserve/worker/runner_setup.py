@@ -54,6 +54,7 @@ class DeviceModel:
     max_model_len: int
     max_num_batched_tokens: int
     kv_cache_dtype: torch.dtype  # the model's dtype, or an FP8 dtype (`kv_cache_dtype` option)
+    new_kv_reads: bool = False  # the backend takes the step's new keys and values (API 1.7)
 
 
 def resolve_dtype(name: str, platform: LoadedPlatform, quantization: str | None = None) -> torch.dtype:
@@ -145,10 +146,16 @@ def load_device_model(
     cache_ops = platform.cache_ops()
     if programmatic:
         _launch_attention_programmatically(backend, cache_ops)
+    new_kv_reads = args.attention_reads_new_kv and backend.enable_new_kv_reads()
+    if args.attention_reads_new_kv:
+        how = "read from the step's projections where the backend chooses" if new_kv_reads else "cache only"
+        logger.info("attention: new tokens' keys and values %s", how)
     max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     if not args.enable_chunked_prefill:
         max_batched = max(max_batched, max_model_len)
-    return DeviceModel(platform, loaded, backend, cache_ops, max_model_len, max_batched, kv_dtype)
+    return DeviceModel(
+        platform, loaded, backend, cache_ops, max_model_len, max_batched, kv_dtype, new_kv_reads=new_kv_reads
+    )
 
 
 def _launch_attention_programmatically(backend: AttentionBackend, cache_ops: CacheOps) -> None:
@@ -239,6 +246,7 @@ def build_runner(
         kv_cache_dtype=dm.kv_cache_dtype,
         kv_scales=[DEFAULT_KV_SCALES] * spec.num_layers if is_fp8(dm.kv_cache_dtype) else None,
         seed=args.seed,
+        new_kv_reads=dm.new_kv_reads,
     )
     swap_blocks = swap_space_blocks(spec, args, dm.kv_cache_dtype)
     if swap_blocks:

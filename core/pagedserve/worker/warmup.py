@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -151,11 +151,15 @@ def warm_up_attention(
     spec: ModelSpec,
     batches: Sequence[WarmupBatch],
     kv_scales: KVCacheScales | None = None,  # the layer's, exactly when the cache is FP8
+    *,
+    new_kv_reads: bool = False,  # the backend takes the step's new keys and values (API 1.7)
 ) -> None:
     """Run `backend.forward` once per batch and per distinct (window, softcap) of the model's
     layers, every request's block table pointing at block 0, and the cache write once per token
-    count class with padding slots when the cache ops skip them. Reads the KV cache, writes
-    nothing in it. Slow on a cold kernel cache (each new variant compiles)."""
+    count class with padding slots when the cache ops skip them. With `new_kv_reads` (and an
+    unquantized cache, as in `attention.layer.attend`) every call gets new keys and values too,
+    so the kernels that read them compile here. Reads the KV cache, writes nothing in it. Slow on
+    a cold kernel cache (each new variant compiles)."""
     device = kv_cache.device
     block_size = kv_cache.shape[2]
     max_tokens = max(b.num_tokens for b in batches)
@@ -163,6 +167,9 @@ def warm_up_attention(
     query = torch.zeros((max_tokens, spec.num_q_heads, spec.head_size), dtype=spec.dtype, device=device)
     # Plugins of API 1.0 never see `kv_scales`: they declare no FP8 cache (`attention.layer`).
     scales = {} if kv_scales is None else {"kv_scales": kv_scales}
+    new_kv_shape = (max_tokens, spec.num_kv_heads, spec.head_size)
+    new_key = torch.zeros(new_kv_shape, dtype=spec.dtype, device=device) if new_kv_reads else None
+    new_value = torch.zeros_like(new_key) if new_key is not None else None
     out = torch.empty_like(query)
     layouts = sorted({(w, spec.logit_softcap) for w in spec.sliding_windows}, key=str)
     scale = spec.head_size**-0.5
@@ -173,6 +180,9 @@ def warm_up_attention(
             list(batch.query_lens), list(batch.seq_lens), table, block_size, device
         )
         n = batch.num_tokens
+        extra: dict[str, Any] = dict(scales)
+        if new_key is not None and new_value is not None and kv_scales is None:
+            extra.update(new_key=new_key[:n], new_value=new_value[:n])
         for window, softcap in layouts:
             backend.forward(
                 query[:n],
@@ -182,7 +192,7 @@ def warm_up_attention(
                 sliding_window=window,
                 logit_softcap=softcap,
                 out=out[:n],
-                **scales,
+                **extra,
             )
     if cache_ops.skips_negative_slots:
         kv = torch.zeros((max_tokens, 2, spec.num_kv_heads, spec.head_size), dtype=spec.dtype, device=device)
@@ -241,7 +251,15 @@ def prepare_runner(
             decode_graphs=full.graphs if full is not None else (),
         )
         scales = None if runner.kv_scales is None else runner.kv_scales[0]
-        warm_up_attention(runner.backend, runner.cache_ops, runner.kv_caches[0], runner.spec, batches, scales)
+        warm_up_attention(
+            runner.backend,
+            runner.cache_ops,
+            runner.kv_caches[0],
+            runner.spec,
+            batches,
+            scales,
+            new_kv_reads=runner.new_kv_reads,
+        )
         kernels_s = time.perf_counter() - start
         num_batches = len(batches)
         logger.info("attention kernels warmed up on %d batch shapes in %.1f s", num_batches, kernels_s)

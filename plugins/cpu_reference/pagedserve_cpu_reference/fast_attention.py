@@ -145,6 +145,8 @@ class FastCpuAttentionBackend(AttentionBackend):
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
         kv_scales: KVCacheScales | None = None,  # FP8 caches, which this backend refuses
+        new_key: torch.Tensor | None = None,  # never passed: enable_new_kv_reads answers False
+        new_value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.

@@ -106,6 +106,7 @@ class CudaPagedAttentionBackend(AttentionBackend):
         self._triton: AttentionBackend | None = None
         self._validated: set[tuple[object, ...]] = set()  # layout signatures check_decode_layout passed
         self._dependent_max_tokens = 0  # `enable_programmatic_launch`, passed on to the Triton backend
+        self._new_kv_reads = False  # `enable_new_kv_reads`, passed on to the Triton backend
 
     def enable_programmatic_launch(self, max_tokens: int) -> bool:
         """The Triton kernels (every batch the CUDA kernels do not take, the one-request decode
@@ -116,6 +117,15 @@ class CudaPagedAttentionBackend(AttentionBackend):
         self._dependent_max_tokens = max_tokens
         if self._triton is not None:
             self._triton.enable_programmatic_launch(max_tokens)
+        return True
+
+    def enable_new_kv_reads(self) -> bool:
+        """Pass the step's new keys and values to the Triton backend, whose prefill kernel reads
+        them (`TritonUnifiedAttentionBackend.enable_new_kv_reads`); the CUDA decode kernels read
+        the cache. Returns True. Mutates the instance."""
+        self._new_kv_reads = True
+        if self._triton is not None:
+            self._triton.enable_new_kv_reads()
         return True
 
     def device_props(self, device: torch.device) -> DeviceProps:
@@ -200,6 +210,8 @@ class CudaPagedAttentionBackend(AttentionBackend):
             self._triton = TritonUnifiedAttentionBackend(tuned_configs=self._configs)
             if self._dependent_max_tokens:
                 self._triton.enable_programmatic_launch(self._dependent_max_tokens)
+            if self._new_kv_reads:
+                self._triton.enable_new_kv_reads()
         return self._triton
 
     def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> Hashable:
@@ -243,6 +255,8 @@ class CudaPagedAttentionBackend(AttentionBackend):
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
         kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
+        new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]; for Triton
+        new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]; for Triton
     ) -> torch.Tensor:
         """Attention output [num_tokens, num_q_heads, head_size]; rows past num_actual_tokens are left
         as they were in `out` (uninitialised when `out` is None). Writes only `out`."""
@@ -278,7 +292,8 @@ class CudaPagedAttentionBackend(AttentionBackend):
         if choice.launch is None:
             return self._triton_backend().forward(
                 query, kv_cache, metadata, scale=scale, sliding_window=sliding_window,
-                logit_softcap=logit_softcap, out=out, kv_scales=kv_scales,
+                logit_softcap=logit_softcap, out=out, kv_scales=kv_scales, new_key=new_key,
+                new_value=new_value,
             )  # fmt: skip
         self.run_decode(
             choice.launch, out, query, kv_cache, metadata, scale=scale, sliding_window=sliding_window,

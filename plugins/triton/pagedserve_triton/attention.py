@@ -37,6 +37,7 @@ from pagedserve_triton.launch_params import (
     warp_specialize_supported,
 )
 from pagedserve_triton.programmatic_launch import launch_options, programmatic_launch_supported
+from pagedserve_triton.ragged_prefill import RaggedPrefillLaunch, unsupported_reason
 from pagedserve_triton.unified_attention import (
     LOG2E,
     reduce_segments_kernel,
@@ -114,11 +115,13 @@ def choose_split(
 @dataclass(frozen=True, slots=True)
 class _LayerLaunch:
     """The launches of one layout within one step (`attention` is None when the step has no
-    tokens; `reduce` is the 3D plan's reduction, None for the 2D kernel)."""
+    tokens or runs on the ragged prefill kernel; `reduce` is the 3D plan's reduction, None for the
+    2D kernel)."""
 
     plan: SplitPlan
     attention: CachedLaunch | None
     reduce: CachedLaunch | None
+    ragged: RaggedPrefillLaunch | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,12 @@ MAX_LAYOUTS_PER_STEP = 8
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"TritonUnifiedAttentionBackend: {message}")
+
+
+def _tma_layout(t: torch.Tensor) -> tuple[object, ...]:
+    """What the ragged prefill kernel's choice depends on in a tensor besides its values: shape,
+    strides, dtype and the 16-byte alignment of its address. Pure."""
+    return (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
 
 
 class TritonUnifiedAttentionBackend(AttentionBackend):
@@ -177,6 +186,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         self._num_sms: dict[torch.device, int] = {}
         self._step: _StepCache | None = None
         self._dependent_max_tokens = 0  # `enable_programmatic_launch`
+        self._new_kv_reads = False  # `enable_new_kv_reads`
 
     def enable_programmatic_launch(self, max_tokens: int) -> bool:
         """Launch the kernels of steps of at most `max_tokens` tokens (the 2D or 3D kernel and the
@@ -188,6 +198,15 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             raise ValueError(f"max_tokens={max_tokens} must be >= 0 (0 turns programmatic launches off)")
         self._dependent_max_tokens = max_tokens
         self._step = None  # launches built before were planned without
+        return True
+
+    def enable_new_kv_reads(self) -> bool:
+        """Take the step's new keys and values beside the cache: batches of prompt chunks (every
+        query at least `ragged_prefill.MIN_QUERY_LEN` tokens, 16-bit cache, no window or softcap)
+        then run on NVIDIA sm_90+ on `ragged_prefill_kernel`, which streams them with TMA. Returns
+        True. Mutates the instance."""
+        self._new_kv_reads = True
+        self._step = None
         return True
 
     def _sm_count(self, device: torch.device) -> int:
@@ -266,10 +285,13 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         logit_softcap: float | None = None,
         out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
         kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
+        new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+        new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
     ) -> torch.Tensor:
         """Attention output [num_tokens, num_q_heads, head_size]; rows past num_actual_tokens are
         left as they were in `out` (uninitialised when `out` is None). Writes only `out` (and the
-        instance's step cache).
+        instance's step cache). With `new_key` and `new_value` (after `enable_new_kv_reads`), a
+        batch of prompt chunks reads its new tokens' keys and values from them.
 
         Every layer of a step passes the same metadata object, so the first call for a metadata
         object and layout checks everything and builds the launches (plan, tuned configs, grid,
@@ -277,6 +299,11 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         pass only their own query, cache and output. A layout is every shape, stride, dtype and
         device of `query`, `kv_cache` and `out`, plus the three options: anything else is new and
         checked in full."""
+        new_kv = (
+            (new_key, new_value)
+            if self._new_kv_reads and new_key is not None and new_value is not None
+            else None
+        )
         key = (
             query.shape,
             query.stride(),
@@ -291,6 +318,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             sliding_window,
             logit_softcap,
             kv_scales,
+            None if new_kv is None else tuple(_tma_layout(t) for t in (query, *new_kv)),
         )
         step = self._step
         if step is None or step.metadata is not metadata:
@@ -299,7 +327,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         layer = step.layers.get(key)
         if layer is None:
             layer = self._build_layer(
-                query, kv_cache, metadata, out, scale, sliding_window, logit_softcap, kv_scales
+                query, kv_cache, metadata, out, scale, sliding_window, logit_softcap, kv_scales, new_kv
             )
             if len(step.layers) >= MAX_LAYOUTS_PER_STEP:
                 step.layers.clear()
@@ -307,6 +335,9 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         if out is None:
             # Contiguous, as `_build_layer` assumed for the output strides.
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if layer.ragged is not None and new_kv is not None:
+            layer.ragged(out, query, new_kv[0], new_kv[1], kv_cache)
+            return out
         if layer.attention is None:
             return out
         if layer.reduce is None:
@@ -348,6 +379,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         sliding_window: int | None,
         logit_softcap: float | None,
         kv_scales: KVCacheScales | None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None,  # this step's keys and values
     ) -> _LayerLaunch:
         """Check the whole call and build its launches. Allocates the 3D plan's split buffers;
         mutates only the launch-parameter cache."""
@@ -368,6 +400,12 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         num_tokens = metadata.num_actual_tokens
         if num_tokens == 0 or metadata.num_reqs == 0:
             return _LayerLaunch(PLAN_2D, None, None)
+        if new_kv is not None:
+            ragged = self._ragged_launch(
+                query, kv_cache, metadata, new_kv, scale, sliding_window, logit_softcap
+            )
+            if ragged is not None:
+                return _LayerLaunch(PLAN_2D, None, None, ragged)
 
         queries_per_kv = num_q_heads // num_kv_heads
         device_name = device_name_of(query.device)
@@ -500,6 +538,29 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             {"num_warps": reduce_cfg.num_warps, **launch},
         )
         return _LayerLaunch(plan, attention, reduce)
+
+    def _ragged_launch(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        new_kv: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+        sliding_window: int | None,
+        logit_softcap: float | None,
+    ) -> RaggedPrefillLaunch | None:
+        """The ragged prefill kernel's launch for this batch, or None when it must run on the
+        unified kernels (`ragged_prefill.unsupported_reason`). Host-only; uploads the tile plan."""
+        if unsupported_reason(
+            query, kv_cache, metadata, *new_kv, sliding_window=sliding_window, logit_softcap=logit_softcap
+        ):
+            return None
+        query_lens = metadata.query_start_loc_cpu[1:] - metadata.query_start_loc_cpu[:-1]
+        has_context = bool((metadata.seq_lens_cpu > query_lens).any())
+        config = self._launch_params.ragged_prefill(
+            device_name_of(query.device), head_size=query.shape[2], dtype=query.dtype, has_context=has_context
+        )
+        return RaggedPrefillLaunch.build(query, metadata, config, scale=scale, has_context=has_context)
 
     def plan(
         self,

@@ -80,6 +80,17 @@ class AttentionLaunchConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RaggedPrefillLaunchConfig:
+    """Launch parameters of the ragged prefill kernel for one shape class."""
+
+    num_warps: int
+    num_stages: int
+    block_m: int  # query rows per program: tokens of one query head (power of two >= 16)
+    block_n: int  # keys per KV step (power of two >= 16, dividing block_m)
+    prefetch_block_ids: bool = False  # cached-context loop: next tile's block ids one step ahead
+
+
+@dataclass(frozen=True, slots=True)
 class SimpleLaunchConfig:
     """Launch parameters of the reduction and cache kernels."""
 
@@ -134,6 +145,7 @@ class LaunchParams:
         self._configs = configs if configs is not None else TunedConfigs.from_files(tuned_config_files())
         self._attention: dict[tuple[str, str, int, int, int, str, str, int], AttentionLaunchConfig] = {}
         self._simple: dict[tuple[str, str, tuple[tuple[str, int], ...]], SimpleLaunchConfig] = {}
+        self._ragged: dict[tuple[str, int, str, bool], RaggedPrefillLaunchConfig] = {}
 
     def attention(
         self,
@@ -179,6 +191,34 @@ class LaunchParams:
         if config.loop_stages < 0:
             raise TunedConfigError(f"{where}: param 'LOOP_STAGES' must be >= 0, got {config.loop_stages}")
         self._attention[key] = config
+        return config
+
+    def ragged_prefill(
+        self, device_name: str, *, head_size: int, dtype: torch.dtype, has_context: bool
+    ) -> RaggedPrefillLaunchConfig:
+        """Params of "ragged_prefill" for this shape class (`has_context`: some request of the
+        batch has cached context before its new tokens)."""
+        key = (device_name, head_size, dtype_key(dtype), has_context)
+        cached = self._ragged.get(key)
+        if cached is not None:
+            return cached
+        shape: dict[str, int | str | bool] = {
+            "head_size": head_size,
+            "dtype": dtype_key(dtype),
+            "has_context": has_context,
+        }
+        params = self._configs.lookup("ragged_prefill", device_name, **shape)
+        where = f"tuned config of 'ragged_prefill' on {device_name!r} for {shape}"
+        config = RaggedPrefillLaunchConfig(
+            num_warps=_warps(params, where),
+            num_stages=_int_param(params, "num_stages", where),
+            block_m=_int_param(params, "BLOCK_M", where, power_of_two_ge=16),
+            block_n=_int_param(params, "BLOCK_N", where, power_of_two_ge=16),
+            prefetch_block_ids=_bool_param(params, "PREFETCH_BLOCK_IDS", where),
+        )
+        if config.block_m % config.block_n:
+            raise TunedConfigError(f"{where}: BLOCK_N={config.block_n} must divide BLOCK_M={config.block_m}")
+        self._ragged[key] = config
         return config
 
     def simple(self, kernel: str, device_name: str, **shape: int) -> SimpleLaunchConfig:

@@ -247,10 +247,17 @@ def _file(params: dict[str, object]) -> TunedConfigs:
 
 def test_launch_params() -> None:
     shipped = LaunchParams()
-    plain = shipped.ragged_prefill("h100", head_size=128, dtype=torch.bfloat16, has_context=False)
-    chunked = shipped.ragged_prefill("h100", head_size=128, dtype=torch.bfloat16, has_context=True)
-    assert (plain.block_m, plain.block_n, chunked.block_m, chunked.prefetch_block_ids) == (64, 64, 128, True)
+
+    def lookup(has_context: bool, max_query_len: int) -> tuple[int, int, bool]:
+        c = shipped.ragged_prefill(
+            "h100", head_size=128, dtype=torch.bfloat16, has_context=has_context, max_query_len=max_query_len
+        )
+        return c.block_m, c.block_n, c.prefetch_block_ids
+
+    assert lookup(False, 2048) == (64, 64, False)
+    assert lookup(False, 4097) == (128, 128, False)  # the bucket of 8192
+    assert lookup(True, 1024) == (128, 128, True)
     bad = LaunchParams(_file({"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}))
     with pytest.raises(TunedConfigError, match="must divide BLOCK_M"):
-        bad.ragged_prefill("h100", head_size=128, dtype=torch.bfloat16, has_context=False)
+        bad.ragged_prefill("h100", head_size=128, dtype=torch.bfloat16, has_context=False, max_query_len=64)
     assert MIN_QUERY_LEN >= 2

@@ -558,7 +558,11 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         query_lens = metadata.query_start_loc_cpu[1:] - metadata.query_start_loc_cpu[:-1]
         has_context = bool((metadata.seq_lens_cpu > query_lens).any())
         config = self._launch_params.ragged_prefill(
-            device_name_of(query.device), head_size=query.shape[2], dtype=query.dtype, has_context=has_context
+            device_name_of(query.device),
+            head_size=query.shape[2],
+            dtype=query.dtype,
+            has_context=has_context,
+            max_query_len=metadata.max_query_len,
         )
         return RaggedPrefillLaunch.build(query, metadata, config, scale=scale, has_context=has_context)
 

@@ -145,7 +145,7 @@ class LaunchParams:
         self._configs = configs if configs is not None else TunedConfigs.from_files(tuned_config_files())
         self._attention: dict[tuple[str, str, int, int, int, str, str, int], AttentionLaunchConfig] = {}
         self._simple: dict[tuple[str, str, tuple[tuple[str, int], ...]], SimpleLaunchConfig] = {}
-        self._ragged: dict[tuple[str, int, str, bool], RaggedPrefillLaunchConfig] = {}
+        self._ragged: dict[tuple[str, int, str, bool, int], RaggedPrefillLaunchConfig] = {}
 
     def attention(
         self,
@@ -194,11 +194,13 @@ class LaunchParams:
         return config
 
     def ragged_prefill(
-        self, device_name: str, *, head_size: int, dtype: torch.dtype, has_context: bool
+        self, device_name: str, *, head_size: int, dtype: torch.dtype, has_context: bool, max_query_len: int
     ) -> RaggedPrefillLaunchConfig:
         """Params of "ragged_prefill" for this shape class (`has_context`: some request of the
-        batch has cached context before its new tokens)."""
-        key = (device_name, head_size, dtype_key(dtype), has_context)
+        batch has cached context before its new tokens; `max_query_len` is looked up rounded up
+        to a power of two)."""
+        query_bucket = 1 << (max(max_query_len, 1) - 1).bit_length()
+        key = (device_name, head_size, dtype_key(dtype), has_context, query_bucket)
         cached = self._ragged.get(key)
         if cached is not None:
             return cached
@@ -206,6 +208,7 @@ class LaunchParams:
             "head_size": head_size,
             "dtype": dtype_key(dtype),
             "has_context": has_context,
+            "max_query_len": query_bucket,
         }
         params = self._configs.lookup("ragged_prefill", device_name, **shape)
         where = f"tuned config of 'ragged_prefill' on {device_name!r} for {shape}"

@@ -37,6 +37,7 @@ from pagedserve_triton.launch_params import (
     warp_specialize_supported,
 )
 from pagedserve_triton.programmatic_launch import launch_options, programmatic_launch_supported
+from pagedserve_triton.ragged_prefill import MIN_QUERY_LEN as RAGGED_MIN_QUERY_LEN
 from pagedserve_triton.ragged_prefill import RaggedPrefillLaunch, unsupported_reason
 from pagedserve_triton.unified_attention import (
     LOG2E,
@@ -299,9 +300,12 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         pass only their own query, cache and output. A layout is every shape, stride, dtype and
         device of `query`, `kv_cache` and `out`, plus the three options: anything else is new and
         checked in full."""
+        # Decode and mixed steps (some query shorter than the ragged kernel takes; on average
+        # shorter, then surely) skip the ragged path's checks altogether.
+        prompt_chunks = metadata.num_actual_tokens >= RAGGED_MIN_QUERY_LEN * metadata.num_reqs
         new_kv = (
             (new_key, new_value)
-            if self._new_kv_reads and new_key is not None and new_value is not None
+            if self._new_kv_reads and prompt_chunks and new_key is not None and new_value is not None
             else None
         )
         key = (

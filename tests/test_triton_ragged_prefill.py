@@ -86,6 +86,18 @@ def ragged_backend() -> TritonUnifiedAttentionBackend:
     return backend
 
 
+def ragged_forward(batch: Batch, *, value_factor: float = 1.0) -> torch.Tensor:
+    """The backend as the engine calls it, with the new values scaled by `value_factor`."""
+    return ragged_backend().forward(
+        batch.query,
+        batch.kv_cache,
+        batch.metadata,
+        scale=HEAD_SIZE**-0.5,
+        new_key=batch.new_key,
+        new_value=batch.new_value * value_factor,
+    )
+
+
 def oracle(batch: Batch) -> torch.Tensor:
     rows = batch.metadata.num_actual_tokens
     out = ReferenceAttentionBackend().forward(
@@ -117,14 +129,7 @@ def test_matches_oracle(name: str, dtype: torch.dtype) -> None:
         logit_softcap=None,
     )
     assert reason is None
-    out = ragged_backend().forward(
-        batch.query,
-        batch.kv_cache,
-        batch.metadata,
-        scale=HEAD_SIZE**-0.5,
-        new_key=batch.new_key,
-        new_value=batch.new_value,
-    )
+    out = ragged_forward(batch)
     rows = batch.metadata.num_actual_tokens
     torch.testing.assert_close(out[:rows].float(), oracle(batch), atol=TOLERANCE[dtype], rtol=0)
 
@@ -133,24 +138,8 @@ def test_reads_the_new_keys_and_values_not_the_cache() -> None:
     """Different new keys and values than the cache holds change the output: the kernel reads
     them (the engine passes exactly what it has just written, so both agree there)."""
     batch = make_batch([40], [40], torch.float16)
-    backend = ragged_backend()
-    scale = HEAD_SIZE**-0.5
-    same = backend.forward(
-        batch.query,
-        batch.kv_cache,
-        batch.metadata,
-        scale=scale,
-        new_key=batch.new_key,
-        new_value=batch.new_value,
-    )
-    other = backend.forward(
-        batch.query,
-        batch.kv_cache,
-        batch.metadata,
-        scale=scale,
-        new_key=batch.new_key,
-        new_value=batch.new_value * 2,
-    )
+    same = ragged_forward(batch)
+    other = ragged_forward(batch, value_factor=2.0)
     rows = batch.metadata.num_actual_tokens
     torch.testing.assert_close(other[:rows], same[:rows] * 2, atol=8e-3, rtol=1e-2)
 
@@ -208,14 +197,7 @@ def test_other_batches_stay_on_the_unified_kernels() -> None:
 def test_a_decode_batch_with_new_keys_matches_the_oracle() -> None:
     """Batches the ragged kernel does not take still compute the right thing with the keywords."""
     batch = make_batch([1, 3, 20], [9, 12, 20], torch.float16)
-    out = ragged_backend().forward(
-        batch.query,
-        batch.kv_cache,
-        batch.metadata,
-        scale=HEAD_SIZE**-0.5,
-        new_key=batch.new_key,
-        new_value=batch.new_value,
-    )
+    out = ragged_forward(batch)
     rows = batch.metadata.num_actual_tokens
     torch.testing.assert_close(out[:rows].float(), oracle(batch), atol=TOLERANCE[torch.float16], rtol=0)
 

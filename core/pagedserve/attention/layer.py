@@ -12,11 +12,21 @@ freeze or look into, so the compiled graph stops at attention and calls it as it
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 from torch import nn
 
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
 from pagedserve.platforms.api import KVCacheScales
+
+
+class NewKV(TypedDict, total=False):
+    """`AttentionBackend.forward`'s API 1.7 keywords, passed only to a backend whose
+    `enable_new_kv_reads` answered True (empty otherwise)."""
+
+    new_key: torch.Tensor  # [num_tokens, num_kv_heads, head_size]
+    new_value: torch.Tensor  # [num_tokens, num_kv_heads, head_size]
 
 
 def paged_attention(
@@ -149,19 +159,8 @@ def attend(
             out=out,
         )
     ctx.cache_ops.reshape_and_cache(key, value, kv_cache, ctx.metadata.slot_mapping)
-    if ctx.new_kv_reads:
-        # API 1.7: the backend asked for the step's own keys and values beside the cache.
-        return ctx.backend.forward(
-            query,
-            kv_cache,
-            ctx.metadata,
-            scale=scale,
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-            out=out,
-            new_key=key,
-            new_value=value,
-        )
+    # API 1.7: a backend that asked for them gets the step's own keys and values beside the cache.
+    new_kv = NewKV(new_key=key, new_value=value) if ctx.new_kv_reads else NewKV()
     return ctx.backend.forward(
         query,
         kv_cache,
@@ -170,6 +169,7 @@ def attend(
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
         out=out,
+        **new_kv,
     )
 
 

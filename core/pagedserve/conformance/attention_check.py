@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.attention.layer import NewKV
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.conformance.cases import FP8_KV_SCALES, AttentionCase, dtype_name
 from pagedserve.conformance.guards import POISON, GuardedTensor, count_changed
@@ -144,22 +145,11 @@ def _call(backend: AttentionBackend, case: AttentionCase, inputs: _Inputs, scale
                 out=inputs.out.tensor if case.pass_out else None,
                 kv_scales=FP8_KV_SCALES,
             )
+        new_kv = NewKV()
         if backend.enable_new_kv_reads():
             # As `attention.layer.attend` calls it: the new tokens' cache rows passed beside it.
-            cache = inputs.kv_cache.tensor
-            slots = inputs.metadata.slot_mapping
-            new_key, new_value = (cache[i].flatten(0, 1)[slots] for i in (0, 1))
-            return backend.forward(
-                inputs.query,
-                cache,
-                inputs.metadata,
-                scale=scale,
-                sliding_window=case.sliding_window,
-                logit_softcap=case.logit_softcap,
-                out=inputs.out.tensor if case.pass_out else None,
-                new_key=new_key,
-                new_value=new_value,
-            )
+            rows = [inputs.kv_cache.tensor[i].flatten(0, 1)[inputs.metadata.slot_mapping] for i in (0, 1)]
+            new_kv = NewKV(new_key=rows[0], new_value=rows[1])
         return backend.forward(
             inputs.query,
             inputs.kv_cache.tensor,
@@ -168,6 +158,7 @@ def _call(backend: AttentionBackend, case: AttentionCase, inputs: _Inputs, scale
             sliding_window=case.sliding_window,
             logit_softcap=case.logit_softcap,
             out=inputs.out.tensor if case.pass_out else None,
+            **new_kv,
         )
 
 

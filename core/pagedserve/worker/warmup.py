@@ -167,9 +167,13 @@ def warm_up_attention(
     query = torch.zeros((max_tokens, spec.num_q_heads, spec.head_size), dtype=spec.dtype, device=device)
     # Plugins of API 1.0 never see `kv_scales`: they declare no FP8 cache (`attention.layer`).
     scales = {} if kv_scales is None else {"kv_scales": kv_scales}
-    new_kv_shape = (max_tokens, spec.num_kv_heads, spec.head_size)
-    new_key = torch.zeros(new_kv_shape, dtype=spec.dtype, device=device) if new_kv_reads else None
-    new_value = torch.zeros_like(new_key) if new_key is not None else None
+    # As in `attention.layer.attend`: new keys and values go with an unquantized cache only.
+    new_kv_shape = (2, max_tokens, spec.num_kv_heads, spec.head_size)
+    new_kv = (
+        torch.zeros(new_kv_shape, dtype=spec.dtype, device=device)
+        if new_kv_reads and kv_scales is None
+        else None
+    )
     out = torch.empty_like(query)
     layouts = sorted({(w, spec.logit_softcap) for w in spec.sliding_windows}, key=str)
     scale = spec.head_size**-0.5
@@ -181,8 +185,8 @@ def warm_up_attention(
         )
         n = batch.num_tokens
         extra: dict[str, Any] = dict(scales)
-        if new_key is not None and new_value is not None and kv_scales is None:
-            extra.update(new_key=new_key[:n], new_value=new_value[:n])
+        if new_kv is not None:
+            extra.update(new_key=new_kv[0, :n], new_value=new_kv[1, :n])
         for window, softcap in layouts:
             backend.forward(
                 query[:n],

@@ -38,7 +38,7 @@ from pagedserve_triton.launch_params import (
 )
 from pagedserve_triton.programmatic_launch import launch_options, programmatic_launch_supported
 from pagedserve_triton.ragged_prefill import MIN_QUERY_LEN as RAGGED_MIN_QUERY_LEN
-from pagedserve_triton.ragged_prefill import RaggedPrefillLaunch, unsupported_reason
+from pagedserve_triton.ragged_prefill import RaggedPrefillLaunch, layout_key, unsupported_reason
 from pagedserve_triton.unified_attention import (
     LOG2E,
     reduce_segments_kernel,
@@ -142,12 +142,6 @@ MAX_LAYOUTS_PER_STEP = 8
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"TritonUnifiedAttentionBackend: {message}")
-
-
-def _tma_layout(t: torch.Tensor) -> tuple[object, ...]:
-    """What the ragged prefill kernel's choice depends on in a tensor besides its values: shape,
-    strides, dtype and the 16-byte alignment of its address. Pure."""
-    return (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
 
 
 class TritonUnifiedAttentionBackend(AttentionBackend):
@@ -322,7 +316,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             sliding_window,
             logit_softcap,
             kv_scales,
-            None if new_kv is None else tuple(_tma_layout(t) for t in (query, *new_kv)),
+            None if new_kv is None else tuple(layout_key(t) for t in (query, *new_kv)),
         )
         step = self._step
         if step is None or step.metadata is not metadata:

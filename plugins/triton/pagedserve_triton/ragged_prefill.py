@@ -344,6 +344,12 @@ def tma_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def layout_key(t: torch.Tensor) -> tuple[object, ...]:
+    """What `unsupported_reason` reads of a tensor besides host metadata: shape, strides, dtype and
+    whether its address is TMA-aligned. Equal keys get equal answers. Pure."""
+    return (t.shape, t.stride(), t.dtype, t.data_ptr() % _TMA_ALIGN == 0)
+
+
 def _rows_layout_problem(name: str, t: torch.Tensor, rows: int, heads: int, head_size: int) -> str | None:
     """Why `t` cannot be read as TMA rows of `heads * head_size` elements, or None. Pure."""
     if t.dim() != 3 or t.shape[0] < rows or t.shape[1] != heads or t.shape[2] != head_size:
@@ -384,13 +390,17 @@ def unsupported_reason(
         return f"head_size={head_size} (a power of two >= 16 only: it is one TMA box row)"
     num_kv_heads = kv_cache.shape[3]
     rows = metadata.num_actual_tokens
-    for name, t, heads in (("query", query, num_q_heads), ("new_key", new_key, num_kv_heads)):
+    tensors = (
+        ("query", query, num_q_heads),
+        ("new_key", new_key, num_kv_heads),
+        ("new_value", new_value, num_kv_heads),
+    )
+    for name, t, heads in tensors:
         problem = _rows_layout_problem(name, t, rows, heads, head_size)
         if problem is not None:
             return problem
-    problem = _rows_layout_problem("new_value", new_value, rows, num_kv_heads, head_size)
-    if problem is not None or new_key.dtype != query.dtype or new_value.dtype != query.dtype:
-        return problem or "new keys or values differ in dtype from the query"
+    if new_key.dtype != query.dtype or new_value.dtype != query.dtype:
+        return "new keys or values differ in dtype from the query"
     return None
 
 

@@ -9,7 +9,7 @@ graph (`attention.time_graph`: median of 5 rounds of 50 calls):
   * `engine` — the backend as the engine calls it (shipped launch parameters);
   * `cache only` — the unified 2D kernel reading every key and value from the cache;
   * `cudnn` — PyTorch's cuDNN attention on contiguous copies (whole prompts only);
-  * every launch point below (BLOCK_M, BLOCK_N, warps, stages, block-id prefetch).
+  * every launch point below (BLOCK_M, BLOCK_N, warps, stages, block-id prefetch, register cap).
 
 TFLOP/s counts causal attention FLOPs. Launch points that do not fit the GPU's shared memory
 are reported as failed rows.
@@ -48,15 +48,19 @@ CASES: dict[str, tuple[list[int], list[int]]] = {  # name -> (query lens, seq le
     "prefill 1x8192": ([8192], [8192]),
     "prefill 16x512": ([512] * 16, [512] * 16),
 }
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, PREFETCH_BLOCK_IDS)
-POINTS: tuple[tuple[int, int, int, int, bool], ...] = (
-    (64, 64, 4, 3, False),
-    (64, 64, 4, 2, False),
-    (64, 32, 4, 3, False),
-    (128, 64, 8, 3, False),
-    (128, 128, 8, 3, False),
-    (128, 128, 8, 3, True),
-    (64, 64, 4, 3, True),
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, PREFETCH_BLOCK_IDS, maxnreg). Capping registers at 128
+# lets two 8-warp programs share an SM (its 64K registers), as two 4-warp programs do uncapped.
+Point = tuple[int, int, int, int, bool, int | None]
+POINTS: tuple[Point, ...] = (
+    (64, 64, 4, 3, False, None),
+    (64, 64, 4, 2, False, None),
+    (64, 32, 4, 3, False, None),
+    (128, 64, 8, 3, False, None),
+    (128, 64, 8, 2, False, 128),
+    (128, 64, 8, 2, True, 128),
+    (128, 128, 8, 3, False, None),
+    (128, 128, 8, 3, True, None),
+    (64, 64, 4, 3, True, None),
 )
 
 
@@ -68,13 +72,13 @@ def _timed(fn: Callable[[], object], flops: int) -> dict[str, float]:
 def point_launch(
     batch: Batch,
     new_kv: tuple[torch.Tensor, torch.Tensor],
-    point: tuple[int, int, int, int, bool],
+    point: Point,
     *,
     has_context: bool,
     scale: float,
 ) -> tuple[Callable[[], None], torch.Tensor]:
     """One launch of the kernel at `point` on `batch`, and the output it writes."""
-    block_m, block_n, warps, stages, prefetch = point
+    block_m, block_n, warps, stages, prefetch, maxnreg = point
     md = batch.metadata
     request, index = plan_tiles(md.query_start_loc_cpu, md.seq_lens_cpu, block_m)
     tiles = (request.cuda(), index.cuda())
@@ -84,7 +88,7 @@ def point_launch(
         launch_ragged_prefill(
             batch.query, *new_kv, batch.kv_cache, md.block_table, md.query_start_loc, md.seq_lens, tiles,
             out, scale=scale, has_context=has_context, block_m=block_m, block_n=block_n, num_warps=warps,
-            num_stages=stages, prefetch_block_ids=prefetch,
+            num_stages=stages, prefetch_block_ids=prefetch, maxnreg=maxnreg,
         )  # fmt: skip
 
     return launch, out
@@ -115,8 +119,9 @@ def run_case(name: str, query_lens: list[int], seq_lens: list[int]) -> dict[str,
             )
     has_context = any(s > q for q, s in zip(query_lens, seq_lens, strict=True))
     for point in POINTS:
-        block_m, block_n, warps, stages, prefetch = point
+        block_m, block_n, warps, stages, prefetch, maxnreg = point
         label = f"BLOCK_M {block_m} BLOCK_N {block_n} w{warps} s{stages}" + (" prefetch" if prefetch else "")
+        label += "" if maxnreg is None else f" maxnreg {maxnreg}"
         launch, out = point_launch(batch, new_kv, point, has_context=has_context, scale=scale)
         try:
             row = _timed(launch, flops)

@@ -230,16 +230,22 @@ def _file(params: dict[str, object]) -> TunedConfigs:
 def test_launch_params() -> None:
     shipped = LaunchParams()
 
-    def lookup(has_context: bool, max_query_len: int) -> tuple[int, int, bool]:
+    def lookup(has_context: bool, max_query_len: int) -> tuple[int, int, bool, int | None]:
         c = shipped.ragged_prefill(
             "h100", head_size=128, dtype=torch.bfloat16, has_context=has_context, max_query_len=max_query_len
         )
-        return c.block_m, c.block_n, c.prefetch_block_ids
+        return c.block_m, c.block_n, c.prefetch_block_ids, c.maxnreg
 
-    assert lookup(False, 2048) == (64, 64, False)
-    assert lookup(False, 4097) == (128, 128, False)  # the bucket of 8192
-    assert lookup(True, 1024) == (128, 128, True)
+    assert lookup(False, 2048) == (64, 64, False, None)
+    assert lookup(False, 4097) == (128, 128, False, None)  # the bucket of 8192
+    assert lookup(True, 1024) == (128, 64, True, 128)
     bad = LaunchParams(_file({"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}))
     with pytest.raises(TunedConfigError, match="must divide BLOCK_M"):
         bad.ragged_prefill("h100", head_size=128, dtype=torch.bfloat16, has_context=False, max_query_len=64)
+    for maxnreg in (8, 256, "128", True):
+        params = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "maxnreg": maxnreg}
+        with pytest.raises(TunedConfigError, match="maxnreg"):
+            LaunchParams(_file(params)).ragged_prefill(
+                "h100", head_size=128, dtype=torch.bfloat16, has_context=False, max_query_len=64
+            )
     assert MIN_QUERY_LEN >= 2

@@ -35,6 +35,7 @@ from pagedserve.platforms.tuned_configs import Params, TunedConfigError, TunedCo
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 _VALID_WARPS = (1, 2, 4, 8, 16)
+_MIN_MAXNREG, _MAX_MAXNREG = 16, 255  # what NVIDIA's assembler accepts as registers per thread
 
 
 def tuned_config_files() -> list[Path]:
@@ -88,6 +89,9 @@ class RaggedPrefillLaunchConfig:
     block_m: int  # query rows per program: tokens of one query head (power of two >= 16)
     block_n: int  # keys per KV step (power of two >= 16, dividing block_m)
     prefetch_block_ids: bool = False  # cached-context loop: next tile's block ids one step ahead
+    # Registers per thread the compiler may use (None: its own choice). Capping 8-warp programs at
+    # 128 lets two of them share an SM's register file, so four warpgroups interleave there.
+    maxnreg: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +116,17 @@ def _warps(params: Params, where: str) -> int:
     if warps not in _VALID_WARPS:
         raise TunedConfigError(f"{where}: num_warps={warps} must be one of {_VALID_WARPS}")
     return warps
+
+
+def _maxnreg(params: Params, where: str) -> int | None:
+    """The optional "maxnreg" param: a register cap per thread the hardware can honour."""
+    if "maxnreg" not in params:
+        return None
+    value = _int_param(params, "maxnreg", where)
+    if not _MIN_MAXNREG <= value <= _MAX_MAXNREG:
+        bounds = f"[{_MIN_MAXNREG}, {_MAX_MAXNREG}]"
+        raise TunedConfigError(f"{where}: param 'maxnreg'={value} must be in {bounds}")
+    return value
 
 
 def _bool_param(params: Params, name: str, where: str) -> bool:
@@ -218,6 +233,7 @@ class LaunchParams:
             block_m=_int_param(params, "BLOCK_M", where, power_of_two_ge=16),
             block_n=_int_param(params, "BLOCK_N", where, power_of_two_ge=16),
             prefetch_block_ids=_bool_param(params, "PREFETCH_BLOCK_IDS", where),
+            maxnreg=_maxnreg(params, where),
         )
         if config.block_m % config.block_n:
             raise TunedConfigError(f"{where}: BLOCK_N={config.block_n} must divide BLOCK_M={config.block_m}")

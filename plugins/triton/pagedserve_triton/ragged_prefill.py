@@ -285,9 +285,11 @@ def launch_ragged_prefill(
     num_warps: int,
     num_stages: int,
     prefetch_block_ids: bool = False,
+    maxnreg: int | None = None,
     dot_in_fp32: bool = False,
 ) -> None:
-    """Launch `ragged_prefill_kernel` over `tiles`. Writes only `out`'s rows of real tokens."""
+    """Launch `ragged_prefill_kernel` over `tiles`. Writes only `out`'s rows of real tokens.
+    `maxnreg` caps registers per thread (None: the compiler's choice)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     _, num_q_heads, head_size = query.shape
@@ -330,6 +332,7 @@ def launch_ragged_prefill(
         DOT_IN_FP32=dot_in_fp32,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 
 
@@ -466,5 +469,6 @@ class RaggedPrefillLaunch:
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             prefetch_block_ids=cfg.prefetch_block_ids,
+            maxnreg=cfg.maxnreg,
             dot_in_fp32=self.dot_in_fp32,
         )

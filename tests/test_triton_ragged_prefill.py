@@ -236,7 +236,9 @@ def test_launch_params() -> None:
         )
         return c.block_m, c.block_n, c.prefetch_block_ids, c.maxnreg
 
-    assert lookup(False, 2048) == (64, 64, False, None)
+    assert lookup(False, 64) == (64, 64, False, None)  # a 128-row tile would be half padding
+    assert lookup(True, 40) == (64, 64, True, None)
+    assert lookup(False, 2048) == (128, 64, False, 128)
     assert lookup(False, 4097) == (128, 128, False, None)  # the bucket of 8192
     assert lookup(True, 1024) == (128, 64, True, 128)
     bad = LaunchParams(_file({"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}))

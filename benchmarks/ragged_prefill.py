@@ -9,7 +9,9 @@ graph (`attention.time_graph`: median of 5 rounds of 50 calls):
   * `engine` — the backend as the engine calls it (shipped launch parameters);
   * `cache only` — the unified 2D kernel reading every key and value from the cache;
   * `cudnn` — PyTorch's cuDNN attention on contiguous copies (whole prompts only);
-  * every launch point below (BLOCK_M, BLOCK_N, warps, stages, block-id prefetch, register cap).
+  * every launch point below (BLOCK_M, BLOCK_N, warps, stages, block-id prefetch, register cap)
+    of the Triton kernel, and of the Gluon kernel for sm_90 (`ragged_prefill_sm90`, whole
+    prompts only; skipped on other GPUs and for chunks after cached context).
 
 TFLOP/s counts causal attention FLOPs. Launch points that do not fit the GPU's shared memory
 are reported as failed rows.
@@ -40,6 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.ragged_prefill import launch_ragged_prefill, plan_tiles
+from pagedserve_triton.ragged_prefill_sm90 import device_supported, launch_ragged_prefill_sm90
 
 SHAPE = Shape(q_heads=32, kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
 CASES: dict[str, tuple[list[int], list[int]]] = {  # name -> (query lens, seq lens)
@@ -47,20 +50,25 @@ CASES: dict[str, tuple[list[int], list[int]]] = {  # name -> (query lens, seq le
     "chunked q1024 ctx7168": ([1024], [8192]),
     "prefill 1x8192": ([8192], [8192]),
     "prefill 16x512": ([512] * 16, [512] * 16),
+    "prefill 2x4096": ([4096] * 2, [4096] * 2),
+    "prefill 64x48": ([48] * 64, [48] * 64),
 }
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, PREFETCH_BLOCK_IDS, maxnreg). Capping registers at 128
-# lets two 8-warp programs share an SM (its 64K registers), as two 4-warp programs do uncapped.
-Point = tuple[int, int, int, int, bool, int | None]
+# (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages, PREFETCH_BLOCK_IDS, maxnreg). Capping registers
+# at 128 lets two 8-warp programs share an SM (its 64K registers), as two 4-warp programs do uncapped.
+Point = tuple[str, int, int, int, int, bool, int | None]
 POINTS: tuple[Point, ...] = (
-    (64, 64, 4, 3, False, None),
-    (64, 64, 4, 2, False, None),
-    (64, 32, 4, 3, False, None),
-    (128, 64, 8, 3, False, None),
-    (128, 64, 8, 2, False, 128),
-    (128, 64, 8, 2, True, 128),
-    (128, 128, 8, 3, False, None),
-    (128, 128, 8, 3, True, None),
-    (64, 64, 4, 3, True, None),
+    ("gluon_sm90", 64, 64, 4, 2, False, None),
+    ("gluon_sm90", 64, 64, 4, 3, False, None),
+    ("gluon_sm90", 64, 32, 4, 2, False, None),
+    ("triton", 64, 64, 4, 3, False, None),
+    ("triton", 64, 64, 4, 2, False, None),
+    ("triton", 64, 32, 4, 3, False, None),
+    ("triton", 128, 64, 8, 3, False, None),
+    ("triton", 128, 64, 8, 2, False, 128),
+    ("triton", 128, 64, 8, 2, True, 128),
+    ("triton", 128, 128, 8, 3, False, None),
+    ("triton", 128, 128, 8, 3, True, None),
+    ("triton", 64, 64, 4, 3, True, None),
 )
 
 
@@ -78,11 +86,20 @@ def point_launch(
     scale: float,
 ) -> tuple[Callable[[], None], torch.Tensor]:
     """One launch of the kernel at `point` on `batch`, and the output it writes."""
-    block_m, block_n, warps, stages, prefetch, maxnreg = point
+    kernel, block_m, block_n, warps, stages, prefetch, maxnreg = point
     md = batch.metadata
     request, index = plan_tiles(md.query_start_loc_cpu, md.seq_lens_cpu, block_m)
     tiles = (request.cuda(), index.cuda())
     out = torch.empty_like(batch.query)
+
+    def launch_sm90() -> None:
+        launch_ragged_prefill_sm90(
+            batch.query, *new_kv, md.query_start_loc, md.num_actual_tokens, tiles, out,
+            scale=scale, block_n=block_n, num_stages=stages,
+        )  # fmt: skip
+
+    if kernel == "gluon_sm90":
+        return launch_sm90, out
 
     def launch() -> None:
         launch_ragged_prefill(
@@ -119,8 +136,10 @@ def run_case(name: str, query_lens: list[int], seq_lens: list[int]) -> dict[str,
             )
     has_context = any(s > q for q, s in zip(query_lens, seq_lens, strict=True))
     for point in POINTS:
-        block_m, block_n, warps, stages, prefetch, maxnreg = point
-        label = f"BLOCK_M {block_m} BLOCK_N {block_n} w{warps} s{stages}" + (" prefetch" if prefetch else "")
+        kernel, block_m, block_n, warps, stages, prefetch, maxnreg = point
+        if kernel == "gluon_sm90" and (has_context or not device_supported(batch.query.device)):
+            continue
+        label = f"{kernel} {block_m}x{block_n} w{warps} s{stages}" + (" prefetch" if prefetch else "")
         label += "" if maxnreg is None else f" maxnreg {maxnreg}"
         launch, out = point_launch(batch, new_kv, point, has_context=has_context, scale=scale)
         try:

@@ -135,6 +135,56 @@ def test_prompt_chunks_from_new_keys_and_values(d: int, dtype: torch.dtype) -> N
     _run(*PROMPT_CHUNKS, hq=32, hkv=8, d=d, bs=16, dtype=dtype, new_kv=True)
 
 
+# Whole prompts only (no cached context), with lengths on and beside the 64-row tile edges: on
+# sm_90 the Gluon kernel (head sizes 64 and 128), elsewhere and for other head sizes the Triton one.
+WHOLE_PROMPTS = ([512, 300, 77, 1030, 16, 64, 65, 129], [512, 300, 77, 1030, 16, 64, 65, 129])
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (8, 8), (16, 1)])
+def test_whole_prompts_from_new_keys_and_values(d: int, dtype: torch.dtype, hq: int, hkv: int) -> None:
+    _run(*WHOLE_PROMPTS, hq=hq, hkv=hkv, d=d, bs=16, dtype=dtype, new_kv=True)
+
+
+@pytest.mark.parametrize(("block_n", "stages"), [(64, 2), (64, 3), (32, 2)])
+def test_whole_prompts_sm90_kernel_reads_and_writes_only_real_tokens(block_n: int, stages: int) -> None:
+    """The Gluon kernel, launched directly over a batch whose tensors have NaN padding rows past
+    the real tokens: the real rows match the reference and the padding rows of `out` are untouched."""
+    from pagedserve_triton import ragged_prefill_sm90
+    from pagedserve_triton.ragged_prefill import plan_tiles
+
+    if not ragged_prefill_sm90.device_supported(torch.device("cuda")):
+        pytest.skip("the Gluon prefill kernel runs on sm_90 GPUs only")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lens, hq, hkv, d, pad = [200, 1, 64, 63, 513], 16, 4, 128, 40
+    tokens = sum(lens)
+    q, k, v = (
+        torch.randn(tokens + pad, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for h in (hq, hkv, hkv)
+    )
+    for t in (q, k, v):
+        t[tokens:] = float("nan")
+    out = torch.full_like(q, float("nan"))
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    request, index = plan_tiles(qsl, torch.tensor(lens, dtype=torch.int32), ragged_prefill_sm90.BLOCK_M)
+    ragged_prefill_sm90.launch_ragged_prefill_sm90(
+        q, k, v, qsl.cuda(), tokens, (request.cuda(), index.cuda()), out,
+        scale=d**-0.5, block_n=block_n, num_stages=stages,
+    )  # fmt: skip
+    start = 0
+    for n in lens:
+        rows = slice(start, start + n)
+        kk, vv = (t[rows].float().transpose(0, 1).repeat_interleave(hq // hkv, 0) for t in (k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[rows].float().transpose(0, 1), kk, vv, is_causal=True, scale=d**-0.5
+        ).transpose(0, 1)
+        err = (out[rows].float() - ref).abs().max().item()
+        assert err <= TOLERANCE[torch.bfloat16], f"request of {n} tokens: max abs error {err:.3g}"
+        start += n
+    assert out[tokens:].isnan().all()
+
+
 @pytest.mark.parametrize("d", [32, 64, 80, 96, 112, 128, 192, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_mixed_batch_all_head_sizes(d: int, dtype: torch.dtype) -> None:

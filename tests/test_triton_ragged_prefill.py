@@ -29,6 +29,7 @@ from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.launch_params import LaunchParams
 from pagedserve_triton.ragged_prefill import (
     MIN_QUERY_LEN,
+    RaggedPrefillLaunch,
     plan_tiles,
     ragged_prefill_kernel,
     unsupported_reason,
@@ -230,17 +231,17 @@ def _file(params: dict[str, object]) -> TunedConfigs:
 def test_launch_params() -> None:
     shipped = LaunchParams()
 
-    def lookup(has_context: bool, max_query_len: int) -> tuple[int, int, bool, int | None]:
+    def lookup(has_context: bool, max_query_len: int) -> tuple[str, int, int, bool, int | None]:
         c = shipped.ragged_prefill(
             "h100", head_size=128, dtype=torch.bfloat16, has_context=has_context, max_query_len=max_query_len
         )
-        return c.block_m, c.block_n, c.prefetch_block_ids, c.maxnreg
+        return c.kernel, c.block_m, c.block_n, c.prefetch_block_ids, c.maxnreg
 
-    assert lookup(False, 64) == (64, 64, False, None)  # a 128-row tile would be half padding
-    assert lookup(True, 40) == (64, 64, True, None)
-    assert lookup(False, 2048) == (128, 64, False, 128)
-    assert lookup(False, 4097) == (128, 128, False, None)  # the bucket of 8192
-    assert lookup(True, 1024) == (128, 64, True, 128)
+    assert lookup(False, 64) == ("gluon_sm90", 64, 64, False, None)
+    assert lookup(True, 40) == ("triton", 64, 64, True, None)
+    assert lookup(False, 2048) == ("gluon_sm90", 64, 64, False, None)
+    assert lookup(False, 4097) == ("triton", 128, 128, False, None)  # the bucket of 8192
+    assert lookup(True, 1024) == ("triton", 128, 64, True, 128)
     bad = LaunchParams(_file({"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}))
     with pytest.raises(TunedConfigError, match="must divide BLOCK_M"):
         bad.ragged_prefill("h100", head_size=128, dtype=torch.bfloat16, has_context=False, max_query_len=64)
@@ -250,4 +251,39 @@ def test_launch_params() -> None:
             LaunchParams(_file(params)).ragged_prefill(
                 "h100", head_size=128, dtype=torch.bfloat16, has_context=False, max_query_len=64
             )
+
+
+@pytest.mark.parametrize(
+    ("params", "has_context", "message"),
+    [
+        ({"KERNEL": "flash"}, False, "must be one of"),
+        ({"KERNEL": "gluon_sm90"}, True, "reads no cached context"),
+        ({"KERNEL": "gluon_sm90", "BLOCK_M": 128, "num_warps": 8}, False, "BLOCK_M=64 on 4 warps"),
+        ({"KERNEL": "gluon_sm90", "num_stages": 1}, False, "num_stages >= 2"),
+        ({"KERNEL": "gluon_sm90", "maxnreg": 128}, False, "no maxnreg"),
+    ],
+)
+def test_gluon_sm90_entries_are_checked(params: dict[str, object], has_context: bool, message: str) -> None:
+    full = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, **params}
+    with pytest.raises(TunedConfigError, match=message):
+        LaunchParams(_file(full)).ragged_prefill(
+            "h100", head_size=128, dtype=torch.bfloat16, has_context=has_context, max_query_len=512
+        )
+
+
+def test_gluon_sm90_entry_runs_the_triton_kernel_off_hopper() -> None:
+    """A "gluon_sm90" entry on a device without sm_90 (here the interpreter's CPU) launches the
+    Triton kernel with the entry's tile sizes, and its output matches the oracle."""
+    batch = make_batch([40, 70], [40, 70], dtype=torch.float16)
+    config = LaunchParams(
+        _file({"KERNEL": "gluon_sm90", "BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2})
+    ).ragged_prefill("cpu", head_size=HEAD_SIZE, dtype=torch.float16, has_context=False, max_query_len=70)
+    scale = HEAD_SIZE**-0.5
+    launch = RaggedPrefillLaunch.build(batch.query, batch.metadata, config, scale=scale, has_context=False)
+    assert config.kernel == "gluon_sm90" and not launch.on_sm90
+    out = torch.zeros_like(batch.query)
+    launch(out, batch.query, batch.new_key, batch.new_value, batch.kv_cache)
+    rows = batch.metadata.num_actual_tokens
+    torch.testing.assert_close(out[:rows].float(), oracle(batch), atol=TOLERANCE[torch.float16], rtol=0)
+
     assert MIN_QUERY_LEN >= 2

@@ -36,6 +36,7 @@ from pagedserve.platforms.tuned_configs import Params, TunedConfigError, TunedCo
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 _VALID_WARPS = (1, 2, 4, 8, 16)
 _MIN_MAXNREG, _MAX_MAXNREG = 16, 255  # what NVIDIA's assembler accepts as registers per thread
+RAGGED_PREFILL_KERNELS = ("triton", "gluon_sm90")
 
 
 def tuned_config_files() -> list[Path]:
@@ -92,6 +93,9 @@ class RaggedPrefillLaunchConfig:
     # Registers per thread the compiler may use (None: its own choice). Capping 8-warp programs at
     # 128 lets two of them share an SM's register file, so four warpgroups interleave there.
     maxnreg: int | None = None
+    # Which kernel runs: "triton" (`ragged_prefill.py`) or "gluon_sm90" (`ragged_prefill_sm90.py`,
+    # whole prompts on sm_90 GPUs; elsewhere the Triton kernel runs with the same tile sizes).
+    kernel: str = "triton"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,28 @@ def _maxnreg(params: Params, where: str) -> int | None:
         bounds = f"[{_MIN_MAXNREG}, {_MAX_MAXNREG}]"
         raise TunedConfigError(f"{where}: param 'maxnreg'={value} must be in {bounds}")
     return value
+
+
+def _kernel_param(params: Params, where: str) -> str:
+    """The optional "KERNEL" param of "ragged_prefill": one of `RAGGED_PREFILL_KERNELS`."""
+    value = params.get("KERNEL", "triton")
+    if value not in RAGGED_PREFILL_KERNELS:
+        raise TunedConfigError(f"{where}: param 'KERNEL'={value!r} must be one of {RAGGED_PREFILL_KERNELS}")
+    return str(value)
+
+
+def _check_gluon_sm90(config: RaggedPrefillLaunchConfig, where: str, *, has_context: bool) -> None:
+    """What the Gluon kernel's entries must say: its fixed tile shape, and no cached context."""
+    if has_context:
+        raise TunedConfigError(
+            f"{where}: KERNEL 'gluon_sm90' reads no cached context; match has_context=false only"
+        )
+    if (config.block_m, config.num_warps) != (64, 4) or config.num_stages < 2 or config.maxnreg is not None:
+        raise TunedConfigError(
+            f"{where}: KERNEL 'gluon_sm90' runs BLOCK_M=64 on 4 warps with num_stages >= 2 and no "
+            f"maxnreg; got BLOCK_M={config.block_m}, num_warps={config.num_warps}, "
+            f"num_stages={config.num_stages}, maxnreg={config.maxnreg}"
+        )
 
 
 def _bool_param(params: Params, name: str, where: str) -> bool:
@@ -234,9 +260,12 @@ class LaunchParams:
             block_n=_int_param(params, "BLOCK_N", where, power_of_two_ge=16),
             prefetch_block_ids=_bool_param(params, "PREFETCH_BLOCK_IDS", where),
             maxnreg=_maxnreg(params, where),
+            kernel=_kernel_param(params, where),
         )
         if config.block_m % config.block_n:
             raise TunedConfigError(f"{where}: BLOCK_N={config.block_n} must divide BLOCK_M={config.block_m}")
+        if config.kernel == "gluon_sm90":
+            _check_gluon_sm90(config, where, has_context=has_context)
         self._ragged[key] = config
         return config
 

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve_triton import ragged_prefill_sm90
 from pagedserve_triton.interpreter import INTERPRETED
 from pagedserve_triton.launch_params import RaggedPrefillLaunchConfig
 
@@ -407,6 +408,11 @@ def unsupported_reason(
     return None
 
 
+def _runs_on_sm90(query: torch.Tensor, config: RaggedPrefillLaunchConfig, *, has_context: bool) -> bool:
+    """Whether `config` asks for the Gluon Hopper kernel and this batch runs there."""
+    return config.kernel == "gluon_sm90" and ragged_prefill_sm90.supports(query, has_context=has_context)
+
+
 @dataclass(frozen=True, slots=True)
 class RaggedPrefillLaunch:
     """The kernel's launch for one step and layout: everything but the per-layer tensors."""
@@ -417,6 +423,7 @@ class RaggedPrefillLaunch:
     scale: float
     has_context: bool
     dot_in_fp32: bool
+    on_sm90: bool  # `ragged_prefill_sm90`'s kernel (config.kernel "gluon_sm90" where it runs)
 
     @staticmethod
     def build(
@@ -440,7 +447,8 @@ class RaggedPrefillLaunch:
             tiles = (request, index)
         # Triton's interpreter (3.9) multiplies bfloat16 dot operands as raw uint16 bits.
         dot_in_fp32 = query.dtype == torch.bfloat16 and INTERPRETED
-        return RaggedPrefillLaunch(config, tiles, metadata, scale, has_context, dot_in_fp32)
+        on_sm90 = _runs_on_sm90(query, config, has_context=has_context)
+        return RaggedPrefillLaunch(config, tiles, metadata, scale, has_context, dot_in_fp32, on_sm90)
 
     def __call__(
         self,
@@ -452,6 +460,20 @@ class RaggedPrefillLaunch:
     ) -> None:
         """Launch for one layer. Writes only `out`."""
         cfg = self.config
+        if self.on_sm90:
+            ragged_prefill_sm90.launch_ragged_prefill_sm90(
+                query,
+                new_key,
+                new_value,
+                self.metadata.query_start_loc,
+                self.metadata.num_actual_tokens,
+                self.tiles,
+                out,
+                scale=self.scale,
+                block_n=cfg.block_n,
+                num_stages=cfg.num_stages,
+            )
+            return
         launch_ragged_prefill(
             query,
             new_key,

@@ -237,7 +237,8 @@ def test_launch_params() -> None:
         )
         return c.kernel, c.block_m, c.block_n, c.prefetch_block_ids, c.maxnreg
 
-    assert lookup(False, 64) == ("gluon_sm90", 64, 64, False, None)
+    assert lookup(False, 64) == ("gluon_sm90", 64, 32, False, None)
+    assert lookup(False, 512) == ("gluon_sm90", 64, 32, False, None)
     assert lookup(True, 40) == ("triton", 64, 64, True, None)
     assert lookup(False, 2048) == ("gluon_sm90", 64, 64, False, None)
     assert lookup(False, 4097) == ("triton", 128, 128, False, None)  # the bucket of 8192

@@ -92,13 +92,14 @@ def point_launch(
     tiles = (request.cuda(), index.cuda())
     out = torch.empty_like(batch.query)
 
-    def launch_sm90() -> None:
-        launch_ragged_prefill_sm90(
-            batch.query, *new_kv, md.query_start_loc, md.num_actual_tokens, tiles, out,
-            scale=scale, block_n=block_n, num_stages=stages,
-        )  # fmt: skip
-
     if kernel == "gluon_sm90":
+
+        def launch_sm90() -> None:
+            launch_ragged_prefill_sm90(
+                batch.query, *new_kv, md.query_start_loc, md.num_actual_tokens, tiles, out,
+                scale=scale, block_n=block_n, num_stages=stages,
+            )  # fmt: skip
+
         return launch_sm90, out
 
     def launch() -> None:

@@ -147,10 +147,12 @@ def _check_gluon_sm90(config: RaggedPrefillLaunchConfig, where: str, *, has_cont
         raise TunedConfigError(
             f"{where}: KERNEL 'gluon_sm90' reads no cached context; match has_context=false only"
         )
-    if (config.block_m, config.num_warps) != (64, 4) or config.num_stages < 2 or config.maxnreg is not None:
+    # `ragged_prefill_sm90.BLOCK_M` and `NUM_WARPS`, restated: this module loads without Triton.
+    shape = (64, 4)
+    if (config.block_m, config.num_warps) != shape or config.num_stages < 2 or config.maxnreg is not None:
         raise TunedConfigError(
-            f"{where}: KERNEL 'gluon_sm90' runs BLOCK_M=64 on 4 warps with num_stages >= 2 and no "
-            f"maxnreg; got BLOCK_M={config.block_m}, num_warps={config.num_warps}, "
+            f"{where}: KERNEL 'gluon_sm90' runs BLOCK_M={shape[0]} on {shape[1]} warps with num_stages >= 2 "
+            f"and no maxnreg; got BLOCK_M={config.block_m}, num_warps={config.num_warps}, "
             f"num_stages={config.num_stages}, maxnreg={config.maxnreg}"
         )
 

@@ -22,6 +22,13 @@ class PreemptionMode(enum.Enum):
     SWAP = "swap"  # copy the victim's blocks to the CPU swap pool; copy them back to resume
 
 
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"  # waiting requests start in arrival order; every step may take the whole budget
+    # Offline batches: most tokens to generate first, prompt work spread over the steps that
+    # remain while requests decode (`pagedserve.scheduler.makespan`).
+    MAKESPAN = "makespan"
+
+
 class CacheConfig(_Config):
     """The paged KV cache."""
 
@@ -45,6 +52,7 @@ class SchedulerConfig(_Config):
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     num_speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens scored per step")
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     @model_validator(mode="after")
     def _budget_fits_prompts(self) -> SchedulerConfig:
@@ -88,6 +96,14 @@ class EngineArgs(_Config):
     cpu_kv_cache_gib: float = Field(2.0, gt=0.0, description="KV budget on CPU platforms")
     swap_space_gib: float = Field(0.0, ge=0.0, description="CPU swap pool for preemption_mode='swap'")
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    scheduling_policy: Literal["auto", "fcfs", "makespan"] = Field(
+        "auto",
+        description="'fcfs': waiting requests start in arrival order and every step may take the "
+        "whole token budget; 'makespan' (offline batches): the requests with the most tokens to "
+        "generate start first and, while requests decode, prompt work is spread over the steps the "
+        "longest one still needs; 'auto': 'makespan' for the offline engine (`LLM`, `LLMEngine`, "
+        "`pagedserve generate` and `bench throughput`), 'fcfs' for the server",
+    )
     load_format: str = Field("auto", pattern=r"^(auto|safetensors|gguf|dummy)$")
     quantization: Literal["gguf", "fp8"] | None = Field(
         None,

@@ -34,6 +34,12 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
         str,
         "none, piecewise, full_decode_only or full_and_piecewise (default)",
     ),
+    "--scheduling-policy": (
+        "scheduling_policy",
+        str,
+        "auto (default: makespan offline, fcfs in the server), fcfs, or makespan (most tokens to "
+        "generate first, prompt work spread over the decode steps)",
+    ),
     "--seed": ("seed", int, "engine seed"),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "n-gram draft tokens per step"),
     "--tensor-parallel-size": ("tensor_parallel_size", int, "shard the model over this many devices"),

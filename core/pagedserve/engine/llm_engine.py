@@ -25,7 +25,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.setup: EngineSetup = build_engine(args)
+        self.setup: EngineSetup = build_engine(args, offline=True)
         self.core = self.setup.core
         self.tokenizer = self.setup.tokenizer
         self.vocab_size = self.setup.spec.vocab_size

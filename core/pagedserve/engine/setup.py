@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.config import CacheConfig, EngineArgs, SchedulerConfig
+from pagedserve.config import CacheConfig, EngineArgs, SchedulerConfig, SchedulingPolicy
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.executor.base import WorkerReport
@@ -45,6 +45,7 @@ __all__ = [
     "choose_backend",
     "eos_token_ids",
     "resolve_dtype",
+    "scheduling_policy",
 ]
 from pagedserve.structured.backend import StructuredOutputBackend
 from pagedserve.structured.checks import backend_available
@@ -68,12 +69,15 @@ class EngineSetup:
     core: EngineCore
 
 
-def build_engine(args: EngineArgs) -> EngineSetup:
+def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
     """Select the platform, load the model and build the engine core. Slow (loads weights).
-    With `tensor_parallel_size > 1` the model is loaded by one worker process per rank."""
+    With `tensor_parallel_size > 1` the model is loaded by one worker process per rank.
+    `offline`: the engine runs batches handed to it whole (`LLMEngine`), not a server's stream of
+    requests; it decides what `scheduling_policy="auto"` means."""
     platform = load_platforms().select(args.platform)
+    policy = scheduling_policy(args.scheduling_policy, offline=offline)
     if args.tensor_parallel_size > 1:
-        return _build_parallel_engine(args, platform)
+        return _build_parallel_engine(args, platform, policy)
     device = platform.device
     dm = load_device_model(args, platform, device)
     spec = dm.loaded.spec
@@ -84,7 +88,7 @@ def build_engine(args: EngineArgs) -> EngineSetup:
     eos = eos_token_ids(dm.loaded.hf_config, tokenizer.eos_token_id if tokenizer is not None else None)
     runner = build_runner(dm, args, device, num_kv_blocks=num_blocks, eos_token_ids=eos)
     scheduler = _scheduler(
-        args, spec, num_blocks, dm.max_model_len, dm.max_num_batched_tokens, dm.kv_cache_dtype
+        args, policy, spec, num_blocks, dm.max_model_len, dm.max_num_batched_tokens, dm.kv_cache_dtype
     )
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
     async_scheduling = async_scheduling_choice(args.async_scheduling, platform, proposer is not None)
@@ -104,7 +108,9 @@ def build_engine(args: EngineArgs) -> EngineSetup:
     )
 
 
-def _build_parallel_engine(args: EngineArgs, platform: LoadedPlatform) -> EngineSetup:
+def _build_parallel_engine(
+    args: EngineArgs, platform: LoadedPlatform, policy: SchedulingPolicy
+) -> EngineSetup:
     """The scheduler here, the model in `tensor_parallel_size` worker processes (or Ray actors)."""
     from pagedserve.distributed.group import TensorParallelGroup
     from pagedserve.distributed.sharding import ShardLayout
@@ -129,7 +135,13 @@ def _build_parallel_engine(args: EngineArgs, platform: LoadedPlatform) -> Engine
         executor.shutdown()
         raise
     scheduler = _scheduler(
-        args, first.local_spec, num_blocks, first.max_model_len, first.max_num_batched_tokens, kv_dtype
+        args,
+        policy,
+        first.local_spec,
+        num_blocks,
+        first.max_model_len,
+        first.max_num_batched_tokens,
+        kv_dtype,
     )
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
     if args.async_scheduling:
@@ -174,8 +186,18 @@ def _log_kv_cache(
     )
 
 
+def scheduling_policy(choice: str, *, offline: bool) -> SchedulingPolicy:
+    """The policy `EngineArgs.scheduling_policy` names; "auto" is makespan for an offline engine,
+    whose batches end when their last request does, and first come, first served for a server,
+    whose clients each wait for their own request."""
+    if choice == "auto":
+        return SchedulingPolicy.MAKESPAN if offline else SchedulingPolicy.FCFS
+    return SchedulingPolicy(choice)
+
+
 def _scheduler(
     args: EngineArgs,
+    policy: SchedulingPolicy,
     spec: ModelSpec,
     num_blocks: int,
     max_model_len: int,
@@ -189,7 +211,9 @@ def _scheduler(
         enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode,
         num_speculative_tokens=args.num_speculative_tokens,
+        policy=policy,
     )
+    logger.info("scheduling policy: %s", policy.value)
     cache_config = CacheConfig(
         block_size=args.block_size,
         num_kv_blocks=num_blocks,

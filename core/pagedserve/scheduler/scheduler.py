@@ -7,9 +7,10 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pagedserve.config import CacheConfig, PreemptionMode, SchedulerConfig
+from pagedserve.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from pagedserve.kv_cache.kv_cache_manager import NONE_IN_FLIGHT, KVCacheManager, SlotAllocation
 from pagedserve.kv_cache.stats import KVCacheStats
+from pagedserve.scheduler import makespan
 from pagedserve.scheduler.admission import RequestRejected, check_admissible
 from pagedserve.scheduler.budget import TokenBudget
 from pagedserve.scheduler.output import CachedRequestData, NewRequestData, RequestUpdate, SchedulerOutput
@@ -76,7 +77,10 @@ class Scheduler:
             cache_salt=cache_config.cache_salt,
         )
         self.requests: dict[RequestId, Request] = {}  # every unfinished request
-        self.waiting: deque[Request] = deque()  # arrival order; preempted ones rejoin at the front
+        # Arrival order (makespan policy: `makespan.admission_key` order); preempted ones rejoin
+        # at the front.
+        self.waiting: deque[Request] = deque()
+        self._waiting_unsorted = False  # makespan policy: requests arrived since the last sort
         self.running: list[Request] = []  # hold blocks; may contain finished ones until the next step
         self._fork_parent: dict[RequestId, RequestId] = {}  # child -> parent, until the child runs
         self._unsent_tokens: dict[RequestId, list[int]] = {}  # req_id -> outputs the worker was not sent
@@ -112,6 +116,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.id] = request
         self.waiting.append(request)
+        self._waiting_unsorted = True
 
     def abort_requests(self, req_ids: Iterable[RequestId]) -> None:
         """Finish the requests as aborted, freeing all they hold. Unknown or already finished ids
@@ -157,8 +162,9 @@ class Scheduler:
         cap on running requests (max_num_seqs); a decode is simply a request given one token and
         a chunked prefill one given many. Running requests go first, in order, so that ongoing
         work finishes; when blocks run out, the least urgent running request is preempted. Then
-        waiting requests are admitted in arrival order while budget, seats and blocks last, each
-        starting after its prefix-cache hits.
+        waiting requests are admitted in arrival order (the makespan policy: most tokens to
+        generate first) while budget, seats and blocks last, each starting after its prefix-cache
+        hits.
         """
         if self._finished_since_step:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
@@ -166,7 +172,7 @@ class Scheduler:
         # Tokens scheduled in this step are not computed until update_from_output: a prefix
         # lookup by an admission below must not register blocks they are still to fill.
         self.kv.in_flight = step.num_scheduled
-        budget = TokenBudget(self.config.max_num_batched_tokens)
+        budget = TokenBudget(self._token_budget())
         self._schedule_running(budget, step)
         if not step.preempted:  # blocks are short: admitting more would only preempt again
             self._schedule_waiting(budget, step)
@@ -174,6 +180,25 @@ class Scheduler:
         self._finished_since_step.clear()
         self._steps_in_flight.append(step.num_scheduled)
         return step.build(finished)
+
+    def _token_budget(self) -> int:
+        """This step's token budget: max_num_batched_tokens, or under the makespan policy (with
+        chunked prefill) a smaller one while requests decode and others wait. Sorts the waiting
+        queue for the makespan policy when requests arrived. Mutates the queue's order only."""
+        limit = self.config.max_num_batched_tokens
+        if self.config.policy is not SchedulingPolicy.MAKESPAN:
+            return limit
+        if self._waiting_unsorted:
+            self.waiting = deque(sorted(self.waiting, key=makespan.admission_key))
+            self._waiting_unsorted = False
+        if not (self.running and self.waiting and self.config.enable_chunked_prefill):
+            return limit  # nothing decodes, or nothing to spread: a step is as wide as it may be
+        return makespan.step_token_budget(
+            self.requests.values(),
+            num_running=len(self.running),
+            tokens_per_running=1 + self.config.num_speculative_tokens,
+            max_budget=limit,
+        )
 
     def _schedule_running(self, budget: TokenBudget, step: _StepBuilder) -> None:
         # The hot loop of a decode-heavy engine: locals instead of attribute look-ups (the budget

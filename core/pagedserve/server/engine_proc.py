@@ -42,7 +42,7 @@ def run_engine_core(args_json: str, input_addr: str, output_addr: str, parent_pi
         from pagedserve.engine.setup import build_engine
 
         args = EngineArgs.model_validate_json(args_json)
-        setup = build_engine(args)
+        setup = build_engine(args, offline=False)
         info = CoreInfo(
             max_model_len=setup.max_model_len,
             vocab_size=setup.spec.vocab_size,

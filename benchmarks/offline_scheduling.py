@@ -1,0 +1,119 @@
+"""On a GPU: offline throughput under each scheduling policy, Llama-3.1-8B shapes, dummy weights.
+
+One engine (the GPU defaults of `pagedserve bench throughput`: cuda platform, bfloat16, 256
+running requests at most, the KV cache sized from free memory) is warmed with the first
+`--warmup-requests` requests of the first workload, then runs every workload once per policy
+and round, the policies interleaved (`fcfs`, `makespan`, `fcfs`, `makespan`, ...) so that drift
+of the machine falls on both. Each run starts with the prefix cache forgotten and reports output
+tokens per second, the duration, the workload's floor (its longest request's output length:
+the steps no schedule can do without) and where the time went (`summarize_trace`: until nothing
+waits, then the steps by running-request count). The policy is switched on the engine's
+scheduler between runs, when nothing is in flight.
+
+    python benchmarks/offline_scheduling.py --json offline_scheduling.json \\
+        --workloads benchmarks/workloads/sharegpt_like_256.json,benchmarks/workloads/sharegpt_like_1000.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+from typing import Any
+
+import torch
+from gpu_latency import llama_8b_config
+
+from pagedserve.bench.datasets import fit_vocab, load_workload
+from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
+from pagedserve.config import EngineArgs, SchedulingPolicy
+from pagedserve.engine.llm_engine import LLMEngine
+
+
+def run_once(engine: LLMEngine, workload: str, policy: SchedulingPolicy) -> dict[str, Any]:
+    scheduler = engine.core.scheduler
+    if scheduler.has_unfinished_requests():
+        raise RuntimeError("the policy can only change between runs, with no request in flight")
+    scheduler.config = scheduler.config.model_copy(update={"policy": policy})
+    requests = fit_vocab(load_workload(workload), engine.vocab_size, wrap=True)
+    engine.reset_prefix_cache()
+    gc.collect()
+    trace: list[StepRecord] = []
+    result = run_throughput(engine, requests, trace).to_dict()
+    return {
+        "workload": workload,
+        "policy": policy.value,
+        "output_tokens_per_s": result["output_tokens_per_s"],
+        "duration_s": result["duration_s"],
+        "requests_per_s": result["requests_per_s"],
+        "floor_steps": max(r.output_len for r in requests),
+        "kernels_built": result["kernels_built"],
+        "trace": summarize_trace(trace),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--platform", default="cuda")
+    parser.add_argument(
+        "--workloads",
+        default="benchmarks/workloads/sharegpt_like_256.json,benchmarks/workloads/sharegpt_like_1000.json",
+        help="comma-separated workload files",
+    )
+    parser.add_argument("--policies", default="fcfs,makespan", help="comma-separated: fcfs, makespan")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each workload per policy")
+    parser.add_argument("--warmup-requests", type=int, default=16)
+    parser.add_argument("--quantization", choices=["fp8"], help="FP8 weights")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    workloads = [w for w in args.workloads.split(",") if w]
+    try:
+        policies = [SchedulingPolicy(p) for p in args.policies.split(",") if p]
+    except ValueError as exc:
+        parser.error(f"--policies: {exc}; choose from {[p.value for p in SchedulingPolicy]}")
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device: this benchmark measures an 8B-shaped model on a GPU")
+
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "args": vars(args), "runs": []}
+    with tempfile.TemporaryDirectory() as model_dir:
+        llama_8b_config().save_pretrained(model_dir)
+        engine = LLMEngine(
+            EngineArgs(
+                model=model_dir,
+                load_format="dummy",
+                dtype="bfloat16",
+                skip_tokenizer_init=True,
+                max_model_len=4096,
+                max_num_seqs=256,
+                platform=args.platform,
+                quantization=args.quantization,
+            )
+        )
+        warm = fit_vocab(load_workload(workloads[0]), engine.vocab_size, wrap=True)[: args.warmup_requests]
+        if warm:
+            run_throughput(engine, warm)
+        for workload in workloads:
+            for _ in range(args.rounds):
+                for policy in policies:
+                    run = run_once(engine, workload, policy)
+                    out["runs"].append(run)
+                    print(json.dumps({k: v for k, v in run.items() if k != "trace"}), flush=True)
+    out["summary"] = {
+        f"{w} {p.value}": statistics.median(
+            r["output_tokens_per_s"] for r in out["runs"] if r["workload"] == w and r["policy"] == p.value
+        )
+        for w in workloads
+        for p in policies
+    }
+    print(json.dumps(out["summary"], indent=1), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import statistics
 import tempfile
 from typing import Any
@@ -30,6 +31,7 @@ from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
 from pagedserve.config import EngineArgs, SchedulingPolicy
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.scheduler.output import SchedulerOutput
 
 
 def run_once(engine: LLMEngine, workload: str, policy: SchedulingPolicy) -> dict[str, Any]:
@@ -41,7 +43,20 @@ def run_once(engine: LLMEngine, workload: str, policy: SchedulingPolicy) -> dict
     engine.reset_prefix_cache()
     gc.collect()
     trace: list[StepRecord] = []
-    result = run_throughput(engine, requests, trace).to_dict()
+    widths: list[int] = []  # tokens of each scheduled step, in order
+    schedule = scheduler.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        output = schedule()
+        widths.append(output.total_num_scheduled_tokens)
+        return output
+
+    scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    preemptions = scheduler.num_preemptions
+    try:
+        result = run_throughput(engine, requests, trace).to_dict()
+    finally:
+        del scheduler.schedule
     return {
         "workload": workload,
         "policy": policy.value,
@@ -51,7 +66,23 @@ def run_once(engine: LLMEngine, workload: str, policy: SchedulingPolicy) -> dict
         "floor_steps": max(r.output_len for r in requests),
         "kernels_built": result["kernels_built"],
         "trace": summarize_trace(trace),
+        "slowest_steps": slowest_steps(trace, 10),
+        "preemptions": scheduler.num_preemptions - preemptions,
+        # Per step: seconds since the start, tokens scheduled, requests running, waiting.
+        "steps": [
+            [round(r.end_s, 5), w, r.num_running, r.num_waiting] for r, w in zip(trace, widths, strict=False)
+        ],
     }
+
+
+def slowest_steps(trace: list[StepRecord], count: int) -> list[dict[str, Any]]:
+    """The `count` longest steps of a run (one-off stalls stand out here): index, ms, requests
+    running and waiting after it. Pure."""
+    took = [(r.end_s - (trace[i - 1].end_s if i else 0.0), i, r) for i, r in enumerate(trace)]
+    return [
+        {"step": i, "ms": round(1e3 * t, 2), "running": r.num_running, "waiting": r.num_waiting}
+        for t, i, r in sorted(took, key=lambda x: -x[0])[:count]
+    ]
 
 
 def main() -> None:
@@ -70,6 +101,7 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["fp8"], help="FP8 weights")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     workloads = [w for w in args.workloads.split(",") if w]
     try:
         policies = [SchedulingPolicy(p) for p in args.policies.split(",") if p]
@@ -101,7 +133,8 @@ def main() -> None:
                 for policy in policies:
                     run = run_once(engine, workload, policy)
                     out["runs"].append(run)
-                    print(json.dumps({k: v for k, v in run.items() if k != "trace"}), flush=True)
+                    brief = {k: v for k, v in run.items() if k not in ("trace", "steps")}
+                    print(json.dumps(brief), flush=True)
     out["summary"] = {
         f"{w} {p.value}": statistics.median(
             r["output_tokens_per_s"] for r in out["runs"] if r["workload"] == w and r["policy"] == p.value

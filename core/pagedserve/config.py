@@ -53,6 +53,12 @@ class SchedulerConfig(_Config):
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     num_speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens scored per step")
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    widest_decoding_step: int | None = Field(
+        None,
+        ge=1,
+        description="makespan policy: the widest step the spread of prompt work asks for while "
+        "requests decode (None: max_num_batched_tokens)",
+    )
 
     @model_validator(mode="after")
     def _budget_fits_prompts(self) -> SchedulerConfig:

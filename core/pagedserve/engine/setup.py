@@ -212,6 +212,8 @@ def _scheduler(
         preemption_mode=args.preemption_mode,
         num_speculative_tokens=args.num_speculative_tokens,
         policy=policy,
+        # Steps wider than this run without CUDA graphs, where their host time shows.
+        widest_decoding_step=args.cuda_graph_max_tokens,
     )
     logger.info("scheduling policy: %s", policy.value)
     cache_config = CacheConfig(

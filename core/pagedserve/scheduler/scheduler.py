@@ -197,6 +197,7 @@ class Scheduler:
             self.requests.values(),
             num_running=len(self.running),
             tokens_per_running=1 + self.config.num_speculative_tokens,
+            widest_spread=self.config.widest_decoding_step or limit,
             max_budget=limit,
         )
 

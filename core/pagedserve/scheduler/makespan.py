@@ -9,18 +9,23 @@ one step per token, so two rules aim every step at that bound:
   may still produce (`max_tokens` minus what they have), ties in arrival order; preempted
   requests keep their place at the front. A long request that starts late stretches the batch
   by the steps it still needs after everything else has finished.
-* **Prompt work spread over the steps that remain.** While requests decode, a step may take
-  every running request's tokens plus `MIN_PROMPT_TOKENS` prompt tokens, or `SPREAD` times the
-  remaining work divided by the longest request's remaining steps, whichever is more; the
-  spread share stops at the widest step that replays CUDA graphs (`cuda_graph_max_tokens`), and
-  nothing exceeds `max_num_batched_tokens`. A decode step of a few hundred rows is bound by
-  streaming the weights, so prompt tokens added to it cost little; a step of thousands of prompt
-  tokens is bound by the tensor cores and delays every running request by its whole length; and
-  a step wider than the graphs runs eagerly, where its host time shows (on an H100, steps of
+* **Prompt work spread over the steps that remain.** While requests decode and prompts wait,
+  the running requests set a horizon: the steps their longest still needs, less the outputs of
+  the shortest waiting request (which must still fit after its prompt). If the waiting prompt
+  tokens, spread over that horizon with a margin of `SPREAD`, fit in steps no wider than the
+  widest one CUDA graphs replay (`cuda_graph_max_tokens`), a step takes every running request's
+  tokens plus that share of prompt tokens (at least `MIN_PROMPT_TOKENS`). Otherwise (no horizon,
+  or more prompt work than thin steps carry) it takes the whole `max_num_batched_tokens`, as
+  first come, first served does. A decode step of a few hundred rows is bound by streaming the
+  weights, so prompt tokens added to it cost little, where a step of thousands of prompt tokens
+  is bound by the tensor cores and delays every running request by its whole length; and a
+  step wider than the graphs runs eagerly, where its host time shows (on an H100, steps of
   513-1,024 tokens took 25-32 ms on average against 15 ms for 257-512).
 
-Output lengths are read from `max_tokens`: a request that stops early at EOS only makes the
-remaining work look larger, which widens the steps towards the plain token budget.
+Output lengths are read from `max_tokens`. Where every request has the same `max_tokens` (the
+usual case when outputs end at EOS) the order is arrival order and the horizon is zero, so steps
+are as wide as first come, first served makes them; the policy pays off where `max_tokens` says
+how long each request runs (benchmarks with fixed output lengths, batches of known lengths).
 """
 
 from __future__ import annotations
@@ -30,13 +35,13 @@ from collections.abc import Iterable
 
 from pagedserve.scheduler.request import Request, RequestStatus
 
-# Prompt tokens a step takes beside its decodes while work is left, however thin the spread:
-# admission keeps moving. 64 and SPREAD = 2.0 were the best of Pmin in {32..192} x SPREAD in
-# {1.5..4} for both ShareGPT-like workloads of `benchmarks/workloads/` when the real scheduler was
-# run against a step-time model fitted to H100 step traces (see docs/architecture.md).
+# Prompt tokens a step takes beside its decodes, however thin the spread: admission keeps moving.
+# 64 and SPREAD = 2.0 were the best of {32, 64, 96, 128, 192} x {1.5, 2, 3, 4} for both
+# ShareGPT-like workloads of `benchmarks/workloads/`, with this scheduler run against a step-time
+# model fitted to H100 step traces (`docs/benchmarks.md`, offline scheduling).
 MIN_PROMPT_TOKENS = 64
-# How many times the even share of the remaining work a step may take: above 1 so that the work
-# is done with room to spare before the longest request's last step.
+# How many times the even share of the waiting prompt work a step takes: above 1 so that the
+# prompts are done with room to spare before the horizon.
 SPREAD = 2.0
 
 
@@ -60,20 +65,32 @@ def step_token_budget(
 
     `requests`: every unfinished request (running and waiting); `tokens_per_running`: the most a
     running request can take in one step (1 + its draft tokens), so that each still gets its
-    tokens before any prompt chunk; `widest_spread`: the widest step the spread share may ask
-    for. Does not mutate."""
-    work = 0  # tokens still to compute: uncomputed known tokens plus outputs still to sample
-    longest = 0  # the most outputs any request may still sample: steps the batch needs at least
+    tokens before any prompt chunk; `widest_spread`: the widest step a spread may ask for.
+    Does not mutate."""
+    prompt_left = 0  # tokens to compute before sampling resumes: prompts, or a preemption's redo
+    running_longest = 0  # outputs the longest running request still samples: steps left anyway
+    waiting_shortest = -1  # outputs of the waiting request that can start last and still fit
     for request in requests:
         outputs_left = (
             request.stop.max_tokens - len(request.output_token_ids) - request.num_output_placeholders
         )
-        work += len(request.all_token_ids) - request.num_computed_tokens + outputs_left
-        if outputs_left > longest:
-            longest = outputs_left
+        uncomputed = len(request.all_token_ids) - request.num_computed_tokens
+        if uncomputed > 1:  # one uncomputed token is a decode's last sample
+            prompt_left += uncomputed
+        if request.status is RequestStatus.RUNNING:
+            running_longest = max(running_longest, outputs_left)
+        elif waiting_shortest < 0 or outputs_left < waiting_shortest:
+            waiting_shortest = outputs_left
+    # Steps in which every waiting prompt can be computed with the last of them still
+    # finishing before the longest running request does.
+    horizon = running_longest - max(waiting_shortest, 0)
+    if horizon <= 0:
+        return max_budget  # the waiting requests set the end: start them as fast as possible
     floor = num_running * tokens_per_running + MIN_PROMPT_TOKENS
-    spread = math.ceil(SPREAD * work / longest) if longest > 0 else max_budget
-    return min(max_budget, max(floor, min(spread, widest_spread)))
+    spread = num_running * tokens_per_running + math.ceil(SPREAD * prompt_left / horizon)
+    if spread > widest_spread:
+        return max_budget  # more prompt work than thin steps carry: wide steps do it fastest
+    return min(max_budget, max(floor, spread))
 
 
 __all__ = ["MIN_PROMPT_TOKENS", "SPREAD", "admission_key", "step_token_budget"]

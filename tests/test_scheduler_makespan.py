@@ -10,8 +10,8 @@ from pathlib import Path
 import pydantic
 import pytest
 from models_harness import hf_greedy, random_prompts, save_checkpoint, tiny_hf_model
+from test_engine_greedy import CONFIGS
 from test_scheduler_policy import make, req, sample_all, step
-from transformers import LlamaConfig
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineArgs, SchedulingPolicy
@@ -155,17 +155,7 @@ def test_the_engine_picks_makespan_offline_and_fcfs_for_the_server() -> None:
 
 
 def test_llm_greedy_tokens_under_makespan_equal_hf(tmp_path: Path) -> None:
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
+    config = CONFIGS["llama"]()  # vocabulary 96
     hf = tiny_hf_model(config, seed=5)
     path = save_checkpoint(hf, tmp_path / "llama")
     prompts = random_prompts(96, [5, 17, 30, 3, 22, 9], seed=11)

@@ -121,7 +121,10 @@ def decode(engine: LLMEngine, batch: int, steps: int, long_prompt: int = 0) -> d
     for i in range(batch):
         length = long_prompt if long_prompt and i == 0 else 128
         engine.add_request(f"dec-{batch}-{long_prompt}-{i}", _prompt(length, 100 + i), params)
-    for _ in range(8):  # the prefills, and the first decode steps
+    # The prefills (however the scheduling policy spreads them), then the first decode steps.
+    while engine.core.scheduler.stats().num_waiting:
+        engine.step()
+    for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -44,11 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_latency import _gpu_busy, _prompt, kernel_table, llama_8b_config
+from gpu_latency import _gpu_busy, _prompt, bench_engine_args, kernel_table, llama_8b_config
 
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
-from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling.sampling_params import SamplingParams
 
@@ -156,15 +155,10 @@ def decode(engine: LLMEngine, batch: int, steps: int, long_prompt: int = 0) -> d
 
 def measure(args: argparse.Namespace, model_dir: str, async_scheduling: bool) -> dict[str, Any]:
     engine = LLMEngine(
-        EngineArgs(
-            model=model_dir,
-            load_format="dummy",
-            dtype="bfloat16",
-            skip_tokenizer_init=True,
-            max_model_len=4096,
+        bench_engine_args(
+            model_dir,
+            args.platform,
             num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=256,
-            platform=args.platform,
             async_scheduling=async_scheduling,
             quantization=args.quantization,
             quantize_lm_head=args.quantize_lm_head,

@@ -31,11 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_async_scheduling import single_stream
-from gpu_latency import llama_8b_config
+from gpu_latency import bench_engine_args, llama_8b_config
 
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput
-from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 
 VARIANTS: dict[str, dict[str, str]] = {  # name -> EngineArgs changes against bfloat16
@@ -49,16 +48,8 @@ VARIANTS: dict[str, dict[str, str]] = {  # name -> EngineArgs changes against bf
 def measure(args: argparse.Namespace, model_dir: str, change: dict[str, str]) -> dict[str, Any]:
     start = time.perf_counter()
     engine = LLMEngine(
-        EngineArgs(
-            model=model_dir,
-            load_format="dummy",
-            dtype="bfloat16",
-            skip_tokenizer_init=True,
-            max_model_len=4096,
-            max_num_seqs=256,
-            platform=args.platform,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            **change,  # type: ignore[arg-type]  # validated by EngineArgs
+        bench_engine_args(
+            model_dir, args.platform, gpu_memory_utilization=args.gpu_memory_utilization, **change
         )
     )
     blocks = engine.setup.num_kv_blocks

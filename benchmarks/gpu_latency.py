@@ -78,6 +78,22 @@ def llama_8b_config() -> LlamaConfig:
     return llama_config("8b")
 
 
+def bench_engine_args(model_dir: str, platform: str, **options: Any) -> EngineArgs:
+    """What every GPU benchmark's engine shares: the config saved in `model_dir` with dummy
+    bfloat16 weights, token ids only, a 4,096-token context, 256 running requests at most, on
+    `platform`; `options` adds (or overrides) `EngineArgs` fields, which validates them."""
+    fields: dict[str, Any] = {
+        "model": model_dir,
+        "load_format": "dummy",
+        "dtype": "bfloat16",
+        "skip_tokenizer_init": True,
+        "max_model_len": 4096,
+        "max_num_seqs": 256,
+        "platform": platform,
+    }
+    return EngineArgs(**(fields | options))
+
+
 def _prompt(length: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(100, 128000, (length,), generator=gen).tolist()
@@ -214,17 +230,7 @@ def engine_options(mode: str) -> dict[str, Any]:
 def measure(args: argparse.Namespace, model_dir: str, mode: str) -> dict[str, Any]:
     start = time.perf_counter()
     engine = LLMEngine(
-        EngineArgs(
-            model=model_dir,
-            load_format="dummy",
-            dtype="bfloat16",
-            skip_tokenizer_init=True,
-            max_model_len=4096,
-            num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=256,
-            platform=args.platform,
-            **engine_options(mode),
-        )
+        bench_engine_args(model_dir, args.platform, num_kv_blocks=args.num_kv_blocks, **engine_options(mode))
     )
     out: dict[str, Any] = {"build_s": time.perf_counter() - start}
     runner = engine.core.runner

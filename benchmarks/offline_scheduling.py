@@ -25,11 +25,11 @@ import tempfile
 from typing import Any
 
 import torch
-from gpu_latency import llama_8b_config
+from gpu_latency import bench_engine_args, llama_8b_config
 
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
-from pagedserve.config import EngineArgs, SchedulingPolicy
+from pagedserve.config import SchedulingPolicy
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.scheduler.output import SchedulerOutput
 
@@ -113,18 +113,7 @@ def main() -> None:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "args": vars(args), "runs": []}
     with tempfile.TemporaryDirectory() as model_dir:
         llama_8b_config().save_pretrained(model_dir)
-        engine = LLMEngine(
-            EngineArgs(
-                model=model_dir,
-                load_format="dummy",
-                dtype="bfloat16",
-                skip_tokenizer_init=True,
-                max_model_len=4096,
-                max_num_seqs=256,
-                platform=args.platform,
-                quantization=args.quantization,
-            )
-        )
+        engine = LLMEngine(bench_engine_args(model_dir, args.platform, quantization=args.quantization))
         warm = fit_vocab(load_workload(workloads[0]), engine.vocab_size, wrap=True)[: args.warmup_requests]
         if warm:
             run_throughput(engine, warm)

@@ -30,11 +30,10 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from gpu_latency import LLAMA_SHAPES, _prompt, llama_config
+from gpu_latency import LLAMA_SHAPES, _prompt, bench_engine_args, llama_config
 
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput
-from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor.base import ParallelExecutor
 from pagedserve.executor.launch import NCCL_DEFAULTS
@@ -95,14 +94,9 @@ def collective_profile(engine: LLMEngine, batch: int, steps: int, context: int) 
 def measure(args: argparse.Namespace, model_dir: str, tp: int) -> dict[str, Any]:
     start = time.perf_counter()
     engine = LLMEngine(
-        EngineArgs(
-            model=model_dir,
-            load_format="dummy",
-            dtype="bfloat16",
-            skip_tokenizer_init=True,
-            max_model_len=4096,
-            max_num_seqs=256,
-            platform=args.platform,
+        bench_engine_args(
+            model_dir,
+            args.platform,
             tensor_parallel_size=tp,
             enforce_eager=args.enforce_eager,
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -22,6 +22,7 @@ plus the separate `silu_mul` launch (`*-plus-silu-mul`). GB/s counts the weight 
     python benchmarks/skinny_gemm.py --sweep --fp8 --json skinny.json
     python benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 16 --rows 16 --fp8-only
     python benchmarks/skinny_gemm.py --sweep --grid codes --sweep-rows 64 --rows 64 --fp8-only
+    python benchmarks/skinny_gemm.py --sweep --grid rows --sweep-rows 128 --rows 32,64,96,128
 """
 
 from __future__ import annotations
@@ -80,6 +81,23 @@ CODES_GRID = {
     "num_stages": [3, 4],
     "weight_major": [True],
 }
+# `--grid rows`: 16-bit weights past 16 rows, on Hopper's warpgroup MMA: weight-major (the
+# weight tile is the instruction's 64-row side), column blocks of 64-128 so that every program's
+# re-read of the [rows, K] activation block stays well below the weight stream.
+ROWS_GRID = {
+    "block_n": [64, 128],
+    "block_k": [64, 128],
+    "split_k": [1, 2],
+    "num_warps": [4],
+    "num_stages": [3, 4],
+    "weight_major": [True],
+}
+ROWS_EXTRA = [
+    (128, 64, 1, 8, 4, True),
+    (128, 128, 1, 8, 3, True),
+    (64, 256, 1, 4, 3, True),
+    (64, 128, 1, 4, 5, True),
+]
 EXTRA = [(64, 256, 1, 8, 4), (128, 128, 1, 8, 3), (32, 512, 2, 8, 4), (16, 1024, 1, 4, 3), (32, 256, 8, 4, 4)]
 L2_BYTES = 60 << 20
 REPEAT = 20
@@ -120,8 +138,8 @@ def _weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
 def _configs(
     grid: str | None, n: int, k: int, weight_dtype: torch.dtype, rows: int
 ) -> list[SkinnyGemmConfig]:
-    """The configs of a sweep's grid ("narrow", "wide" or "codes"), or with `grid=None` only the engine's
-    own choice for this shape at `rows` rows."""
+    """The configs of a sweep's grid ("narrow", "wide", "codes" or "rows"), or with `grid=None`
+    only the engine's own choice for this shape at `rows` rows."""
     if grid is None:
         budget = shared_memory_budget(torch.cuda.current_device())
         x_dtype = activation_dtype(weight_dtype, rows, torch.bfloat16)  # as `kernel_linear` runs
@@ -130,6 +148,10 @@ def _configs(
         return [SkinnyGemmConfig(*values) for values in itertools.product(*WIDE_GRID.values())]
     if grid == "codes":
         return [SkinnyGemmConfig(*values) for values in itertools.product(*CODES_GRID.values())]
+    if grid == "rows":
+        return [
+            SkinnyGemmConfig(*values) for values in [*itertools.product(*ROWS_GRID.values()), *ROWS_EXTRA]
+        ]
     return [SkinnyGemmConfig(*values) for values in [*itertools.product(*GRID.values()), *EXTRA]]
 
 
@@ -256,9 +278,10 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="sweep the launch-parameter grid per shape")
     parser.add_argument(
         "--grid",
-        choices=["narrow", "wide", "codes"],
+        choices=["narrow", "wide", "codes", "rows"],
         default="narrow",
-        help="the sweep's grid (wide: for more rows; codes: FP8 weights past 16 rows)",
+        help="the sweep's grid (wide: for more rows; codes: FP8 weights past 16 rows; "
+        "rows: 16-bit weights past 16 rows, weight-major)",
     )
     parser.add_argument("--sweep-rows", type=int, default=1, help="the row count the sweep picks at")
     parser.add_argument("--fp8", action="store_true", help="also FP8 weights (sm_89+)")

@@ -61,17 +61,10 @@ def _waiting(n: int, prompt_len: int, max_tokens: int) -> list[Request]:
     return [req(f"w{i}", [1] * prompt_len, max_tokens=max_tokens) for i in range(n)]
 
 
-def _budget(
-    requests: list[Request], *, widest: int = 512, per_running: int = 1, first: Request | None = None
-) -> int:
+def _budget(requests: list[Request], *, widest: int = 512, per_running: int = 1) -> int:
     running = sum(r.status is RequestStatus.RUNNING for r in requests)
     return makespan.step_token_budget(
-        requests,
-        num_running=running,
-        tokens_per_running=per_running,
-        widest_spread=widest,
-        max_budget=8192,
-        first_waiting=first,
+        requests, num_running=running, tokens_per_running=per_running, widest_spread=widest, max_budget=8192
     )
 
 
@@ -99,27 +92,6 @@ def test_budget_is_whole_when_the_waiting_requests_set_the_end() -> None:
     # Every request has as many outputs left as the running one: no horizon to spread over.
     requests = [_running("r", 16, 110, 10), *_waiting(8, 100, 100)]
     assert _budget(requests) == 8192
-
-
-def test_first_step_takes_the_first_prompt_whole_and_a_share_of_the_others() -> None:
-    # Nothing runs yet: the head of the queue (1,000 outputs) starts with its whole prompt; the
-    # other prompts spread over 1,000 - 10 steps: twice 100 x 1,000 / 990 = 203 (rounded up).
-    head = req("head", [1] * 300, max_tokens=1000)
-    requests = [head, *_waiting(100, 1000, 10)]
-    assert _budget(requests, first=head) == 300 + 203
-    # A head prompt wider than the graphs is still taken whole, not the whole budget.
-    wide = req("wide", [1] * 600, max_tokens=1000)
-    assert _budget([wide, *_waiting(100, 1000, 10)], widest=512, first=wide) == 600 + 203
-    # Little else waiting: the floor share beside it.
-    assert _budget([head, *_waiting(2, 50, 10)], first=head) == 300 + makespan.MIN_PROMPT_TOKENS
-    alone = req("alone", [1] * 300, max_tokens=1000)
-    assert _budget([alone], first=alone) == 300 + makespan.MIN_PROMPT_TOKENS
-
-
-def test_first_step_is_whole_without_a_horizon_or_a_head() -> None:
-    same = _waiting(8, 100, 100)  # every request as long as the head: no horizon
-    assert _budget(same, first=same[0]) == 8192
-    assert _budget(_waiting(8, 100, 10)) == 8192  # nothing runs and no head given
 
 
 def _run(s: Scheduler) -> list[int]:
@@ -156,8 +128,6 @@ def test_whole_run_finishes_on_the_critical_path(seed: int) -> None:
     # come, first served only when seats free up.
     assert len(runs[MAKESPAN]) == 200
     assert len(runs[SchedulingPolicy.FCFS]) > 210
-    # Its first step is its 30-token prompt and a share of the others, not the whole budget.
-    assert runs[SchedulingPolicy.FCFS][0] == 512 > runs[MAKESPAN][0] >= 30 + makespan.MIN_PROMPT_TOKENS
     assert sum(runs[MAKESPAN]) == sum(runs[SchedulingPolicy.FCFS])  # the same work either way
 
 

@@ -9,10 +9,9 @@ one step per token, so two rules aim every step at that bound:
   may still produce (`max_tokens` minus what they have), ties in arrival order; preempted
   requests keep their place at the front. A long request that starts late stretches the batch
   by the steps it still needs after everything else has finished.
-* **Prompt work spread over the steps that remain.** While prompts wait, the running requests
-  (or, before any runs, the request that starts first, whose whole prompt the step takes) set a
-  horizon: the steps their longest still needs, less the outputs of the shortest waiting
-  request (which must still fit after its prompt). If the waiting prompt
+* **Prompt work spread over the steps that remain.** While requests decode and prompts wait,
+  the running requests set a horizon: the steps their longest still needs, less the outputs of
+  the shortest waiting request (which must still fit after its prompt). If the waiting prompt
   tokens, spread over that horizon with a margin of `SPREAD`, fit in steps no wider than the
   widest one CUDA graphs replay (`cuda_graph_max_tokens`), a step takes every running request's
   tokens plus that share of prompt tokens (at least `MIN_PROMPT_TOKENS`). Otherwise (no horizon,
@@ -61,24 +60,13 @@ def step_token_budget(
     tokens_per_running: int,
     widest_spread: int,
     max_budget: int,
-    first_waiting: Request | None = None,
 ) -> int:
-    """The token budget of a step while others wait: `num_running` requests hold seats, or none
-    does and `first_waiting` (the head of the waiting queue) starts now.
+    """The token budget of a step while `num_running` requests hold seats and others wait.
 
     `requests`: every unfinished request (running and waiting); `tokens_per_running`: the most a
     running request can take in one step (1 + its draft tokens), so that each still gets its
     tokens before any prompt chunk; `widest_spread`: the widest step a spread may ask for.
-    With nothing running, `first_waiting` takes its whole prompt (it sets the horizon, as the
-    longest running request does otherwise) and the other prompts get their share beside it: a
-    first step of every prompt the budget holds would delay the longest request by a step of
-    thousands of tokens that thin steps carry for little (on an H100, 8,192 prompt tokens take
-    a 172 ms step). Does not mutate."""
-    reserved = num_running * tokens_per_running  # tokens the step owes before any spread
-    if num_running == 0:
-        if first_waiting is None:
-            return max_budget
-        reserved = len(first_waiting.all_token_ids) - first_waiting.num_computed_tokens
+    Does not mutate."""
     prompt_left = 0  # tokens to compute before sampling resumes: prompts, or a preemption's redo
     running_longest = 0  # outputs the longest running request still samples: steps left anyway
     waiting_shortest = -1  # outputs of the waiting request that can start last and still fit
@@ -86,9 +74,6 @@ def step_token_budget(
         outputs_left = (
             request.stop.max_tokens - len(request.output_token_ids) - request.num_output_placeholders
         )
-        if request is first_waiting:
-            running_longest = max(running_longest, outputs_left)
-            continue
         uncomputed = len(request.all_token_ids) - request.num_computed_tokens
         if uncomputed > 1:  # one uncomputed token is a decode's last sample
             prompt_left += uncomputed
@@ -101,10 +86,11 @@ def step_token_budget(
     horizon = running_longest - max(waiting_shortest, 0)
     if horizon <= 0:
         return max_budget  # the waiting requests set the end: start them as fast as possible
-    share = math.ceil(SPREAD * prompt_left / horizon)
-    if num_running * tokens_per_running + share > widest_spread:
+    floor = num_running * tokens_per_running + MIN_PROMPT_TOKENS
+    spread = num_running * tokens_per_running + math.ceil(SPREAD * prompt_left / horizon)
+    if spread > widest_spread:
         return max_budget  # more prompt work than thin steps carry: wide steps do it fastest
-    return min(max_budget, reserved + max(MIN_PROMPT_TOKENS, share))
+    return min(max_budget, max(floor, spread))
 
 
 __all__ = ["MIN_PROMPT_TOKENS", "SPREAD", "admission_key", "step_token_budget"]

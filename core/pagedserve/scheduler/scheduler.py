@@ -183,24 +183,22 @@ class Scheduler:
 
     def _token_budget(self) -> int:
         """This step's token budget: max_num_batched_tokens, or under the makespan policy (with
-        chunked prefill) a smaller one while requests wait (`makespan.step_token_budget`). Sorts
-        the waiting queue for the makespan policy when requests arrived. Mutates the queue's order
-        only."""
+        chunked prefill) a smaller one while requests decode and others wait. Sorts the waiting
+        queue for the makespan policy when requests arrived. Mutates the queue's order only."""
         limit = self.config.max_num_batched_tokens
         if self.config.policy is not SchedulingPolicy.MAKESPAN:
             return limit
         if self._waiting_unsorted:
             self.waiting = deque(sorted(self.waiting, key=makespan.admission_key))
             self._waiting_unsorted = False
-        if not (self.waiting and self.config.enable_chunked_prefill):
-            return limit  # nothing to spread: a step is as wide as it may be
+        if not (self.running and self.waiting and self.config.enable_chunked_prefill):
+            return limit  # nothing decodes, or nothing to spread: a step is as wide as it may be
         return makespan.step_token_budget(
             self.requests.values(),
             num_running=len(self.running),
             tokens_per_running=1 + self.config.num_speculative_tokens,
             widest_spread=self.config.widest_decoding_step or limit,
             max_budget=limit,
-            first_waiting=None if self.running else self.waiting[0],
         )
 
     def _schedule_running(self, budget: TokenBudget, step: _StepBuilder) -> None:

@@ -8,10 +8,10 @@ layer: 32 query heads, 8 KV heads, head size 128, bfloat16, blocks of 16). Decod
 spread evenly over [ctx / 2, 3 ctx / 2]. Each timing replays a CUDA graph of one layer's call
 (`attention.time_graph`). GB/s counts the K/V bytes the decodes read once.
 
-With `--sweep`, every point of `SWEEP` (the 2D kernel's launch parameters, applied to every
-batch class at once) is timed on these mixed cases and on decode-only batches of the same
-shapes (`DECODE_CASES`), against the shipped configs: where a point beats them, the tuned
-configs' entry for that class is the place to change.
+With `--sweep`, every point of `SWEEP_POINTS` x `SWEEP_PREFETCH` (the 2D kernel's launch
+parameters, applied to every batch class at once) is timed on these mixed cases and on
+decode-only batches of the same shapes (`DECODE_CASES`), against the shipped configs: where a
+point beats them, the tuned configs' entry for that class is the place to change.
 
     PYTHONPATH=core:plugins/triton python benchmarks/mixed_attention.py --json mixed_attention.json
     PYTHONPATH=core:plugins/triton python benchmarks/mixed_attention.py --sweep --json sweep.json
@@ -37,8 +37,6 @@ CASES: tuple[tuple[str, int, int, int, int], ...] = (
     ("200 decodes ctx 300 + chunk 256", 200, 300, 256, 0),
     ("128 decodes ctx 1024 + chunk 128 after 512", 128, 1024, 128, 512),
 )
-
-
 # (name, decodes, their mean context): decode-only steps of the same workload.
 DECODE_CASES: tuple[tuple[str, int, int], ...] = (
     ("70 decodes ctx 210", 70, 210),

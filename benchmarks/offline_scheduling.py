@@ -9,9 +9,10 @@ tokens per second, the duration, the workload's floor (its longest request's out
 the steps no schedule can do without) and where the time went (`summarize_trace`: until nothing
 waits, then the steps by running-request count). The policy is switched on the engine's
 scheduler between runs, when nothing is in flight. With `--profile-steps`, one more run of the
-first workload under the last policy, not timed, traces windows of its steps with the torch
-profiler: each window's kernels per step, GPU idle, and the tokens, running requests and keys
-read (context) per step, from which attention's achieved bandwidth follows.
+first workload under the last policy, not timed, is observed in windows of its steps
+(`ProfileWindow`: device profile, Chrome trace, cProfile or unprofiled host phases), each with
+the tokens, running requests and keys read (context) per step, from which attention's achieved
+bandwidth follows.
 
     python benchmarks/offline_scheduling.py --json offline_scheduling.json \\
         --workloads benchmarks/workloads/sharegpt_like_256.json,benchmarks/workloads/sharegpt_like_1000.json
@@ -119,10 +120,12 @@ def engine_phases(engine: LLMEngine) -> HostPhases:
 
 @dataclass
 class ProfileWindow:
-    """Steps [start, start + count) of a run, observed one of three ways (`mode`):
+    """Steps [start, start + count) of a run, observed one of four ways (`mode`):
 
-    * "kernels": the torch profiler on the device only (little host overhead, so its idle
-      fraction is close to an unprofiled step's): kernels per step and GPU idle;
+    * "kernels": the torch profiler on the device only: kernels per step and GPU idle (tracing
+      each launch still slows the host, so where steps launch many kernels from Python, as
+      piecewise-graph steps do, its idle fraction overstates an unprofiled step's: "phases"
+      measures that);
     * "trace": the torch profiler on host and device, saved as a Chrome trace (`trace_path`),
       to see what the host does while the device waits;
     * "host": cProfile of the engine's thread: where host time goes, by function;
@@ -319,7 +322,8 @@ def main() -> None:
         "--profile-steps",
         default="",
         help="START:COUNT[:MODE],...: after the timed runs, observe these step windows of one more "
-        "run; MODE is kernels (default: device profile), trace (Chrome trace) or host (cProfile)",
+        "run; MODE is kernels (default: device profile), trace (Chrome trace), host (cProfile) or "
+        "phases (host time per engine phase, unprofiled)",
     )
     parser.add_argument("--trace-dir", help="where windows of mode trace write their Chrome traces")
     parser.add_argument("--json", help="write the results here")

@@ -17,13 +17,16 @@ from triton.runtime.interpreter import InterpretedFunction
 from pagedserve.models.fp8 import quantize_rows, scaled_linear
 from pagedserve_triton.linear_activations import ONE_PASS_COLUMNS, quantize_rows_fused, silu_mul
 from pagedserve_triton.linear_op import (
+    GEMM_LIBRARY_ENV,
     LINEAR_KERNEL,
     ROWS_16BIT,
     ROWS_FP8,
     SHARED_MEMORY_BUDGET,
     activation_dtype,
     choose_config,
+    gemm_library,
     kernel_linear,
+    library_for,
     linear,
     max_kernel_rows,
 )
@@ -342,6 +345,27 @@ def test_operator_falls_back_to_torch_above_the_kernel_or_off_the_gpu() -> None:
         linear(x, codes, None, None)
     with pytest.raises(ValueError, match="scale is for FP8 weights"):
         linear(x, w, scales.reshape(-1), None)
+
+
+def test_library_products_pick_their_blas_library_only_on_nvidia(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the kernel's rows NVIDIA products leave torch's pick alone unless the environment
+    names a library; CPU tensors always do, and a bad value is refused by name."""
+    x_cpu = torch.randn(32, 64, dtype=torch.bfloat16)
+    gemm_library.cache_clear()
+    try:
+        monkeypatch.delenv(GEMM_LIBRARY_ENV, raising=False)
+        assert gemm_library() == "default"
+        for value in ("cublas", "cublaslt"):
+            gemm_library.cache_clear()
+            monkeypatch.setenv(GEMM_LIBRARY_ENV, value)
+            assert gemm_library() == value
+            assert library_for(x_cpu) is None
+        gemm_library.cache_clear()
+        monkeypatch.setenv(GEMM_LIBRARY_ENV, "mkl")
+        with pytest.raises(ValueError, match="PAGEDSERVE_GEMM_LIBRARY='mkl': choose one of cublas, cublaslt"):
+            gemm_library()
+    finally:
+        gemm_library.cache_clear()
 
 
 def test_operator_stays_opaque_under_torch_compile() -> None:

@@ -5,6 +5,8 @@ kernel takes, with one `silu_mul` launch after the library GEMM above.
 
 Which steps take the Triton kernel: with 16-bit weights, steps of at most `ROWS_16BIT` tokens
 (where it was measured ahead of cuBLAS); with FP8 weights, steps of at most `ROWS_FP8` tokens.
+Longer steps take torch's GEMM, in the BLAS library `gemm_library` names (torch's own pick
+unless `PAGEDSERVE_GEMM_LIBRARY` asks for cuBLAS or cuBLASLt).
 Up to `FP8_FEW_ROWS` rows the FP8 weights are widened and the activations stay exact (the
 alternative, quantizing the activations of every step, costs a launch per product: on an H100 at
 one row 2.7 ms of FP8-codes products plus 0.5 ms of quantization against 2.9 ms widened). Past it
@@ -23,6 +25,7 @@ kernel has no AMD measurements).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import replace
 
 import torch
@@ -167,6 +170,38 @@ def kernel_linear(
     )  # fmt: skip
 
 
+# The BLAS library of the 16-bit products past the Triton kernel's rows on NVIDIA GPUs, and the
+# environment variable that overrides it: "cublas", "cublaslt" or "default" (torch's own pick,
+# cuBLAS for these products). Timed alone on an H100 (benchmarks/gemm_backends.py), cuBLASLt ran
+# the 8B layer's down projection (K = 14,336) at 43-48 us against cuBLAS's 47-65 us at 64-192
+# rows and the other products within 1% (3% slower for gate/up at 256 rows): 32 layers' products
+# 5.32 / 5.45 / 5.81 ms against 5.41 / 5.71 / 6.31 ms at 64 / 128 / 192 rows, 6.52 against 6.41
+# at 256. Whole engine runs (and prompt steps of thousands of rows) have not been measured with
+# it, so torch's pick stays the default and `PAGEDSERVE_GEMM_LIBRARY=cublaslt` opts in.
+GEMM_LIBRARY = "default"
+GEMM_LIBRARY_ENV = "PAGEDSERVE_GEMM_LIBRARY"
+_GEMM_LIBRARIES = ("cublas", "cublaslt", "default")
+
+
+@functools.cache  # read once per process, like torch's own TORCH_BLAS_PREFER_CUBLASLT
+def gemm_library() -> str:
+    """The BLAS library for the products the Triton kernel does not take: `GEMM_LIBRARY`, or
+    the environment's `PAGEDSERVE_GEMM_LIBRARY`. Raises ValueError naming a bad value."""
+    value = os.environ.get(GEMM_LIBRARY_ENV, GEMM_LIBRARY)
+    if value not in _GEMM_LIBRARIES:
+        raise ValueError(f"{GEMM_LIBRARY_ENV}={value!r}: choose one of {', '.join(_GEMM_LIBRARIES)}")
+    return value
+
+
+def library_for(x: torch.Tensor) -> str | None:
+    """The library a product of `x` sets for its call, or None to leave torch's setting alone
+    (CPU tensors, AMD GPUs, "default"). Reads the environment once per process."""
+    if not x.is_cuda or torch.version.cuda is None:
+        return None
+    library = gemm_library()
+    return None if library == "default" else library
+
+
 def _launch_dependent(x: torch.Tensor, dependent: bool) -> bool:
     """Whether the Triton kernels of a product of `x` launch as programmatic dependents: asked
     for, a step of at most `DEPENDENT_MAX_ROWS` rows, and a device that has them. Pure."""
@@ -192,7 +227,15 @@ def _linear(
         return scaled_linear(x, weight, scale, bias, quantize=fused)
     if scale is not None:
         raise ValueError(f"pagedserve_triton::linear: a scale is for FP8 weights, not {weight.dtype}")
-    return F.linear(x, weight, bias)
+    library = library_for(x)
+    if library is None:
+        return F.linear(x, weight, bias)
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
 
 
 def _silu_gate(

@@ -28,17 +28,15 @@ import torch
 import torch.nn.functional as F
 from skinny_gemm import SHAPES, _graph_time_us, _weights
 
+from pagedserve_triton.linear_op import preferred_blas
+
 INDUCTOR_SHAPES = ("gate_up", "down")
 LAYER_SHAPES = ("qkv", "o", "gate_up", "down")
 
 
 def _blas_time(library: str, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
-    previous = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(library)
-    try:
+    with preferred_blas(library):
         return _graph_time_us(lambda i: F.linear(x, weights[i]), len(weights))
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
 
 
 def _inductor_time(x: torch.Tensor, weights: list[torch.Tensor]) -> float:

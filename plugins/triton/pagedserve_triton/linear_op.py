@@ -24,8 +24,10 @@ kernel has no AMD measurements).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -202,6 +204,18 @@ def library_for(x: torch.Tensor) -> str | None:
     return None if library == "default" else library
 
 
+@contextlib.contextmanager
+def preferred_blas(library: str) -> Iterator[None]:
+    """torch's preferred BLAS library set to `library` ("cublas", "cublaslt", ...) inside the
+    block, the caller's setting put back after it. Mutates torch's global setting meanwhile."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
 def _launch_dependent(x: torch.Tensor, dependent: bool) -> bool:
     """Whether the Triton kernels of a product of `x` launch as programmatic dependents: asked
     for, a step of at most `DEPENDENT_MAX_ROWS` rows, and a device that has them. Pure."""
@@ -230,12 +244,8 @@ def _linear(
     library = library_for(x)
     if library is None:
         return F.linear(x, weight, bias)
-    previous = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(library)
-    try:
+    with preferred_blas(library):
         return F.linear(x, weight, bias)
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
 
 
 def _silu_gate(

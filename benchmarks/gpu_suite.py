@@ -28,6 +28,8 @@ still run:
               (`benchmarks/programmatic_launch.py`, sm_90+)
   fp8         FP8 weights + FP8 KV cache against bfloat16: KV tokens, TPOT, throughput on the
               256-request workload (`benchmarks/gpu_fp8.py`)
+  multigpu    on hosts with 2+ GPUs: the all-reduce's paths, Llama-3.1-8B at TP=1/2/4 and 70B at
+              TP=2/4, data parallelism over every GPU (`benchmarks/gpu_suite_multigpu.py`)
 
 Each stage writes `stage_NAME.json` and `logs/NAME.log` under OUT; stages can be run apart
 (`--stages latency,peers`) into the same OUT, and every run rewrites `suite.json` (all stages
@@ -52,6 +54,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a file (or loaded by path) as well as with `python -m`
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_suite_multigpu import multigpu_rows, stage_multigpu  # noqa: E402
+from benchmarks.scoreboard_rows import Row, dig, fmt, judge  # noqa: E402
+
 WORKLOADS = {
     "256": ROOT / "benchmarks" / "workloads" / "sharegpt_like_256.json",
     "1000": ROOT / "benchmarks" / "workloads" / "sharegpt_like_1000.json",
@@ -68,6 +76,7 @@ STAGES = (
     "peers",
     "gemm",
     "fp8",
+    "multigpu",
 )
 PLATFORMS = ("cuda", "triton")
 # Environment variables naming the on-disk caches of compiled kernels and graphs. A cold run gets
@@ -284,39 +293,6 @@ def pytest_summary(tail: list[str]) -> str | None:
 
 # ----------------------------------------------------------------------------------------------
 # The scoreboard: one row per number docs/benchmarks.md quotes, with its peer and its target.
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    benchmark: str
-    ours: str
-    peer: str
-    target: str
-    verdict: str  # "met", "missed", "n/a" (no target) or "not run"
-
-
-def judge(value: float | None, op: str, bound: float) -> str:
-    """'met' or 'missed' for `value op bound`; 'not run' when there is no value. Pure."""
-    if value is None:
-        return "not run"
-    ok = {">=": value >= bound, "<=": value <= bound, "<": value < bound}[op]
-    return "met" if ok else "missed"
-
-
-def dig(data: Any, *keys: Any) -> Any:
-    """data[k0][k1]... or None where any step is missing. Pure."""
-    for key in keys:
-        if isinstance(data, dict):
-            data = data.get(key)
-        elif isinstance(data, list) and isinstance(key, int) and -len(data) <= key < len(data):
-            data = data[key]
-        else:
-            return None
-    return data
-
-
-def fmt(value: float | None, spec: str = ",.0f", unit: str = "") -> str:
-    return "not run" if value is None else f"{value:{spec}}{unit}"
 
 
 def throughput_rows(stages: dict[str, Any]) -> list[Row]:
@@ -544,6 +520,7 @@ def scoreboard(stages: dict[str, Any]) -> list[Row]:
         + variant_rows(stages)
         + gemm_rows(stages)
         + fp8_rows(stages)
+        + multigpu_rows(stages)
         + check_rows(stages)
     )
 
@@ -615,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             "peers": lambda: stage_peers(suite),
             "gemm": lambda: stage_gemm(suite),
             "fp8": lambda: stage_fp8(suite),
+            "multigpu": lambda: stage_multigpu(suite),
         }
         # The environment is recorded with every run: stages run apart may meet different hosts.
         for name in ["env", *(s for s in stages if s != "env")]:

@@ -207,3 +207,37 @@ def test_startup_rows_show_the_phases() -> None:
     rows = {row.benchmark: row for row in suite.scoreboard(_stages())}
     cold = rows["engine start-up, cold caches (8B shapes)"].ours
     assert cold == "40.0 s (compile 20.0 s, kernels 5.0 s, capture 9.0 s)"
+
+
+def _tp_run(tpot_ms: float, tok_s: float | None, all_reduce_ms: float | None = None) -> dict[str, Any]:
+    run: dict[str, Any] = {"single_stream": {"tpot_median_ms": tpot_ms}}
+    if tok_s is not None:
+        run["throughput"] = {"output_tokens_per_s": tok_s}
+    if all_reduce_ms is not None:
+        run["collectives"] = {"all_reduce_ms_per_step": all_reduce_ms}
+    return {"rc": 0, "result": {"runs": [run]}}
+
+
+def test_multigpu_rows_judge_each_size_against_tp1_of_the_same_run() -> None:
+    stages = {
+        "multigpu": {
+            "gpus": 2,
+            "tp_8b_1": _tp_run(4.7, 12000.0),
+            "tp_8b_2": _tp_run(3.0, 20000.0),
+            "tp_70b_2": _tp_run(21.0, None, all_reduce_ms=1.5),
+            "dp": {"rc": 0, "size": 2, "result": {"result": {"output_tokens_per_s": 23500.0}}},
+        }
+    }
+    rows = {r.benchmark: r for r in suite.scoreboard(stages)}
+    assert rows["8B TP=2 single-stream TPOT"].verdict == "met"  # 3.0 / 4.7 = 0.64 <= 0.68
+    assert rows["8B TP=2 output tok/s, 1,000 requests"].verdict == "met"  # 1.67x >= 1.5x
+    assert rows["70B TP=2 all-reduce per decode step, 64 requests"].verdict == "missed"  # 1.5 > 1.2
+    assert rows["8B DP=2 output tok/s, 1,000 requests"].verdict == "met"  # 1.96x >= 1.9x
+    stages["multigpu"]["dp"]["result"]["result"]["output_tokens_per_s"] = 21000.0  # 1.75x
+    rows = {r.benchmark: r for r in suite.scoreboard(stages)}
+    assert rows["8B DP=2 output tok/s, 1,000 requests"].verdict == "missed"
+
+
+def test_multigpu_rows_say_not_run_on_one_gpu() -> None:
+    rows = [r for r in suite.scoreboard({"multigpu": {"skipped": "1 GPU"}}) if "parallelism" in r.benchmark]
+    assert [r.verdict for r in rows] == ["not run"]

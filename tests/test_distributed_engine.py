@@ -131,3 +131,27 @@ def _alive(pid: int) -> bool:
         return False
     # A zombie still answers signal 0; the executor reaps its children, so this is a live process.
     return True
+
+
+def test_tp2_async_scheduling_equals_tp1(checkpoints: dict[str, Path]) -> None:
+    # The ranks answer each launch with the previous step's output; penalties read the pending
+    # step's tokens into the histories on every rank.
+    path = checkpoints["llama"]
+    params = [
+        GREEDY,
+        SamplingParams(
+            temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False, repetition_penalty=1.3
+        ),
+    ]
+    prompts = PROMPTS[:4]
+    per_prompt = [params[i % 2] for i in range(len(prompts))]
+    expected = _llm(path, **PRESSURE).generate(prompts, per_prompt, use_tqdm=False)
+    llm = _llm(path, tensor_parallel_size=2, async_scheduling=True, **PRESSURE)
+    try:
+        assert llm.engine.core.pipeline is not None
+        got = llm.generate(prompts, per_prompt, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # a lone request: launch, then flush
+        assert again[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    finally:
+        _shutdown(llm)

@@ -1,9 +1,11 @@
-"""Tensor parallelism on two GPUs over NCCL (NVLink multicast off): greedy tokens at TP=2 equal TP=1
-token for token on the triton platform in float32, with piecewise CUDA graphs (collectives
-captured inside the pieces) and eagerly, under chunked prefill, prefix caching and preemption.
+"""Tensor parallelism on GPUs over NCCL and the peer-memory all-reduce (NVLink multicast off): greedy
+tokens at TP=2 and TP=4 equal TP=1 token for token on the triton platform in float32, in every
+CUDA-graph mode (full decode graphs with the collectives captured inside, piecewise graphs, none,
+and eagerly), with the compiled forward and asynchronous scheduling (the GPU defaults), under
+chunked prefill, prefix caching and preemption.
 
-Skipped without two CUDA GPUs. Run this file in its own pytest process (the interpreter test files
-set TRITON_INTERPRET=1, which would put the Triton kernels on the CPU).
+Skipped without two CUDA GPUs (TP=4 without four). Run this file in its own pytest process (the
+interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernels on the CPU).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from models_harness import save_checkpoint, tiny_hf_model
-from test_distributed_engine import CONFIGS, GREEDY, PRESSURE, PROMPTS
+from test_distributed_engine import GREEDY, PRESSURE, PROMPTS, VOCAB
+from transformers import LlamaConfig, Qwen3Config
 
 from pagedserve import LLM
 from pagedserve.executor.base import ParallelExecutor
@@ -25,6 +28,27 @@ pytestmark = [
         not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"
     ),
 ]
+
+
+def _config(config_cls: type, **extra: object) -> object:
+    # Head size 32, the smallest the triton platform takes; 4 KV heads split over 4 ranks.
+    return config_cls(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=256,
+        **extra,
+    )
+
+
+CONFIGS = {
+    "llama": lambda: _config(LlamaConfig, tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
+    "qwen3": lambda: _config(Qwen3Config, tie_word_embeddings=False),
+}
 
 
 def _tokens(path: Path, **engine: object) -> list[list[int]]:
@@ -44,6 +68,7 @@ def _tokens(path: Path, **engine: object) -> list[list[int]]:
         first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # a second pass, prefix caching on
         assert llm.engine.core.scheduler.num_preemptions > 0
+        assert sum(o.num_cached_tokens for o in again) > 0
         return [o.outputs[0].token_ids for o in first + again]
     finally:
         runner = llm.engine.core.runner
@@ -54,9 +79,40 @@ def _tokens(path: Path, **engine: object) -> list[list[int]]:
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tp2_equals_tp1_on_two_gpus(tmp_path: Path, arch: str) -> None:
-    path = save_checkpoint(tiny_hf_model(CONFIGS[arch](), seed=1), tmp_path / arch)
-    expected = _tokens(path)
-    assert _tokens(path, tensor_parallel_size=2) == expected  # CUDA graphs
-    assert _tokens(path, tensor_parallel_size=2, enforce_eager=True) == expected
+MODES: dict[str, dict[str, object]] = {
+    "full_and_piecewise": {},  # the defaults: compiled forward, async scheduling, both graph kinds
+    "full_decode_only": {"cudagraph_mode": "full_decode_only"},
+    "piecewise": {"cudagraph_mode": "piecewise", "async_scheduling": False},
+    "none": {"cudagraph_mode": "none"},
+    "eager": {"enforce_eager": True},
+    "nccl_only": {"disable_custom_all_reduce": True},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        arch: save_checkpoint(tiny_hf_model(make(), seed=i), tmp_path_factory.mktemp(arch))
+        for i, (arch, make) in enumerate(CONFIGS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints: dict[str, Path]) -> dict[str, list[list[int]]]:
+    return {arch: _tokens(path) for arch, path in checkpoints.items()}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_tp2_equals_tp1_on_two_gpus(
+    checkpoints: dict[str, Path], expected: dict[str, list[list[int]]], mode: str
+) -> None:
+    arch = "llama" if mode != "full_and_piecewise" else "qwen3"
+    assert _tokens(checkpoints[arch], tensor_parallel_size=2, **MODES[mode]) == expected[arch]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA GPUs")
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_tp4_equals_tp1_on_four_gpus(
+    checkpoints: dict[str, Path], expected: dict[str, list[list[int]]], arch: str
+) -> None:
+    assert _tokens(checkpoints[arch], tensor_parallel_size=4) == expected[arch]

@@ -279,13 +279,28 @@ def test_the_dependent_operator_needs_the_compiled_forward(monkeypatch: pytest.M
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)
     args = EngineArgs(model="unused")
-    assert _programmatic(args, cuda, tensor_parallel=False)
-    assert not _programmatic(args, cuda, tensor_parallel=True)  # ranks run the forward uncompiled
-    assert not _programmatic(args, torch.device("cpu"), tensor_parallel=False)
+    assert _programmatic(args, cuda)  # tensor-parallel ranks too: they compile their forward
+    assert not _programmatic(args, torch.device("cpu"))
     for off in ({"programmatic_launch": False}, {"gpu_compile": False}, {"enforce_eager": True}):
-        assert not _programmatic(EngineArgs(model="unused", **off), cuda, tensor_parallel=False), off
+        assert not _programmatic(EngineArgs(model="unused", **off), cuda), off
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not _programmatic(args, cuda, tensor_parallel=False)
+    assert not _programmatic(args, cuda)
+
+
+def test_row_parallel_layers_route_their_local_product_and_keep_the_all_reduce() -> None:
+    from pagedserve.distributed.group import TensorParallelGroup
+    from pagedserve.distributed.layers import RowParallelLinear
+
+    torch.manual_seed(0)
+    layer = RowParallelLinear(8, 4, bias=True, group=TensorParallelGroup(0, 1))
+    holder = nn.Sequential(layer)
+    x = torch.randn(3, 8)
+    expected = layer(x)
+    CALLS.clear()
+    assert route_linear_layers(holder, KERNEL, torch.float32) == 1
+    assert holder[0] is layer and layer.kernel is KERNEL  # same module: its weights keep their names
+    torch.testing.assert_close(layer(x), expected)
+    assert CALLS == [3]  # the local product ran on the kernel, the bias joined after it
 
 
 def test_the_command_line_turns_the_routing_off() -> None:

@@ -84,6 +84,28 @@ def test_control_messages_round_trip() -> None:
         wire.encode_ids(MessageType.ADD, ids)
 
 
+def test_data_parallel_messages_round_trip() -> None:
+    reqs = [
+        EngineCoreRequest(RequestId("r#0"), [1, 2], SamplingParams(n=2, seed=5), frozenset({2})),
+        EngineCoreRequest(
+            RequestId("r#1"), [1, 2], SamplingParams(n=2, seed=5), frozenset({2}), RequestId("r#0")
+        ),
+    ]
+    batch = wire.decode(wire.encode_add_many(reqs))
+    assert batch.kind is MessageType.ADD_MANY and batch.requests == reqs
+    assert wire.decode(wire.encode_reset_prefix_cache()).kind is MessageType.RESET_PREFIX_CACHE
+    reset = wire.decode(wire.encode_prefix_cache_reset(12))
+    assert reset.kind is MessageType.PREFIX_CACHE_RESET and reset.count == 12
+    # Two replicas' snapshots read as one engine's; their common info is the tighter one.
+    total = CoreStats.total([CoreStats(1, 2, 3, 64, 10, 100, 40), CoreStats(4, 0, 1, 32, 6, 50, 10)])
+    assert total == CoreStats(5, 2, 4, 96, 16, 150, 50)
+    infos = [
+        CoreInfo(512, 49152, frozenset({2}), 64, 16, "triton"),
+        CoreInfo(256, 49152, frozenset({2}), 80, 16, "triton"),
+    ]
+    assert CoreInfo.common(infos) == CoreInfo(256, 49152, frozenset({2}), 64, 16, "triton")
+
+
 @pytest.mark.parametrize(
     "raw",
     [

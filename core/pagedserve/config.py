@@ -182,6 +182,19 @@ class EngineArgs(_Config):
         gt=0.0,
         description="a rank that does not answer (or a collective that waits) this long fails the engine",
     )
+    disable_custom_all_reduce: bool = Field(
+        False,
+        description="tensor_parallel_size > 1 on NVIDIA GPUs: all-reduce every message through NCCL; "
+        "False sums messages up to a measured size through peer memory (one-shot / two-shot over "
+        "NVLink, CUDA-graph capturable) and larger ones through NCCL",
+    )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=512,
+        description="independent engine replicas (each on its own GPU, or its own group of "
+        "tensor_parallel_size GPUs) behind one LLM or server; requests go to the least loaded",
+    )
     async_scheduling: bool | None = Field(
         None,
         description="schedule and prepare step N+1 while step N runs on the device; None: on for "

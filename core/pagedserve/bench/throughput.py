@@ -1,16 +1,24 @@
 """`pagedserve bench throughput`: the offline engine on a workload, every request added at once and
-run to exactly its `output_len` (EOS ignored), as the shared workloads' README asks."""
+run to exactly its `output_len` (EOS ignored), as the shared workloads' README asks.
+
+With data parallelism each `step` returns what any replica reported; the replicas step on their
+own in their processes, so none waits for another and the timed loop ends when the last finishes.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.bench.compile_watch import watch_triton_compiles
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.data_parallel.offline_engine import OfflineEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,18 +85,27 @@ def summarize_trace(trace: list[StepRecord]) -> dict[str, Any]:
 
 
 def run_throughput(
-    engine: LLMEngine, requests: list[BenchRequest], trace: list[StepRecord] | None = None
+    engine: OfflineEngine, requests: list[BenchRequest], trace: list[StepRecord] | None = None
 ) -> ThroughputResult:
     """Add every request, step until all finish, and time it; with `trace`, append one
-    `StepRecord` per engine step to it. Mutates the engine (runs it) and `trace`; raises
+    `StepRecord` per engine step to it (with data parallelism, per batch of replica reports,
+    with the replicas' latest counts summed). Mutates the engine (runs it) and `trace`; raises
     ValueError if any request is rejected or ends short of its output_len."""
     with watch_triton_compiles() as compiles:
         result = _timed_run(engine, requests, trace)
     return replace(result, kernels_built=compiles.summary())
 
 
+def _scheduler_counts(engine: OfflineEngine) -> Callable[[], tuple[int, int]]:
+    """(running, waiting) requests of the engine, read after each step."""
+    if isinstance(engine, LLMEngine):
+        scheduler = engine.core.scheduler
+        return lambda: (len(scheduler.running), len(scheduler.waiting))
+    return engine.scheduler_counts
+
+
 def _timed_run(
-    engine: LLMEngine, requests: list[BenchRequest], trace: list[StepRecord] | None
+    engine: OfflineEngine, requests: list[BenchRequest], trace: list[StepRecord] | None
 ) -> ThroughputResult:
     produced: dict[str, int] = {}
     start = time.perf_counter()
@@ -101,15 +118,13 @@ def _timed_run(
             output_kind=RequestOutputKind.FINAL_ONLY,  # only finished requests are counted
         )
         engine.add_request(f"bench-{i}", req.prompt_ids, params)
-    scheduler = engine.core.scheduler
+    counts = _scheduler_counts(engine)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 produced[out.request_id] = len(out.outputs[0].token_ids)
         if trace is not None:
-            trace.append(
-                StepRecord(time.perf_counter() - start, len(scheduler.running), len(scheduler.waiting))
-            )
+            trace.append(StepRecord(time.perf_counter() - start, *counts()))
     duration = time.perf_counter() - start
     short = [f"bench-{i}" for i, r in enumerate(requests) if produced.get(f"bench-{i}", 0) != r.output_len]
     if short:

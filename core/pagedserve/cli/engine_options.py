@@ -53,6 +53,11 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
         float,
         "seconds before a silent rank fails the engine",
     ),
+    "--data-parallel-size": (
+        "data_parallel_size",
+        int,
+        "engine replicas, each on its own GPU (or tensor-parallel group), behind one server",
+    ),
     "--max-logprobs": ("max_logprobs", int, "most logprobs a request may ask for (default 20)"),
 }
 _SWITCHES: dict[str, tuple[str, bool, str]] = {
@@ -85,6 +90,11 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
         "freeze_startup_heap",
         False,
         "keep start-up objects in Python's full garbage collections",
+    ),
+    "--disable-custom-all-reduce": (
+        "disable_custom_all_reduce",
+        True,
+        "tensor parallelism on NVIDIA: every all-reduce through NCCL (no peer-memory all-reduce)",
     ),
     "--skip-tokenizer-init": ("skip_tokenizer_init", True, "no tokenizer: token-id prompts only"),
     "--async-scheduling": ("async_scheduling", True, "schedule step N+1 while step N runs (default on GPUs)"),

@@ -41,6 +41,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve generate: {exc}", file=sys.stderr)
         return 2
     engine_args = engine_args_from(args, args.model)
+    if engine_args.data_parallel_size > 1:
+        print(
+            "pagedserve generate: one prompt runs on one engine replica: drop --data-parallel-size "
+            "(it is for `pagedserve serve` and `pagedserve bench throughput`)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         engine = LLMEngine(engine_args)
         prompt: str | list[int] = args.prompt

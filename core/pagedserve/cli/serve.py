@@ -94,7 +94,7 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
 
     try:
         engine = await AsyncLLMEngine.launch(engine_args)
-    except EngineDeadError as exc:
+    except (EngineDeadError, ValueError) as exc:  # ValueError: too few GPUs for the replicas
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 1
     try:
@@ -121,7 +121,8 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         host, port = sock.getsockname()[:2]
         print(
             f"pagedserve: serving {config.served_model_name!r} on http://{host}:{port} "
-            f"(engine core pid {engine.core_pid})",
+            f"(engine core pid {engine.core_pid})"
+            + (f", data-parallel replicas' pids {engine.core_pids}" if len(engine.core_pids) > 1 else ""),
             file=sys.stderr,
             flush=True,
         )

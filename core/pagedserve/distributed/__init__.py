@@ -1,1 +1,2 @@
-"""Tensor parallelism: the rank's process group, Megatron-style parallel layers, and model sharding."""
+"""Tensor parallelism: the rank's process group and its all-reduce, Megatron-style parallel
+layers, and model sharding."""

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedserve.distributed.group import TensorParallelGroup
+from pagedserve.platforms.api import LinearKernel
 
 
 class RowParallelLinear(nn.Linear):
@@ -29,11 +30,18 @@ class RowParallelLinear(nn.Linear):
     ) -> None:  # in_features: this rank's share
         super().__init__(in_features, out_features, bias=bias)
         self.group = group
+        # The local product on a platform's GEMM (`models.platform_linear` routes it); None: torch's.
+        self.kernel: LinearKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[num_tokens, in_features] -> [num_tokens, out_features]. Does not mutate `x`."""
+        if self.kernel is None:
+            partial = F.linear(x, self.weight)
+        else:
+            rows = x.reshape(-1, self.in_features)
+            partial = self.kernel.op(rows, self.weight, None, None).reshape(*x.shape[:-1], self.out_features)
         # The bias joins after the sum: added on every rank before it, it would count world_size times.
-        out = self.group.all_reduce(F.linear(x, self.weight))
+        out = self.group.all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 

@@ -24,7 +24,7 @@ from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.structured.manager import GrammarFailed, StructuredOutputManager
 from pagedserve.types import RequestId
-from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedserve.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +55,11 @@ class EngineCore:
         self.runner = runner
         self.max_model_len = max_model_len
         self.proposer = proposer
-        if structured is not None and not isinstance(runner, ModelRunner):
-            raise ValueError(
-                "structured outputs need the in-process ModelRunner: tensor-parallel executors apply no "
-                "grammar bitmask; build the engine without a structured-output manager"
-            )
         self.structured = structured  # None: requests with structured_outputs are refused
         self._pending_aborts: list[EngineCoreOutput] = []
         # Asynchronous scheduling (see step_pipeline); None: every step is synchronous.
         self.pipeline = None
         if async_scheduling:
-            if not isinstance(runner, ModelRunner):
-                raise ValueError(
-                    "async_scheduling needs the in-process ModelRunner; tensor-parallel executors run "
-                    "every step synchronously: set async_scheduling=False"
-                )
             self.pipeline = StepPipeline(scheduler, runner, proposer)
         # Requests (with fork_of) whose grammar is compiling, in arrival order.
         self._awaiting_grammar: list[tuple[Request, RequestId | None]] = []
@@ -100,8 +90,7 @@ class EngineCore:
         if self.structured is None:
             raise RequestRejected(
                 "structured_outputs: this engine has no structured-output backend (it needs the "
-                "model's tokenizer, xgrammar (pip install 'pagedserve[structured]') and "
-                "tensor_parallel_size=1)"
+                "model's tokenizer and xgrammar: pip install 'pagedserve[structured]')"
             )
         sched = self.scheduler
         if req.req_id in sched.requests or any(r.id == req.req_id for r, _ in self._awaiting_grammar):
@@ -206,9 +195,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         # Unconstrained steps call the runner exactly as before structured outputs existed.
         if constrained and structured is not None:
-            runner = self.runner
-            assert isinstance(runner, ModelRunner)  # __init__ refuses a manager beside an executor
-            result = runner.execute(so, structured.bitmask)
+            result = self.runner.execute(so, structured.bitmask)
         else:
             result = self.runner.execute(so)
         updates = self.scheduler.update_from_output(so, result.sampled)

@@ -144,12 +144,19 @@ def _build_parallel_engine(
         kv_dtype,
     )
     proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
-    if args.async_scheduling:
-        logger.warning(
-            "async_scheduling=True has no effect with tensor_parallel_size > 1: the ranks run every "
-            "step synchronously"
-        )
-    core = EngineCore(scheduler, executor, max_model_len=first.max_model_len, proposer=proposer)
+    async_scheduling = async_scheduling_choice(args.async_scheduling, platform, proposer is not None)
+    # Grammars live here, beside the scheduler; the ranks receive each constrained step's bitmask.
+    structured = structured_output_manager(
+        tokenizer, first.local_spec.vocab_size, eos, args, torch.device("cpu")
+    )
+    core = EngineCore(
+        scheduler,
+        executor,
+        max_model_len=first.max_model_len,
+        proposer=proposer,
+        async_scheduling=async_scheduling,
+        structured=structured,
+    )
     if args.freeze_startup_heap:
         freeze_startup_heap()  # the driver's; each rank freezes its own after it is ready
     spec = _whole_model_spec(first)

@@ -15,6 +15,9 @@ Tokens sampled by step N+1 for a request that step N finished (EOS, max_tokens) 
 the update; so are those of requests finished by the front end (stop strings) or aborted in
 between. Requests that step N+1 preempted still get step N's token.
 
+The runner is one device's `ModelRunner` or a tensor-parallel executor, whose ranks answer each
+launch with the previous step's output (`executor.base`): the same pipeline either way.
+
 Steps whose scheduling needs real tokens run synchronously: n-gram drafts are proposed from the
 latest tokens, so an engine with a proposer never schedules ahead (`needs_sync`).
 """
@@ -24,10 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.engine.ngram_proposer import NgramProposer
+from pagedserve.executor.base import PendingStep, StepRunner
 from pagedserve.scheduler.output import RequestUpdate, SchedulerOutput
 from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.worker.async_output import ModelRunnerOutput, PendingOutput
-from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.async_output import ModelRunnerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,14 +44,14 @@ class StepResult:
 @dataclass(frozen=True, slots=True)
 class _InFlight:
     scheduled: SchedulerOutput
-    pending: PendingOutput
+    pending: PendingStep
 
 
 class StepPipeline:
     """Runs the scheduler and the model runner one step ahead of the outputs. Single-threaded;
     every method but `busy` mutates."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, proposer: NgramProposer | None) -> None:
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, proposer: NgramProposer | None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.proposer = proposer

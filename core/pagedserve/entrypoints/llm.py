@@ -3,6 +3,10 @@
 from pagedserve import LLM, SamplingParams
 llm = LLM()  # the embedded SmolLM2-135M-Instruct on the best available platform
 outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
+
+With `data_parallel_size=N > 1` the engine is N engine-core processes, each on its own GPU (see
+`pagedserve.data_parallel`); a script that builds one must do so under `if __name__ ==
+"__main__":`, since the processes are spawned.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 from tqdm.auto import tqdm
@@ -20,6 +24,9 @@ from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
 
 PromptInput = str | Sequence[int]
 Message = dict[str, Any]  # {"role": ..., "content": ...}
@@ -33,12 +40,19 @@ class LLM:
             args = EngineArgs(model=model, **kwargs)
         except pydantic.ValidationError as exc:
             raise ValueError(_describe_validation_error(exc)) from None
-        self.engine = LLMEngine(args)
+        self.engine: LLMEngine | DataParallelLLMEngine
+        if args.data_parallel_size == 1:
+            self.engine = LLMEngine(args)
+        else:  # one engine-core process per replica
+            from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
+
+            self.engine = DataParallelLLMEngine(args)
         self._ids = itertools.count()
 
     @property
     def platform(self) -> str:
-        return self.engine.setup.platform.name
+        engine = self.engine
+        return engine.setup.platform.name if isinstance(engine, LLMEngine) else engine.platform_name
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

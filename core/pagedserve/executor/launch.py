@@ -10,19 +10,23 @@ from pagedserve.executor.base import ParallelExecutor, WorkerReport
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 
 # NVLink SHARP (multicast) collectives are left off unless the user chose otherwise: on hosts
-# whose fabric manager does not support them NCCL fails at the first collective.
+# whose fabric manager does not support them NCCL fails at the first collective, and on shared
+# hosts a program that creates multicast objects can take every GPU out of service.
 NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0"}
+# The peer-memory all-reduce never uses multicast (`distributed.all_reduce`): symmetric memory and
+# NVSHMEM are told not to create multicast objects at all, whatever the environment says.
+NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def worker_environment(device_type: str) -> dict[str, str]:
-    """Variables added to every rank's environment (the user's own settings win)."""
+    """Variables added to every rank's environment (the user's NCCL settings win)."""
     if device_type != "cuda":
         return {}
-    return {key: value for key, value in NCCL_DEFAULTS.items() if key not in os.environ}
+    return {**{key: value for key, value in NCCL_DEFAULTS.items() if key not in os.environ}, **NO_MULTICAST}
 
 
 def visible_devices(world_size: int) -> list[str]:
-    """The GPU each local rank sees as its device 0: the first `world_size` of
+    """The GPUs of the local ranks, rank r on the r-th: the first `world_size` of
     CUDA_VISIBLE_DEVICES (or of all GPUs). Raises `ValueError` when there are too few."""
     import torch
 
@@ -56,7 +60,10 @@ def start_executor(args: EngineArgs, platform: LoadedPlatform) -> tuple[Parallel
 
         world = args.tensor_parallel_size
         if device_type == "cuda":
-            rank_env = [{**env, "CUDA_VISIBLE_DEVICES": d} for d in visible_devices(world)]
+            # Every rank sees the group's GPUs and takes the one of its rank: peer memory (the
+            # all-reduce's symmetric buffers) needs each rank on a distinct device index.
+            devices = ",".join(visible_devices(world))
+            rank_env = [{**env, "CUDA_VISIBLE_DEVICES": devices} for _ in range(world)]
         else:
             rank_env = [dict(env) for _ in range(world)]
         executor = MultiprocExecutor(args, rank_env)

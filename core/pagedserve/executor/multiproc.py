@@ -10,6 +10,8 @@ outlives a failure, and none outlives the driver (see `mp_worker`).
 from __future__ import annotations
 
 import contextlib
+import copyreg
+import io
 import logging
 import multiprocessing
 import os
@@ -17,14 +19,15 @@ import pickle
 import socket
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from pagedserve.config import EngineArgs
-from pagedserve.executor.base import ParallelExecutor, RankFailedError
+from pagedserve.executor.base import STEP_METHODS, ParallelExecutor, RankFailedError
 from pagedserve.executor.mp_worker import run_worker
+from pagedserve.scheduler.output import CachedRequestData
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class MultiprocExecutor(ParallelExecutor):
                 name=f"pagedserve-rank{rank}",
                 daemon=True,
             )
-            with _environment(rank_env[rank]):  # spawn copies the environment at start
+            with spawn_environment(rank_env[rank]):  # spawn copies the environment at start
                 proc.start()
             child_conn.close()
             self.procs.append(proc)
@@ -80,14 +83,14 @@ class MultiprocExecutor(ParallelExecutor):
     def call_all(self, method: str, *args: Any) -> list[Any]:
         if self._failure is not None:
             raise RankFailedError(f"the engine's ranks were shut down earlier: {self._failure}")
-        data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)  # once for all ranks
+        data = dumps_call(method, args)  # once for all ranks
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(data)
             except OSError:
                 self._fail(f"rank {rank} is gone: {self._exit_status(rank)}")
         # Loading a 70B shard takes minutes; only steps are held to the timeout.
-        return self._gather(first_message=False, timeout_s=self.timeout_s if method == "execute" else None)
+        return self._gather(first_message=False, timeout_s=self.timeout_s if method in STEP_METHODS else None)
 
     def shutdown(self) -> None:
         for conn in self.conns:
@@ -169,6 +172,32 @@ class MultiprocExecutor(ParallelExecutor):
         raise RankFailedError(f"tensor-parallel engine failed: {reason}")
 
 
+def _cached_request(fields: tuple[Any, ...]) -> CachedRequestData:
+    return tuple.__new__(CachedRequestData, fields)
+
+
+def _reduce_cached_request(request: CachedRequestData) -> tuple[Any, ...]:
+    return _cached_request, (tuple(request),)
+
+
+class _StepPickler(pickle.Pickler):
+    """Pickles a step's one-per-running-request `CachedRequestData` as plain tuples: a NamedTuple's
+    default reduction calls back into Python twice per object, and at 256 running requests that was
+    most of a step message's cost (0.61 ms to dump, 0.35 ms to load, against 0.26 and 0.24 measured
+    on the development machine)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.dispatch_table = {**copyreg.dispatch_table, CachedRequestData: _reduce_cached_request}
+
+
+def dumps_call(method: str, args: tuple[Any, ...]) -> bytes:
+    """One call's message to the ranks. Pure."""
+    buffer = io.BytesIO()
+    _StepPickler(buffer).dump((method, args))
+    return buffer.getvalue()
+
+
 def _stop(procs: list[BaseProcess], conns: list[Connection]) -> None:
     """Terminate, then kill, every rank still running; close the pipes."""
     for proc in procs:
@@ -185,7 +214,9 @@ def _stop(procs: list[BaseProcess], conns: list[Connection]) -> None:
 
 
 @contextlib.contextmanager
-def _environment(extra: dict[str, str]) -> Iterator[None]:
+def spawn_environment(extra: Mapping[str, str]) -> Iterator[None]:
+    """Set `extra` in os.environ for the duration (a spawned process copies the environment when
+    it starts), then restore every variable as it was. Mutates os.environ meanwhile."""
     saved = {key: os.environ.get(key) for key in extra}
     os.environ.update(extra)
     try:

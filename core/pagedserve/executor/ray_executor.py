@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from pagedserve.config import EngineArgs
-from pagedserve.executor.base import ParallelExecutor, RankFailedError
+from pagedserve.executor.base import STEP_METHODS, ParallelExecutor, RankFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class RayExecutor(ParallelExecutor):
         ray = self._ray
         shared = [ray.put(a) for a in args]  # into the object store once, read by every actor
         refs = [actor.call.remote(method, *shared) for actor in self.actors]
-        return self._wait(refs, self.timeout_s if method == "execute" else None)
+        return self._wait(refs, self.timeout_s if method in STEP_METHODS else None)
 
     def shutdown(self) -> None:
         for actor in getattr(self, "actors", []):

@@ -1,24 +1,36 @@
 """`TensorParallelWorker`: one rank of a tensor-parallel engine, the same object in a worker process
 (`mp`) and in a Ray actor (`ray`).
 
-It joins the process group (NCCL on GPUs, gloo on CPUs), loads its shard, sizes its KV cache
+It joins the process group (NCCL on GPUs, gloo on CPUs; on NVIDIA GPUs the peer-memory
+all-reduce for small messages, `distributed.all_reduce`), loads its shard, sizes its KV cache
 from its own free memory, and then runs every step the driver broadcasts: apply the diff to its
 persistent batch, run its shard of the forward (the collectives meet the other ranks there),
 sample. Only rank 0 returns the step's result.
+
+Steps arrive in one of two ways. `execute` runs a step and answers with its output. `launch`
+(asynchronous scheduling) queues a step on the device and answers with the *previous* launched
+step's output, which the device has finished or is about to: the driver schedules step N + 1 while
+the ranks' devices still run step N, exactly as one device's `StepPipeline` does, and the host
+copies, pipes and scheduling hide behind the device's work. `flush` answers the last launched
+step's output when no step follows it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
 from pagedserve.config import EngineArgs
-from pagedserve.distributed.group import TensorParallelGroup, destroy_process_group, init_process_group
+from pagedserve.distributed.all_reduce import default_limits, installed
+from pagedserve.distributed.group import destroy_process_group, init_process_group
 from pagedserve.executor.base import WorkerReport
 from pagedserve.platforms.registry import load_platforms
+from pagedserve.sampling.grammar_mask import PrecomputedBitmask
 from pagedserve.scheduler.output import SchedulerOutput
+from pagedserve.worker.async_output import PendingOutput
 from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagedserve.worker.runner_setup import DeviceModel, build_runner, fit_kv_blocks, load_device_model
 from pagedserve.worker.startup_heap import freeze_startup_heap
@@ -31,24 +43,40 @@ class TensorParallelWorker:
 
     def __init__(self, args_json: str, rank: int, world_size: int, init_method: str) -> None:
         """Join the group at `init_method` (blocks until every rank has joined, at most
-        `distributed_timeout_s`). Each process sees its own accelerator as device 0."""
+        `distributed_timeout_s`)."""
         self.args = EngineArgs.model_validate_json(args_json)
-        self.group = TensorParallelGroup(rank, world_size)
         self.platform = load_platforms().select(self.args.platform)
         self.device = self.platform.device
         if self.device.type == "cuda":
-            self.device = torch.device("cuda", 0)
+            # `mp` ranks see the group's GPUs and take their rank's; a Ray actor sees its own only.
+            self.device = torch.device("cuda", rank if torch.cuda.device_count() >= world_size else 0)
             torch.cuda.set_device(self.device)
             backend = "nccl"
+            if "OMP_NUM_THREADS" not in os.environ:
+                # A rank's host work is one thread's (step inputs, launches); a full thread pool
+                # per rank process would have every rank's idle workers compete for the host's
+                # cores with the driver and the other ranks.
+                torch.set_num_threads(1)
         else:
             # Ranks share the host's cores: one rank per core group, not every rank on all cores.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
             backend = "gloo"
-        init_process_group(
-            self.group, backend=backend, init_method=init_method, timeout_s=self.args.distributed_timeout_s
+        self.group = init_process_group(
+            rank,
+            world_size,
+            backend=backend,
+            init_method=init_method,
+            timeout_s=self.args.distributed_timeout_s,
         )
+        if self.device.type == "cuda":
+            _enable_peer_memory(self.group.group_name, world_size, self.device, self.args)
         self._model: DeviceModel | None = None
         self._runner: ModelRunner | None = None
+        self._in_flight: PendingOutput | None = None  # the last `launch`ed step, not yet answered
+        # Seconds spent preparing and launching steps, and waiting for the device, since the
+        # last `host_times` (benchmarks: is a step bound by the host or the device?)
+        self._launch_s = self._wait_s = 0.0
+        self._steps = 0
         self._profiler: torch.profiler.profile | None = None
 
     def load(self) -> WorkerReport:
@@ -83,12 +111,51 @@ class TensorParallelWorker:
         if self.args.freeze_startup_heap:
             freeze_startup_heap()
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step; rank 0 returns its result, the others None (theirs is identical)."""
-        if self._runner is None:
-            raise RuntimeError("execute called before init_cache")
-        result = self._runner.execute(so)
+    def execute(
+        self, so: SchedulerOutput, bitmask: PrecomputedBitmask | None = None
+    ) -> ModelRunnerOutput | None:
+        """Run one step (after the launched one, if any, which must have been flushed); rank 0
+        returns its result, the others None (theirs is identical). `bitmask`: the grammar rows of
+        the step's constrained requests (structured outputs)."""
+        result = self._require_runner().execute(so, bitmask)
         return result if self.group.rank == 0 else None
+
+    def launch(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Queue one step on the device, then wait for the previously launched step and answer
+        its output (rank 0; the others None; None too when no step was in flight). Mutates the
+        persistent batch and the KV caches."""
+        previous = self._in_flight
+        start = time.perf_counter()
+        self._in_flight = self._require_runner().launch(so)
+        self._launch_s += time.perf_counter() - start
+        self._steps += 1
+        return self._answer(previous)
+
+    def flush(self) -> ModelRunnerOutput | None:
+        """Answer the last launched step's output (waiting for it); None when none is in flight."""
+        previous, self._in_flight = self._in_flight, None
+        return self._answer(previous)
+
+    def _answer(self, pending: PendingOutput | None) -> ModelRunnerOutput | None:
+        if pending is None:
+            return None
+        start = time.perf_counter()
+        result = pending.result()  # every rank waits: no rank runs more than one step ahead
+        self._wait_s += time.perf_counter() - start
+        return result if self.group.rank == 0 else None
+
+    def host_times(self) -> dict[str, float]:
+        """Seconds this rank spent preparing and launching steps (`launch_s`) and waiting for the
+        device's outputs (`wait_s`) over `steps` launched steps since the last call; resets them."""
+        times = {"launch_s": self._launch_s, "wait_s": self._wait_s, "steps": float(self._steps)}
+        self._launch_s = self._wait_s = 0.0
+        self._steps = 0
+        return times
+
+    def _require_runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise RuntimeError("a step was sent before init_cache")
+        return self._runner
 
     def start_profile(self) -> None:
         """Start a torch profiler (CPU and, on GPUs, device activity) on this rank."""
@@ -123,3 +190,22 @@ class TensorParallelWorker:
     def shutdown(self) -> None:
         """Leave the process group. The process exits afterwards."""
         destroy_process_group()
+
+
+def _enable_peer_memory(group_name: str, world_size: int, device: torch.device, args: EngineArgs) -> None:
+    """Turn on the peer-memory all-reduce for small messages unless `disable_custom_all_reduce`;
+    log the choice either way (collective: every rank calls it)."""
+    if args.disable_custom_all_reduce:
+        logger.info("all-reduce: NCCL for every message (disable_custom_all_reduce=True)")
+        return
+    reducer = installed(group_name)
+    limits = default_limits(world_size)
+    why_not = reducer.enable_peer_memory(device, limits)
+    if why_not is not None:
+        logger.warning("all-reduce: NCCL for every message: %s", why_not)
+        return
+    logger.info(
+        "all-reduce: one-shot over peer memory up to %d KiB, two-shot up to %d KiB, NCCL above",
+        limits.one_shot_max_bytes // 1024,
+        limits.two_shot_max_bytes // 1024,
+    )

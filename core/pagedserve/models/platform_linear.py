@@ -8,6 +8,7 @@ weight with bf16 activations, where `torch._scaled_mm` first quantizes the activ
 
 How. `route_linear_layers` swaps every `nn.Linear` of the decoder (fused ones included) for a
 `PlatformLinear` holding the same parameters, hands the kernel to every `Fp8Linear`, and gives
+tensor-parallel `RowParallelLinear`s the kernel for their local product (their all-reduce stays),
 SiLU-gated MLPs the kernel's fused activation when it has one: `LinearKernel.silu_gate_op` (the
 gate/up product with SiLU and the multiply in its epilogue; API 1.3), else `gated_op` (the down
 projection applying them as it loads its input), one elementwise kernel fewer per layer. The LM
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.distributed.layers import RowParallelLinear
 from pagedserve.models.decoder import DecoderForCausalLM
 from pagedserve.models.fp8 import Fp8Linear
 from pagedserve.models.layers import GatedMLP, MergedLinear
@@ -71,6 +73,10 @@ def route_linear_layers(decoder: nn.Module, kernel: LinearKernel, dtype: torch.d
                 module.silu_gate = kernel.silu_gate_op
             elif kernel.gated_op is not None and _routable(module.down_proj, kernel, dtype):
                 module.gated_down = kernel.gated_op
+        if isinstance(module, RowParallelLinear) and module.weight.dtype == dtype:
+            module.kernel = kernel  # its local product; the all-reduce stays the layer's
+            routed += 1
+            continue
         if not _routable(module, kernel, dtype):
             continue
         routed += 1
@@ -86,9 +92,9 @@ def route_lm_head(model: DecoderForCausalLM, kernel: LinearKernel, dtype: torch.
     """Give `model`'s LM head `kernel` when the kernel takes its weights: a plain head (or the tied
     embedding) in `dtype`, or the FP8 head of `quantize_lm_head` when `weight_dtypes` lists
     `float8_e4m3fn`; otherwise the head keeps torch's product (`F.linear` / `scaled_linear`).
-    Packed 4-bit and vocabulary-parallel heads keep theirs. Returns whether the head was routed.
-    Mutates `model.head_kernel`."""
-    if model.vocab_parallel is not None or model.packed_head is not None:
+    A packed 4-bit head keeps its own product; a vocabulary-parallel head routes its rank's slice
+    (the all-gather follows). Returns whether the head was routed. Mutates `model.head_kernel`."""
+    if model.packed_head is not None:
         return False
     head = model.lm_head
     if isinstance(head, Fp8Linear):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +19,55 @@ from pagedserve.types import RequestId
 GrammarBitmaskFn = Callable[[Sequence[RequestId], Mapping[RequestId, Sequence[int]]], torch.Tensor | None]
 """(sampling req_ids in logits order, req_id -> drafts scored) -> host bitmask with one row per
 sampled position (1 + drafts per request), or None when no position is constrained."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrecomputedBitmask:
+    """One step's grammar rows, filled where the grammars live (a tensor-parallel engine's driver)
+    and sent to ranks that have none; called like a `GrammarBitmaskFn`, it lays out each sampling
+    request's rows in the order the rank's sampler asks for."""
+
+    rows: dict[RequestId, torch.Tensor]  # req_id -> [1 + drafts, words] int32; constrained requests
+    words: int  # ceil(vocab / 32)
+
+    @classmethod
+    def for_step(
+        cls,
+        fill: GrammarBitmaskFn,
+        req_ids: Sequence[RequestId],
+        drafts: Mapping[RequestId, Sequence[int]],
+    ) -> PrecomputedBitmask | None:
+        """Ask `fill` for the rows of every request of a step (`req_ids`, its scheduled ones);
+        keep those of constrained requests. None when no request is constrained."""
+        mask = fill(req_ids, drafts)
+        if mask is None:
+            return None
+        rows: dict[RequestId, torch.Tensor] = {}
+        row = 0
+        for req_id in req_ids:
+            n = 1 + len(drafts.get(req_id) or ())
+            part = mask[row : row + n]
+            if bool((part != -1).any()):
+                rows[req_id] = part.clone()
+            row += n
+        return cls(rows, int(mask.shape[1]))
+
+    def __call__(
+        self, req_ids: Sequence[RequestId], drafts: Mapping[RequestId, Sequence[int]]
+    ) -> torch.Tensor | None:
+        """The host bitmask of `req_ids` in order (1 + drafts rows each), None when none of them
+        is constrained. Does not mutate."""
+        if not any(r in self.rows for r in req_ids):
+            return None
+        sizes = [1 + len(drafts.get(r) or ()) for r in req_ids]
+        out = torch.full((sum(sizes), self.words), -1, dtype=torch.int32)
+        row = 0
+        for req_id, n in zip(req_ids, sizes, strict=True):
+            part = self.rows.get(req_id)
+            if part is not None:
+                out[row : row + n] = part
+            row += n
+        return out
 
 
 MaskKernel = Callable[[torch.Tensor, torch.Tensor], None]

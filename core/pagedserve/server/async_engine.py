@@ -14,6 +14,11 @@ a task was cancelled) aborts the request in the core, which frees its KV blocks.
 If the core process dies, the event loop hears it at once (its sentinel fd becomes readable):
 every request in flight gets `EngineDeadError`, new ones are refused with it, and `is_healthy`
 turns false. Nothing waits on a dead process.
+
+With `data_parallel_size=N > 1` there are N core processes (replicas, each on its own GPUs; see
+`pagedserve.data_parallel`), each with its own pair of pipes and its own reader task. Each request
+goes to the replica with the least queued work, all its samples with it; the death of any replica
+makes the whole engine unhealthy, with an error naming the replica.
 """
 
 from __future__ import annotations
@@ -21,11 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
-import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 import zmq
@@ -33,22 +37,26 @@ import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
+from pagedserve.data_parallel.balancer import LoadBalancer
+from pagedserve.data_parallel.launch import (
+    core_addresses,
+    front_end_tokenizer,
+    request_shutdown,
+    start_core_process,
+    stop_processes,
+)
+from pagedserve.data_parallel.placement import plan_replicas
 from pagedserve.engine.input_processor import InputProcessor, ParamError, detokenizer_eos_token_id
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineCoreRequest
-from pagedserve.models.loader import load_tokenizer, resolve_model_source
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server import serialization as wire
-from pagedserve.server.engine_proc import run_engine_core
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.types import RequestId
 
 logger = logging.getLogger(__name__)
-
-SHUTDOWN_TIMEOUT_S = 10.0
-"""How long `shutdown` waits for the core to exit before terminating it."""
 
 
 class EngineDeadError(RuntimeError):
@@ -63,26 +71,50 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+@dataclass(slots=True)
+class _Core:
+    """One engine-core process (a data-parallel replica) and the two sockets to it. Mutable."""
+
+    index: int
+    to_core: zmq.Socket[bytes]
+    from_core: zmq.asyncio.Socket
+    several: bool  # one of several replicas: its messages name it
+    proc: BaseProcess | None = None  # set once started
+    stats: CoreStats | None = None  # its latest snapshot
+    reader: asyncio.Task[None] | None = None
+
+    def name(self, message: str) -> str:
+        """`message` about this core, naming the replica when there are several."""
+        if not self.several:
+            return message
+        pid = self.proc.pid if self.proc is not None else None
+        return f"data-parallel replica {self.index} (pid {pid}): {message}"
+
+
 class AsyncLLMEngine:
-    """Front end of an engine core running in a child process. Use from one event loop; every
-    method but the getters mutates."""
+    """Front end of the engine cores running in child processes (one, or one per data-parallel
+    replica). Use from one event loop; every method but the getters mutates."""
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.info: CoreInfo | None = None  # set once the core reported READY
+        self.info: CoreInfo | None = None  # set once every core reported READY
         self.tokenizer: PreTrainedTokenizerBase | None = None
-        self.stats: CoreStats | None = None  # latest snapshot from the core
+        self.stats: CoreStats | None = None  # latest snapshot (summed over the replicas)
         self.metrics = ServerMetrics(lambda: self.stats)
         self._inputs: InputProcessor | None = None
         self._processor: OutputProcessor | None = None
-        self._proc: BaseProcess | None = None
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-zmq-")
         self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
-        self._to_core: zmq.Socket[bytes] = self._sync_ctx.socket(zmq.PUSH)
-        self._to_core.setsockopt(zmq.SNDHWM, 0)  # adds and aborts are never dropped
-        self._from_core = self._async_ctx.socket(zmq.PULL)
-        self._reader: asyncio.Task[None] | None = None
+        size = args.data_parallel_size
+        self._cores = [
+            _Core(i, self._sync_ctx.socket(zmq.PUSH), self._async_ctx.socket(zmq.PULL), size > 1)
+            for i in range(size)
+        ]
+        for core in self._cores:
+            core.to_core.setsockopt(zmq.SNDHWM, 0)  # adds and aborts are never dropped
+        self._balancer = LoadBalancer(size)
+        self._replica_of: dict[str, int] = {}  # request id -> the replica running it
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # request id -> queue
         self._seq_owner: dict[RequestId, str] = {}  # core sequence id -> request id
         self._seqs: dict[str, list[RequestId]] = {}  # request id -> its core sequence ids
@@ -92,7 +124,8 @@ class AsyncLLMEngine:
     # ---- lifecycle ---------------------------------------------------------------------------------
     @classmethod
     async def launch(cls, args: EngineArgs, *, startup_timeout_s: float = 900.0) -> AsyncLLMEngine:
-        """Start the core process, wait until its model is loaded, load the tokenizer here."""
+        """Start the core process(es), wait until every model is loaded, load the tokenizer
+        here. Raises ValueError when data_parallel_size x tensor_parallel_size GPUs are not there."""
         engine = cls(args)
         try:
             await engine._start(startup_timeout_s)
@@ -102,90 +135,93 @@ class AsyncLLMEngine:
         return engine
 
     async def _start(self, timeout_s: float) -> None:
-        in_addr = f"ipc://{os.path.join(self._ipc_dir, 'to_core')}"
-        out_addr = f"ipc://{os.path.join(self._ipc_dir, 'from_core')}"
-        self._to_core.bind(in_addr)
-        self._from_core.bind(out_addr)
-        ctx = multiprocessing.get_context("spawn")  # no fork: torch and zmq state must not be shared
-        proc = ctx.Process(
-            target=run_engine_core,
-            args=(self.args.model_dump_json(), in_addr, out_addr, os.getpid()),
-            name="pagedserve-engine-core",
-            # A daemonic process may not start children, and with tensor parallelism the core
-            # starts one per rank. It still ends with this process: `shutdown` stops it, and it
-            # exits by itself when this process is gone (see engine_proc).
-            daemon=self.args.tensor_parallel_size == 1,
-        )
-        proc.start()
-        self._proc = proc
-        logger.info("engine core process pid %s", proc.pid)
-        # The tokenizer loads here while the core loads the model.
-        tokenizer_task = asyncio.create_task(asyncio.to_thread(self._load_tokenizer))
+        plans = plan_replicas(self.args)  # refuses too few GPUs before anything starts
+        for core, plan in zip(self._cores, plans, strict=True):
+            in_addr, out_addr = core_addresses(self._ipc_dir, core.index)
+            core.to_core.bind(in_addr)
+            core.from_core.bind(out_addr)
+            core.proc = start_core_process(self.args, plan, in_addr, out_addr, offline=False)
+        if len(self._cores) == 1:
+            logger.info("engine core process pid %s", self.core_pid)
+        # The tokenizer loads here while the cores load the model.
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(front_end_tokenizer, self.args))
+        waits = [asyncio.create_task(self._await_ready(core, timeout_s)) for core in self._cores]
         try:
-            async with asyncio.timeout(timeout_s):
-                while not await self._from_core.poll(200):
-                    if not proc.is_alive():
-                        raise EngineDeadError(
-                            f"the engine core process exited during startup (exit code {proc.exitcode})"
-                        )
-                msg = wire.decode(await self._from_core.recv())
-        except TimeoutError:
-            raise EngineDeadError(f"the engine core did not start within {timeout_s:.0f} s") from None
+            await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
         finally:
+            for wait in waits:
+                wait.cancel()  # the others, once one failed: every core is stopped next
+            await asyncio.gather(*waits, return_exceptions=True)
             self.tokenizer = await tokenizer_task
-        if msg.kind is MessageType.FAILED:
-            raise EngineDeadError(msg.text or "the engine core failed to start")
-        if msg.kind is not MessageType.READY or msg.info is None:
-            raise EngineDeadError(f"the engine core sent {msg.kind.name} instead of READY")
-        self.info = msg.info
+        for wait in waits:  # all done; any cancelled one was cancelled after another failed
+            error = None if wait.cancelled() else wait.exception()
+            if error is not None:
+                raise error
+        info = CoreInfo.common([wait.result() for wait in waits])
+        self.info = info
         self._inputs = InputProcessor(
-            self.tokenizer, vocab_size=msg.info.vocab_size, max_logprobs=self.args.max_logprobs
+            self.tokenizer, vocab_size=info.vocab_size, max_logprobs=self.args.max_logprobs
         )
         self._processor = OutputProcessor(
             self.tokenizer,
-            eos_token_id=detokenizer_eos_token_id(self.tokenizer, msg.info.eos_token_ids),
-            max_model_len=msg.info.max_model_len,
+            eos_token_id=detokenizer_eos_token_id(self.tokenizer, info.eos_token_ids),
+            max_model_len=info.max_model_len,
         )
         loop = asyncio.get_running_loop()
-        loop.add_reader(proc.sentinel, self._on_core_exit)
-        self._reader = asyncio.create_task(self._read_outputs())
+        for core in self._cores:
+            assert core.proc is not None
+            loop.add_reader(core.proc.sentinel, self._on_core_exit, core)
+            core.reader = asyncio.create_task(self._read_outputs(core))
 
-    def _load_tokenizer(self) -> PreTrainedTokenizerBase | None:
-        if self.args.skip_tokenizer_init:
-            return None
-        if self.args.tokenizer is not None:
-            return load_tokenizer(resolve_model_source(self.args.tokenizer))
-        return load_tokenizer(resolve_model_source(self.args.model, self.args.gguf_file))
+    async def _await_ready(self, core: _Core, timeout_s: float) -> CoreInfo:
+        """Wait for one core's READY. Raises EngineDeadError naming what went wrong."""
+        proc = core.proc
+        assert proc is not None
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not await core.from_core.poll(200):
+                    if not proc.is_alive():
+                        raise EngineDeadError(
+                            core.name(
+                                f"the engine core process exited during startup (exit code {proc.exitcode})"
+                            )
+                        )
+                msg = wire.decode(await core.from_core.recv())
+        except TimeoutError:
+            raise EngineDeadError(
+                core.name(f"the engine core did not start within {timeout_s:.0f} s")
+            ) from None
+        if msg.kind is MessageType.FAILED:
+            raise EngineDeadError(core.name(msg.text or "the engine core failed to start"))
+        if msg.kind is not MessageType.READY or msg.info is None:
+            raise EngineDeadError(core.name(f"the engine core sent {msg.kind.name} instead of READY"))
+        return msg.info
 
     async def shutdown(self) -> None:
-        """Abort everything in flight, stop the core process (SHUTDOWN, then terminate, then kill)
-        and release the sockets. Safe to call twice."""
+        """Abort everything in flight, stop the core processes (SHUTDOWN, then terminate, then
+        kill) and release the sockets. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         for request_id in list(self._queues):
             self._fail(request_id, EngineDeadError("the server is shutting down"))
-        proc = self._proc
-        if proc is not None:
+        loop = asyncio.get_running_loop()
+        procs = [core.proc for core in self._cores if core.proc is not None]
+        for core in self._cores:
+            if core.proc is None:
+                continue
             with contextlib.suppress(ValueError, OSError):  # the loop may have closed the fd already
-                asyncio.get_running_loop().remove_reader(proc.sentinel)
-            if proc.is_alive():
-                with contextlib.suppress(zmq.ZMQError):
-                    self._to_core.send(wire.encode_shutdown(), zmq.NOBLOCK)
-                await asyncio.to_thread(proc.join, SHUTDOWN_TIMEOUT_S)
-            if proc.is_alive():
-                logger.warning("the engine core did not exit; terminating it")
-                proc.terminate()
-                await asyncio.to_thread(proc.join, 5.0)
-            if proc.is_alive():
-                proc.kill()
-                await asyncio.to_thread(proc.join, 5.0)
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        self._to_core.close(linger=0)
-        self._from_core.close(linger=0)
+                loop.remove_reader(core.proc.sentinel)
+            request_shutdown(core.proc, core.to_core)
+        await asyncio.to_thread(stop_processes, procs)  # SHUTDOWN, then terminate, then kill
+        for core in self._cores:
+            if core.reader is not None:
+                core.reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await core.reader
+        for core in self._cores:
+            core.to_core.close(linger=0)
+            core.from_core.close(linger=0)
         self._sync_ctx.term()
         self._async_ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
@@ -201,7 +237,18 @@ class AsyncLLMEngine:
 
     @property
     def core_pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        """The (first replica's) engine-core process id."""
+        return self.core_pids[0]
+
+    @property
+    def core_pids(self) -> list[int | None]:
+        """Every replica's engine-core process id, in replica order."""
+        return [core.proc.pid if core.proc is not None else None for core in self._cores]
+
+    @property
+    def requests_placed(self) -> tuple[int, ...]:
+        """How many requests each replica was given since start."""
+        return tuple(self._balancer.placed)
 
     @property
     def max_model_len(self) -> int:
@@ -216,19 +263,25 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is not started: use `await AsyncLLMEngine.launch(args)`")
         return self.info
 
-    def _on_core_exit(self) -> None:
-        proc = self._proc
+    def _on_core_exit(self, core: _Core) -> None:
+        proc = core.proc
         assert proc is not None
         asyncio.get_running_loop().remove_reader(proc.sentinel)
         if not self._closed:
             proc.join(1.0)  # the sentinel fires as it exits; reap it to read the exit code
-            self._mark_dead(f"the engine core process exited unexpectedly (exit code {proc.exitcode})")
+            self._mark_dead(
+                core.name(f"the engine core process exited unexpectedly (exit code {proc.exitcode})")
+            )
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead is not None:
             return
         logger.error("%s", reason)
         self._dead = reason
+        if len(self._cores) > 1:  # the other replicas cannot serve alone: free their GPUs now
+            for core in self._cores:
+                if core.proc is not None:
+                    request_shutdown(core.proc, core.to_core)
         for request_id in list(self._queues):
             self._fail(request_id, EngineDeadError(reason))
 
@@ -289,6 +342,10 @@ class AsyncLLMEngine:
         self._queues[request_id] = queue
         self.metrics.on_added(request_id, len(ids))
         self._seqs[request_id] = seq_ids
+        limit = params.max_tokens if params.max_tokens is not None else info.max_model_len - len(ids)
+        replica = self._balancer.place(seq_ids, len(ids), max(limit, 1))
+        self._replica_of[request_id] = replica
+        to_core = self._cores[replica].to_core
         for i, seq_id in enumerate(seq_ids):
             self._seq_owner[seq_id] = request_id
             core_request = EngineCoreRequest(
@@ -298,7 +355,7 @@ class AsyncLLMEngine:
                 eos_token_ids=info.eos_token_ids,
                 fork_of=seq_ids[0] if i else None,
             )
-            self._to_core.send(wire.encode_add(core_request))
+            to_core.send(wire.encode_add(core_request))
         return queue
 
     def abort(self, request_id: str) -> None:
@@ -307,9 +364,10 @@ class AsyncLLMEngine:
         if request_id not in self._queues or self._processor is None:
             return
         queue = self._queues.pop(request_id)
+        replica = self._replica_of.get(request_id)
         seq_ids = self._forget_sequences(request_id)
-        if self._dead is None and not self._closed:
-            self._to_core.send(wire.encode_ids(MessageType.ABORT, seq_ids))
+        if self._dead is None and not self._closed and replica is not None:
+            self._cores[replica].to_core.send(wire.encode_ids(MessageType.ABORT, seq_ids))
         final = self._processor.abort(request_id)
         self.metrics.on_aborted(request_id)
         if final is not None:
@@ -327,33 +385,45 @@ class AsyncLLMEngine:
 
     def _forget_sequences(self, request_id: str) -> list[RequestId]:
         """Drop a request's sequence ids from the routing tables; returns them."""
+        self._replica_of.pop(request_id, None)
         seq_ids = self._seqs.pop(request_id, [])
         for seq_id in seq_ids:
             self._seq_owner.pop(seq_id, None)
         return seq_ids
 
     # ---- the core's outputs ------------------------------------------------------------------------
-    async def _read_outputs(self) -> None:
-        """Route every message from the core until it dies or the engine shuts down."""
+    async def _read_outputs(self, core: _Core) -> None:
+        """Route every message from one core until it dies or the engine shuts down."""
         try:
             while True:
-                msg = wire.decode(await self._from_core.recv())
-                self._route(msg)
+                msg = wire.decode(await core.from_core.recv())
+                self._route(core, msg)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a malformed message or a bug: the requests cannot be trusted
             logger.exception("reading the engine core's outputs failed")
-            self._mark_dead(f"reading the engine core's outputs failed: {type(exc).__name__}: {exc}")
+            self._mark_dead(
+                core.name(f"reading the engine core's outputs failed: {type(exc).__name__}: {exc}")
+            )
 
-    def _route(self, msg: wire.Message) -> None:
-        """Apply one message from the core. Mutates the request tables and queues."""
+    def _route(self, core: _Core, msg: wire.Message) -> None:
+        """Apply one message from a core. Mutates the request tables and queues."""
         assert self._processor is not None
         if msg.kind is MessageType.OUTPUTS:
             assert msg.outputs is not None
-            self.stats = msg.stats
+            core.stats = msg.stats
+            if len(self._cores) == 1:
+                self.stats = msg.stats
+            else:
+                self.stats = CoreStats.total([c.stats for c in self._cores if c.stats is not None])
+            balancer = self._balancer
+            for out in msg.outputs:
+                balancer.on_output(out.req_id, len(out.new_token_ids), out.finish_reason is not None)
             results, to_stop = self._processor.process(msg.outputs)
             if to_stop:  # stop strings matched here: the core must stop computing them
-                self._to_core.send(wire.encode_ids(MessageType.FINISH, to_stop))
+                core.to_core.send(wire.encode_ids(MessageType.FINISH, to_stop))
+                for seq_id in to_stop:  # a sequence finished this way is not reported back
+                    balancer.forget(seq_id)
             for result in results:
                 self.metrics.on_output(result)
                 queue = self._queues.get(result.request_id)
@@ -365,14 +435,15 @@ class AsyncLLMEngine:
                     self._forget_sequences(result.request_id)
         elif msg.kind is MessageType.REJECTED:
             assert msg.req_ids is not None
+            self._balancer.forget(msg.req_ids[0])
             request_id = self._seq_owner.get(msg.req_ids[0])
             if request_id is None:
                 return
             # Its other samples may have been admitted (or wait on the rejected one): drop them.
-            self._to_core.send(wire.encode_ids(MessageType.ABORT, self._seqs.get(request_id, [])))
+            core.to_core.send(wire.encode_ids(MessageType.ABORT, self._seqs.get(request_id, [])))
             self._fail(request_id, InvalidRequest(msg.text or "the engine rejected the request"))
         elif msg.kind is MessageType.FAILED:
-            self._mark_dead(msg.text or "the engine core failed")
+            self._mark_dead(core.name(msg.text or "the engine core failed"))
         else:
             raise wire.WireError(f"the API server cannot handle a {msg.kind.name} message")
 

@@ -5,6 +5,9 @@ finish) without blocking, runs `EngineCore.step()` while there is work, and push
 outputs plus a stats snapshot back. Only when idle does it block on its input socket, waking once a
 second to check that the API process that started it is still alive (it exits if not, so a killed
 server never leaves an orphaned engine holding memory).
+
+The same process serves the offline `LLM` with data parallelism: one such process per replica
+(`pagedserve.data_parallel`), its `CoreProcessRole` saying which replica it is and how to build it.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from dataclasses import dataclass
 
+import torch
 import zmq
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.core import EngineCore
+from pagedserve.engine.protocol import EngineCoreRequest
 from pagedserve.scheduler.admission import RequestRejected
 from pagedserve.server import serialization as wire
 from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
@@ -27,11 +33,33 @@ IDLE_POLL_MS = 1000
 """How long the idle loop blocks on its input before checking on its parent."""
 
 
-def run_engine_core(args_json: str, input_addr: str, output_addr: str, parent_pid: int) -> None:
+@dataclass(frozen=True, slots=True)
+class CoreProcessRole:
+    """What sets one engine-core process apart: the front end it serves and its replica. The
+    default is the server's single core."""
+
+    offline: bool = False  # serves the offline `LLM` (whole batches): see `build_engine`'s `offline`
+    replica: int | None = None  # data-parallel replica index; None: the engine's only core
+    torch_threads: int | None = None  # intra-op threads; None: torch's default (replicas share a CPU)
+
+    @property
+    def log_name(self) -> str:
+        return "engine-core" if self.replica is None else f"engine-core dp{self.replica}"
+
+
+def run_engine_core(
+    args_json: str,
+    input_addr: str,
+    output_addr: str,
+    parent_pid: int,
+    role: CoreProcessRole = CoreProcessRole(),  # frozen: one shared default is safe
+) -> None:
     """Entry point of the spawned process: load the engine, report READY (or FAILED), serve."""
     # Ctrl-C reaches the whole process group; the API process decides how to shut the core down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s [engine-core] %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [{role.log_name}] %(message)s")
+    if role.torch_threads is not None:
+        torch.set_num_threads(role.torch_threads)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(input_addr)
@@ -42,7 +70,7 @@ def run_engine_core(args_json: str, input_addr: str, output_addr: str, parent_pi
         from pagedserve.engine.setup import build_engine
 
         args = EngineArgs.model_validate_json(args_json)
-        setup = build_engine(args, offline=False)
+        setup = build_engine(args, offline=role.offline)
         info = CoreInfo(
             max_model_len=setup.max_model_len,
             vocab_size=setup.spec.vocab_size,
@@ -117,17 +145,26 @@ class EngineCoreLoop:
     def _handle(self, msg: wire.Message) -> None:
         if msg.kind is MessageType.ADD:
             assert msg.request is not None
-            try:
-                self.core.add_request(msg.request)
-            except RequestRejected as exc:
-                self.outbox.send(wire.encode_rejected(msg.request.req_id, str(exc)))
+            self._add(msg.request)
+        elif msg.kind is MessageType.ADD_MANY:
+            assert msg.requests is not None
+            for request in msg.requests:
+                self._add(request)
         elif msg.kind is MessageType.ABORT:
             assert msg.req_ids is not None
             self.core.abort(msg.req_ids)
         elif msg.kind is MessageType.FINISH:
             assert msg.req_ids is not None
             self.core.finish(msg.req_ids)
+        elif msg.kind is MessageType.RESET_PREFIX_CACHE:
+            self.outbox.send(wire.encode_prefix_cache_reset(self.core.reset_prefix_cache()))
         elif msg.kind is MessageType.SHUTDOWN:
             self._stopping = True
         else:
             raise wire.WireError(f"the engine core cannot handle a {msg.kind.name} message")
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(request)
+        except RequestRejected as exc:
+            self.outbox.send(wire.encode_rejected(request.req_id, str(exc)))

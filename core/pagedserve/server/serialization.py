@@ -5,9 +5,13 @@ The protocol dataclasses are converted field by field here, explicitly: nothing 
 message can never run code on decode, and a field added to a dataclass fails loudly in
 `encode_*` until it is given a wire form.
 
-    API -> core:  [ADD, request]  [ABORT, [seq ids]]  [FINISH, [seq ids]]  [SHUTDOWN]
+    API -> core:  [ADD, request]  [ADD_MANY, [request...]]  [ABORT, [seq ids]]  [FINISH, [seq ids]]
+                  [RESET_PREFIX_CACHE]  [SHUTDOWN]
     core -> API:  [READY, CoreInfo]  [OUTPUTS, [output...], CoreStats]  [REJECTED, seq id, message]
-                  [FAILED, message]
+                  [PREFIX_CACHE_RESET, blocks forgotten]  [FAILED, message]
+
+ADD_MANY hands a whole batch to the core in one message, so that an offline front end's batch is
+scheduled as a whole (the core never starts stepping on the first few requests of it).
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ class MessageType(enum.IntEnum):
     ABORT = 2
     FINISH = 3
     SHUTDOWN = 4
+    ADD_MANY = 5
+    RESET_PREFIX_CACHE = 6
     READY = 10
     OUTPUTS = 11
     REJECTED = 12
     FAILED = 13
+    PREFIX_CACHE_RESET = 14
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +59,17 @@ class CoreInfo:
     num_kv_blocks: int
     block_size: int
     platform: str
+
+    @classmethod
+    def common(cls, infos: list[CoreInfo]) -> CoreInfo:
+        """What a front end may assume of every one of several cores (data-parallel replicas of
+        one model, each of which sized its KV cache from its own free memory): the first's
+        model facts, the shortest context and the smallest cache."""
+        return dataclasses.replace(
+            infos[0],
+            max_model_len=min(i.max_model_len for i in infos),
+            num_kv_blocks=min(i.num_kv_blocks for i in infos),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +96,12 @@ class CoreStats:
             prefix_queries_tokens=kv.counters.prefix_queries_tokens,
             prefix_hits_tokens=kv.counters.prefix_hits_tokens,
         )
+
+    @classmethod
+    def total(cls, snapshots: list[CoreStats]) -> CoreStats:
+        """The sum of several cores' snapshots (data-parallel replicas): one engine to /metrics."""
+        sums = [sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(cls)]
+        return cls(*sums)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -192,6 +216,10 @@ def encode_add(req: EngineCoreRequest) -> bytes:
     return _ENCODER.encode([MessageType.ADD, _request_to_wire(req)])
 
 
+def encode_add_many(reqs: list[EngineCoreRequest]) -> bytes:
+    return _ENCODER.encode([MessageType.ADD_MANY, [_request_to_wire(r) for r in reqs]])
+
+
 def encode_ids(kind: MessageType, req_ids: list[RequestId]) -> bytes:
     """An ABORT or FINISH message."""
     if kind not in (MessageType.ABORT, MessageType.FINISH):
@@ -201,6 +229,14 @@ def encode_ids(kind: MessageType, req_ids: list[RequestId]) -> bytes:
 
 def encode_shutdown() -> bytes:
     return _ENCODER.encode([MessageType.SHUTDOWN])
+
+
+def encode_reset_prefix_cache() -> bytes:
+    return _ENCODER.encode([MessageType.RESET_PREFIX_CACHE])
+
+
+def encode_prefix_cache_reset(num_blocks: int) -> bytes:
+    return _ENCODER.encode([MessageType.PREFIX_CACHE_RESET, num_blocks])
 
 
 def encode_ready(info: CoreInfo) -> bytes:
@@ -226,11 +262,13 @@ class Message:
 
     kind: MessageType
     request: EngineCoreRequest | None = None  # ADD
+    requests: list[EngineCoreRequest] | None = None  # ADD_MANY
     req_ids: list[RequestId] | None = None  # ABORT, FINISH; REJECTED (one id)
     outputs: list[EngineCoreOutput] | None = None  # OUTPUTS
     stats: CoreStats | None = None  # OUTPUTS
     info: CoreInfo | None = None  # READY
     text: str | None = None  # REJECTED, FAILED: what went wrong
+    count: int | None = None  # PREFIX_CACHE_RESET: blocks whose cached prefix was forgotten
 
 
 def decode(data: bytes) -> Message:
@@ -240,10 +278,14 @@ def decode(data: bytes) -> Message:
         kind = MessageType(raw[0])
         if kind is MessageType.ADD:
             return Message(kind, request=_request_from_wire(raw[1]))
+        if kind is MessageType.ADD_MANY:
+            return Message(kind, requests=[_request_from_wire(r) for r in raw[1]])
         if kind in (MessageType.ABORT, MessageType.FINISH):
             return Message(kind, req_ids=[RequestId(r) for r in raw[1]])
-        if kind is MessageType.SHUTDOWN:
+        if kind in (MessageType.SHUTDOWN, MessageType.RESET_PREFIX_CACHE):
             return Message(kind)
+        if kind is MessageType.PREFIX_CACHE_RESET:
+            return Message(kind, count=int(raw[1]))
         if kind is MessageType.READY:
             wire = dict(raw[1])
             wire["eos_token_ids"] = frozenset(wire["eos_token_ids"])

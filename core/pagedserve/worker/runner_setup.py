@@ -137,8 +137,7 @@ def load_device_model(
         quantize_lm_head=args.quantize_lm_head,
     )
     logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
-    tensor_parallel = tp is not None and tp.world_size > 1
-    programmatic = _programmatic(args, device, tensor_parallel)
+    programmatic = _programmatic(args, device)
     if args.platform_linear and device.type == "cuda":
         _route_linear_layers(loaded.model, platform, dtype, programmatic)
     max_model_len = _max_model_len(args, loaded.spec)
@@ -171,11 +170,11 @@ def _launch_attention_programmatically(backend: AttentionBackend, cache_ops: Cac
         logger.info("%s: %s for steps of <= %d tokens", what, how, PROGRAMMATIC_MAX_TOKENS)
 
 
-def _programmatic(args: EngineArgs, device: torch.device, tensor_parallel: bool) -> bool:
+def _programmatic(args: EngineArgs, device: torch.device) -> bool:
     """Whether the linear layers take the platform's programmatic-dependent-launch operator: asked
     for, and the kernels between them are launched that way too (the compiled forward, which
     `plan_graphs` gives them; alone, the products were measured slower)."""
-    compiled = args.gpu_compile and not args.enforce_eager and not tensor_parallel
+    compiled = args.gpu_compile and not args.enforce_eager
     return args.programmatic_launch and compiled and no_programmatic_launch(device) is None
 
 
@@ -251,22 +250,19 @@ def build_runner(
     swap_blocks = swap_space_blocks(spec, args, dm.kv_cache_dtype)
     if swap_blocks:
         runner.allocate_swap_space(swap_blocks)
-    _prepare_graphs(runner, dm, args, device, tensor_parallel)
+    _prepare_graphs(runner, dm, args, device)
     _compile_cpu_forward(runner, spec, args, device, tensor_parallel)
     return runner
 
 
-def _prepare_graphs(
-    runner: ModelRunner, dm: DeviceModel, args: EngineArgs, device: torch.device, tensor_parallel: bool
-) -> None:
+def _prepare_graphs(runner: ModelRunner, dm: DeviceModel, args: EngineArgs, device: torch.device) -> None:
     """Capture the CUDA graphs (and compile the GPU forward) that `args` asks for and the device
     and backend support; on other devices, log why there are none."""
     graph_plan = plan_graphs(
         args.cudagraph_mode,
         enforce_eager=args.enforce_eager,
-        # The row-parallel layers call torch.distributed's in-place collectives, which inductor
-        # would have to trace as functional ones; ranks run their forward uncompiled for now.
-        gpu_compile=args.gpu_compile and not tensor_parallel,
+        # Under tensor parallelism too: the all-reduce is an opaque operator (`distributed.all_reduce`).
+        gpu_compile=args.gpu_compile,
         device=device,
         programmatic_launch=args.programmatic_launch,
         spec=dm.loaded.spec,
@@ -293,8 +289,8 @@ def _compile_cpu_forward(
     for but cannot apply, so the setting is not silently ignored."""
     not_compiled_why = compile_reason(device, spec, args.cpu_compile, args.enforce_eager)
     if not_compiled_why is None and tensor_parallel:
-        # The row-parallel layers call torch.distributed's in-place collectives, which inductor
-        # would have to trace as functional ones; compiled steps are not built for that yet.
+        # The CPU compilation (`cpu_compile`) swaps attention for its own hook and drops guards;
+        # it has not been checked with the all-reduce operator inside, so ranks stay eager.
         not_compiled_why = "tensor_parallel_size > 1 runs eagerly on CPUs"
     if not_compiled_why is None:
         runner.compile_forward()

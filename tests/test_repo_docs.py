@@ -185,3 +185,12 @@ def test_docs_name_only_pagedserve_modules_and_attributes_that_exist() -> None:
                     break
                 obj = getattr(obj, attr)
     assert not problems, f"docs name pagedserve modules or attributes that do not exist: {problems}"
+
+
+def test_results_index_lists_every_entry() -> None:
+    results = ROOT / "docs" / "results"
+    index = (results / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([^`]+?)/?` \|", index, flags=re.MULTILINE))
+    present = {p.name for p in results.iterdir() if p.name != "README.md"}
+    assert present - listed == set(), f"docs/results/README.md does not list {sorted(present - listed)}"
+    assert listed - present == set(), f"docs/results/README.md lists entries that are gone: {sorted(listed - present)}"

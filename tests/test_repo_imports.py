@@ -1,6 +1,7 @@
-"""Dependencies point one way: no module of the core or of an in-tree plugin imports (at the top
-or inside a function) a module that, through any chain of imports, imports it back. Imports under
-`if TYPE_CHECKING:` are annotations only, never executed, and do not count."""
+"""Dependencies point one way: no module of the core or of an in-tree plugin imports (at the top,
+inside a function, or for annotations only under `if TYPE_CHECKING:`) a module that, through any
+chain of imports, imports it back. A type-only import is a dependency too: the two modules cannot
+be read, or moved, apart."""
 
 from __future__ import annotations
 
@@ -28,16 +29,7 @@ def _import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        type_only = {
-            id(inner)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If)
-            and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-            for inner in ast.walk(node)
-        }
         for node in ast.walk(tree):
-            if id(node) in type_only:
-                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
             elif isinstance(node, ast.Import):

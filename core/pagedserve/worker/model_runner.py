@@ -43,7 +43,7 @@ from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs
 from pagedserve.worker.full_cuda_graphs import FullDecodeGraphs
 from pagedserve.worker.gpu_compile import GpuCompiledForward
 from pagedserve.worker.input_batch import InputBatch, RowState
-from pagedserve.worker.warmup import StartupTimes
+from pagedserve.worker.startup_times import StartupTimes
 
 
 @dataclass(frozen=True, slots=True)

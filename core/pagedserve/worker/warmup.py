@@ -48,8 +48,9 @@ from pagedserve.worker.full_cuda_graphs import (
 )
 from pagedserve.worker.gpu_compile import GpuCompiledForward
 from pagedserve.worker.graph_modes import GraphPlan
+from pagedserve.worker.startup_times import StartupTimes
 
-if TYPE_CHECKING:  # the runner imports nothing from here; only the type is needed
+if TYPE_CHECKING:  # annotations only; the runner depends on nothing here
     from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -205,16 +206,6 @@ def warm_up_attention(
             cache_ops.reshape_and_cache(kv[:n, 0], kv[:n, 1], kv_cache, slots, **scales)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@dataclass(frozen=True, slots=True)
-class StartupTimes:
-    """Seconds spent getting the runner ready, by phase (0.0 for a phase that did not run)."""
-
-    compile_s: float  # torch.compile of the forward
-    kernels_s: float  # the attention-kernel sweep
-    capture_s: float  # full and piecewise CUDA-graph capture
-    num_warmup_batches: int
 
 
 def prepare_runner(

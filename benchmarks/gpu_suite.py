@@ -544,6 +544,23 @@ def markdown(stages: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PRESENT_BEGIN, PRESENT_END = "<!-- scoreboard:present -->", "<!-- /scoreboard:present -->"
+
+
+def replace_present_scoreboard(doc: str, stages: dict[str, Any]) -> str:
+    """`doc` with the text between the present-scoreboard markers replaced by this run's table
+    (`markdown`) and the command that made it. Raises ValueError when the markers are missing.
+    Pure."""
+    start, end = doc.find(PRESENT_BEGIN), doc.find(PRESENT_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no {PRESENT_BEGIN} ... {PRESENT_END} block to replace")
+    body = (
+        "Every row from one run of `python -m benchmarks.gpu_suite --out OUT --peers PEERS_DIR` "
+        "(the stage that measured it is named in `OUT/suite.json`):\n\n" + markdown(stages)
+    )
+    return doc[: start + len(PRESENT_BEGIN)] + "\n" + body + doc[end:]
+
+
 def write_report(out: Path) -> dict[str, Any]:
     """suite.json and suite.md from every stage_*.json in `out`."""
     stages = {p.stem.removeprefix("stage_"): read_json(p) for p in sorted(out.glob("stage_*.json"))}
@@ -563,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
     parser.add_argument("--workloads", default="256,1000", help="of 256, 1000, or paths to workload files")
     parser.add_argument("--report", action="store_true", help="only rewrite suite.json and suite.md")
+    parser.add_argument(
+        "--docs", type=Path, help="also replace the present scoreboard of this file (docs/benchmarks.md)"
+    )
     parser.add_argument(
         "--revision", help="the pagedserve revision to record (default: `git rev-parse` of the checkout)"
     )
@@ -598,7 +618,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in ["env", *(s for s in stages if s != "env")]:
             result = runners[name]()
             (args.out / f"stage_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    write_report(args.out)
+    stages_found = write_report(args.out)
+    if args.docs is not None:
+        args.docs.write_text(replace_present_scoreboard(args.docs.read_text(), stages_found))
     print((args.out / "suite.md").read_text())
     return 0
 

@@ -241,3 +241,17 @@ def test_multigpu_rows_judge_each_size_against_tp1_of_the_same_run() -> None:
 def test_multigpu_rows_say_not_run_on_one_gpu() -> None:
     rows = [r for r in suite.scoreboard({"multigpu": {"skipped": "1 GPU"}}) if "parallelism" in r.benchmark]
     assert [r.verdict for r in rows] == ["not run"]
+
+
+def test_docs_present_scoreboard_is_replaced_by_the_run() -> None:
+    doc = "# B\n\n<!-- scoreboard:present -->\nold table\n<!-- /scoreboard:present -->\n\nhistory\n"
+    new = suite.replace_present_scoreboard(doc, _stages())
+    assert "old table" not in new and new.endswith("<!-- /scoreboard:present -->\n\nhistory\n")
+    assert "| benchmark | pagedserve |" in new and "Test GPU" in new
+    with pytest.raises(ValueError, match="scoreboard:present"):
+        suite.replace_present_scoreboard("no markers", _stages())
+
+
+def test_the_shipped_benchmarks_doc_has_the_present_scoreboard() -> None:
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert doc.index("<!-- scoreboard:present -->") < doc.index("<!-- /scoreboard:present -->")

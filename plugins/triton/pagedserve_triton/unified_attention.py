@@ -247,6 +247,83 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_kv_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    kv_ptr,
+    v_ptr,
+    block_table_row_ptr,
+    next_block,
+    kv_tile,
+    kv_tile_end,
+    head_off,
+    q_pos,
+    seq_len,
+    scale_log2,
+    softcap,
+    window,
+    stride_kv_block,
+    stride_kv_slot,
+    offs_d,
+    d_mask,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    KV_CACHE_MODIFIER: tl.constexpr,
+    PREFETCH_BLOCK_IDS: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    WIDEN_BITS: tl.constexpr,
+):
+    """One iteration of `_attend_kv_tiles`' loop, whichever loop form runs it: the tile's block
+    ids (prefetched one iteration ahead, or loaded now), then `_attend_tile`. Returns the updated
+    (acc, m_i, l_i) and the next iteration's `next_block` (`next_block` itself without prefetching)."""
+    if PREFETCH_BLOCK_IDS:
+        block = next_block
+        offs_next = tl.minimum(kv_tile + 1, kv_tile_end - 1) * TILE_SIZE + tl.arange(0, TILE_SIZE)
+        next_block = tl.load(block_table_row_ptr + offs_next // BLOCK_SIZE).to(tl.int64)
+    elif MASKED:
+        block = _tile_block_ids(block_table_row_ptr, kv_tile, seq_len, BLOCK_SIZE, TILE_SIZE)
+    else:
+        offs_n = kv_tile * TILE_SIZE + tl.arange(0, TILE_SIZE)
+        block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
+    acc, m_i, l_i = _attend_tile(
+        q,
+        acc,
+        m_i,
+        l_i,
+        kv_ptr,
+        v_ptr,
+        block,
+        kv_tile,
+        head_off,
+        q_pos,
+        seq_len,
+        scale_log2,
+        softcap,
+        window,
+        stride_kv_block,
+        stride_kv_slot,
+        offs_d,
+        d_mask,
+        BLOCK_SIZE,
+        TILE_SIZE,
+        USE_SOFTCAP,
+        USE_WINDOW,
+        MASKED,
+        DOT_IN_FP32,
+        KV_CACHE_MODIFIER,
+        LAZY_RESCALE,
+        WIDEN_BITS,
+    )
+    return acc, m_i, l_i, next_block
+
+
+@triton.jit
 def _attend_kv_tiles(
     q,
     acc,
@@ -298,6 +375,9 @@ def _attend_kv_tiles(
     if DOT_IN_FP32:
         q = q.to(tl.float32)
     head_off = kv_head.to(tl.int64) * stride_kv_head
+    # The next tile's block ids under PREFETCH_BLOCK_IDS; otherwise an unused placeholder (the
+    # loop carries it unchanged, and the compiler drops it).
+    next_block = kv_tile_start
     if PREFETCH_BLOCK_IDS:
         # Masked only so that an empty range reads nothing (every key is < end * TILE_SIZE otherwise).
         next_block = _tile_block_ids(
@@ -305,24 +385,17 @@ def _attend_kv_tiles(
         )
     if LOOP_STAGES == 0:
         for kv_tile in range(kv_tile_start, kv_tile_end):
-            if PREFETCH_BLOCK_IDS:
-                block = next_block
-                offs_next = tl.minimum(kv_tile + 1, kv_tile_end - 1) * TILE_SIZE + tl.arange(0, TILE_SIZE)
-                next_block = tl.load(block_table_row_ptr + offs_next // BLOCK_SIZE).to(tl.int64)
-            elif MASKED:
-                block = _tile_block_ids(block_table_row_ptr, kv_tile, seq_len, BLOCK_SIZE, TILE_SIZE)
-            else:
-                offs_n = kv_tile * TILE_SIZE + tl.arange(0, TILE_SIZE)
-                block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
-            acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, next_block = _attend_kv_tile(
                 q,
                 acc,
                 m_i,
                 l_i,
                 kv_ptr,
                 v_ptr,
-                block,
+                block_table_row_ptr,
+                next_block,
                 kv_tile,
+                kv_tile_end,
                 head_off,
                 q_pos,
                 seq_len,
@@ -340,6 +413,7 @@ def _attend_kv_tiles(
                 MASKED,
                 DOT_IN_FP32,
                 KV_CACHE_MODIFIER,
+                PREFETCH_BLOCK_IDS,
                 LAZY_RESCALE,
                 WIDEN_BITS,
             )
@@ -347,24 +421,17 @@ def _attend_kv_tiles(
         for kv_tile in tl.range(
             kv_tile_start, kv_tile_end, num_stages=LOOP_STAGES, warp_specialize=WARP_SPECIALIZE
         ):
-            if PREFETCH_BLOCK_IDS:
-                block = next_block
-                offs_next = tl.minimum(kv_tile + 1, kv_tile_end - 1) * TILE_SIZE + tl.arange(0, TILE_SIZE)
-                next_block = tl.load(block_table_row_ptr + offs_next // BLOCK_SIZE).to(tl.int64)
-            elif MASKED:
-                block = _tile_block_ids(block_table_row_ptr, kv_tile, seq_len, BLOCK_SIZE, TILE_SIZE)
-            else:
-                offs_n = kv_tile * TILE_SIZE + tl.arange(0, TILE_SIZE)
-                block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
-            acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, next_block = _attend_kv_tile(
                 q,
                 acc,
                 m_i,
                 l_i,
                 kv_ptr,
                 v_ptr,
-                block,
+                block_table_row_ptr,
+                next_block,
                 kv_tile,
+                kv_tile_end,
                 head_off,
                 q_pos,
                 seq_len,
@@ -382,6 +449,7 @@ def _attend_kv_tiles(
                 MASKED,
                 DOT_IN_FP32,
                 KV_CACHE_MODIFIER,
+                PREFETCH_BLOCK_IDS,
                 LAZY_RESCALE,
                 WIDEN_BITS,
             )
@@ -561,6 +629,137 @@ def _attend_span(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _locate_query_block(
+    tile, num_q_blocks, query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr, LONGEST_FIRST: tl.constexpr
+):
+    """Tile id (KV-head-major) -> (kv_head, request, the request's first token, its query length,
+    the block's index within the request). With LONGEST_FIRST the query blocks are numbered
+    backwards: a request's last blocks (the longest causal KV ranges) start first, so the grid does
+    not end on a wave of its longest programs. The caller returns early when the block index is
+    an unused number (at most one per request)."""
+    kv_head = tile // num_q_blocks
+    q_block = tile % num_q_blocks
+    if LONGEST_FIRST:
+        q_block = num_q_blocks - 1 - q_block
+    req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    return kv_head, req, q_start, q_len, q_block_local
+
+
+@triton.jit
+def _attend_query_block(
+    q_ptr,
+    kv_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    req,
+    q_start,
+    q_len,
+    q_block_local,
+    kv_head,
+    split,
+    scale_log2,
+    softcap,
+    window,
+    stride_q_tok,
+    stride_q_head,
+    stride_kv_kind,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_bt_req,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    KV_CACHE_MODIFIER: tl.constexpr,
+    PREFETCH_BLOCK_IDS: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    WIDEN_BITS: tl.constexpr,
+):
+    """What both kernels do for one tile: load its query rows, find the KV tiles they see, and run
+    the online softmax over them: all of them (NUM_SPLITS == 1, the 2D kernel), or the `split`-th
+    of NUM_SPLITS contiguous shares (the 3D kernel; trailing splits may get nothing and then hold
+    an empty partial, max -inf and sum 0, which the reduction weighs as zero). Returns the
+    unnormalised (acc, m_i, l_i) and where the rows go (tok, head, row_mask, offs_d, d_mask)."""
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+    q, tok, head, row_mask, offs_d, d_mask = _load_query_tile(
+        q_ptr,
+        q_start,
+        q_len,
+        q_block_local,
+        kv_head,
+        stride_q_tok,
+        stride_q_head,
+        QUERIES_PER_KV,
+        BLOCK_M,
+        BLOCK_Q,
+        HEAD_SIZE,
+        HEAD_SIZE_PADDED,
+    )
+    kv_start, kv_end, full_start, full_end = _tile_kv_range(
+        ctx_len, q_len, q_block_local, window, BLOCK_Q, TILE_SIZE, USE_WINDOW
+    )
+    lo = kv_start
+    hi = kv_end
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(kv_end - kv_start, NUM_SPLITS)
+        lo = kv_start + split * per_split
+        hi = tl.minimum(lo + per_split, kv_end)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_span(
+        q,
+        acc,
+        m_i,
+        l_i,
+        kv_ptr,
+        block_table_ptr + req.to(tl.int64) * stride_bt_req,
+        kv_head,
+        ctx_len + tok,
+        lo,
+        hi,
+        full_start,
+        full_end,
+        seq_len,
+        scale_log2,
+        softcap,
+        window,
+        stride_kv_kind,
+        stride_kv_block,
+        stride_kv_slot,
+        stride_kv_head,
+        offs_d,
+        d_mask,
+        BLOCK_SIZE,
+        TILE_SIZE,
+        USE_SOFTCAP,
+        USE_WINDOW,
+        DOT_IN_FP32,
+        KV_CACHE_MODIFIER,
+        PREFETCH_BLOCK_IDS,
+        LAZY_RESCALE,
+        LOOP_STAGES,
+        WARP_SPECIALIZE,
+        WIDEN_BITS,
+    )
+    return acc, m_i, l_i, tok, head, row_mask, offs_d, d_mask
+
+
 def _per_step_arguments() -> dict[str, list[str]]:
     """`triton.jit` options that keep the kernels from specialising on arguments that change from
     step to step: the batch-geometry integers (Triton specialises values of 1 and multiples of 16)
@@ -629,66 +828,40 @@ def unified_attention_2d_kernel(
         # this step's keys and values in the cache) are visible.
         tl.extra.cuda.gdc_wait()
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
-    kv_head = tile // num_q_blocks
-    q_block = tile % num_q_blocks
-    if LONGEST_FIRST:
-        # Query blocks numbered backwards: a request's last blocks (the longest causal KV ranges)
-        # start first, so the grid does not end on a wave of its longest programs.
-        q_block = num_q_blocks - 1 - q_block
-    req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    kv_head, req, q_start, q_len, q_block_local = _locate_query_block(
+        tile, num_q_blocks, query_start_loc_ptr, num_reqs, BLOCK_Q, LONGEST_FIRST
+    )
     if q_block_local * BLOCK_Q >= q_len:
         return  # an unused block number (at most one per request)
-    seq_len = tl.load(seq_lens_ptr + req)
-    ctx_len = seq_len - q_len
-
-    q, tok, head, row_mask, offs_d, d_mask = _load_query_tile(
+    acc, _, l_i, tok, head, row_mask, offs_d, d_mask = _attend_query_block(
         q_ptr,
+        kv_ptr,
+        block_table_ptr,
+        seq_lens_ptr,
+        req,
         q_start,
         q_len,
         q_block_local,
         kv_head,
+        0,
+        scale_log2,
+        softcap,
+        window,
         stride_q_tok,
         stride_q_head,
+        stride_kv_kind,
+        stride_kv_block,
+        stride_kv_slot,
+        stride_kv_head,
+        stride_bt_req,
         QUERIES_PER_KV,
         BLOCK_M,
         BLOCK_Q,
         HEAD_SIZE,
         HEAD_SIZE_PADDED,
-    )
-    kv_start, kv_end, full_start, full_end = _tile_kv_range(
-        ctx_len, q_len, q_block_local, window, BLOCK_Q, TILE_SIZE, USE_WINDOW
-    )
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_span(
-        q,
-        acc,
-        m_i,
-        l_i,
-        kv_ptr,
-        block_table_ptr + req.to(tl.int64) * stride_bt_req,
-        kv_head,
-        ctx_len + tok,
-        kv_start,
-        kv_end,
-        full_start,
-        full_end,
-        seq_len,
-        scale_log2,
-        softcap,
-        window,
-        stride_kv_kind,
-        stride_kv_block,
-        stride_kv_slot,
-        stride_kv_head,
-        offs_d,
-        d_mask,
         BLOCK_SIZE,
         TILE_SIZE,
+        1,
         USE_SOFTCAP,
         USE_WINDOW,
         DOT_IN_FP32,
@@ -762,72 +935,40 @@ def unified_attention_3d_kernel(
         tl.extra.cuda.gdc_wait()  # before any memory access, as in the 2D kernel
     tile = remap_program_id(tl.program_id(0), num_programs, NUM_GRID_GROUPS)
     split = tile % NUM_SPLITS
-    tile = tile // NUM_SPLITS
-    kv_head = tile // num_q_blocks
-    q_block = tile % num_q_blocks
-    if LONGEST_FIRST:
-        # Query blocks numbered backwards: a request's last blocks (the longest causal KV ranges)
-        # start first, so the grid does not end on a wave of its longest programs.
-        q_block = num_q_blocks - 1 - q_block
-    req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    kv_head, req, q_start, q_len, q_block_local = _locate_query_block(
+        tile // NUM_SPLITS, num_q_blocks, query_start_loc_ptr, num_reqs, BLOCK_Q, LONGEST_FIRST
+    )
     if q_block_local * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    ctx_len = seq_len - q_len
-
-    q, tok, head, row_mask, offs_d, d_mask = _load_query_tile(
+    acc, m_i, l_i, tok, head, row_mask, offs_d, _ = _attend_query_block(
         q_ptr,
+        kv_ptr,
+        block_table_ptr,
+        seq_lens_ptr,
+        req,
         q_start,
         q_len,
         q_block_local,
         kv_head,
+        split,
+        scale_log2,
+        softcap,
+        window,
         stride_q_tok,
         stride_q_head,
+        stride_kv_kind,
+        stride_kv_block,
+        stride_kv_slot,
+        stride_kv_head,
+        stride_bt_req,
         QUERIES_PER_KV,
         BLOCK_M,
         BLOCK_Q,
         HEAD_SIZE,
         HEAD_SIZE_PADDED,
-    )
-    kv_start, kv_end, full_start, full_end = _tile_kv_range(
-        ctx_len, q_len, q_block_local, window, BLOCK_Q, TILE_SIZE, USE_WINDOW
-    )
-    # This split's contiguous share of the tile range; trailing splits may get nothing and then
-    # write an empty partial (max -inf, sum 0) that the reduction weighs as zero.
-    per_split = tl.cdiv(kv_end - kv_start, NUM_SPLITS)
-    split_start = kv_start + split * per_split
-    split_end = tl.minimum(split_start + per_split, kv_end)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_span(
-        q,
-        acc,
-        m_i,
-        l_i,
-        kv_ptr,
-        block_table_ptr + req.to(tl.int64) * stride_bt_req,
-        kv_head,
-        ctx_len + tok,
-        split_start,
-        split_end,
-        full_start,
-        full_end,
-        seq_len,
-        scale_log2,
-        softcap,
-        window,
-        stride_kv_kind,
-        stride_kv_block,
-        stride_kv_slot,
-        stride_kv_head,
-        offs_d,
-        d_mask,
         BLOCK_SIZE,
         TILE_SIZE,
+        NUM_SPLITS,
         USE_SOFTCAP,
         USE_WINDOW,
         DOT_IN_FP32,

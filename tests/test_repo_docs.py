@@ -195,3 +195,13 @@ def test_results_index_lists_every_entry() -> None:
     assert present - listed == set(), f"docs/results/README.md does not list {sorted(present - listed)}"
     gone = sorted(listed - present)
     assert not gone, f"docs/results/README.md lists entries that are gone: {gone}"
+
+
+def test_benchmarks_map_names_every_script() -> None:
+    doc = (ROOT / "benchmarks" / "__init__.py").read_text()
+    named = set(re.findall(r"^  (\w+\.py)\b", doc, flags=re.MULTILINE))
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py"}
+    assert scripts - named == set(), f"benchmarks/__init__.py does not place {sorted(scripts - named)}"
+    assert named - scripts == set(), (
+        f"benchmarks/__init__.py names scripts that are gone: {sorted(named - scripts)}"
+    )

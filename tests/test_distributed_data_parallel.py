@@ -161,7 +161,7 @@ def test_server_dp2_serves_places_and_reports_a_dead_replica(tmp_path: Path) -> 
             assert time.monotonic() - start < 15
             assert not engine.is_healthy
             reason = engine.dead_reason
-            assert reason is not None and "exited unexpectedly (exit code -9)" in reason
+            assert reason is not None and "exited unexpectedly (killed by signal 9)" in reason
             for _ in range(100):  # the surviving replica is told to stop at once
                 if not pid_alive(pids[0]):
                     break

@@ -175,7 +175,9 @@ class EngineArgs(_Config):
         1, ge=1, le=512, description="ranks the model is sharded over (one process per rank, one device each)"
     )
     distributed_executor_backend: Literal["mp", "ray"] = Field(
-        "mp", description="how ranks start with tensor_parallel_size > 1: 'mp' one host, 'ray' a Ray cluster"
+        "mp",
+        description="how ranks (tensor_parallel_size > 1) and data-parallel replicas (data_parallel_size "
+        "> 1) start: 'mp' processes on this host, 'ray' actors anywhere in a Ray cluster",
     )
     distributed_timeout_s: float = Field(
         60.0,

@@ -1,8 +1,10 @@
-"""Starting and stopping engine-core processes: the server's one, or one per data-parallel replica.
+"""Starting engine cores on this host: the server's one, or one process per data-parallel replica.
 
 Each process is spawned (never forked: torch and ZeroMQ state must not be shared) with its
 replica's environment already in place, so CUDA_VISIBLE_DEVICES holds before CUDA initialises.
 It runs `engine_proc.run_engine_core` and talks to its front end over two IPC sockets.
+`open_replicas` is where a front end gets its replicas: these local processes, or Ray actors
+(`ray_replicas`) with `distributed_executor_backend="ray"`.
 """
 
 from __future__ import annotations
@@ -10,26 +12,95 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import time
-from collections.abc import Sequence
+import shutil
+import tempfile
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import zmq
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.placement import ReplicaPlan
+from pagedserve.data_parallel.placement import ReplicaPlan, plan_replicas
+from pagedserve.data_parallel.replica_handle import ReplicaGroup, ReplicaHandle
 from pagedserve.executor.multiproc import spawn_environment
 from pagedserve.models.loader import load_tokenizer, resolve_model_source
-from pagedserve.server import serialization as wire
 from pagedserve.server.engine_proc import CoreProcessRole, run_engine_core
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_TIMEOUT_S = 10.0
-"""How long `stop_processes` waits for cores told to shut down before terminating them."""
-KILL_TIMEOUT_S = 5.0
-"""How long it then waits after SIGTERM, and after SIGKILL."""
+
+def open_replicas(args: EngineArgs) -> ReplicaGroup:
+    """The replicas `args` asks for: Ray actors anywhere in a Ray cluster with
+    `distributed_executor_backend="ray"` and `data_parallel_size > 1`, else processes on this
+    host. Refuses (ValueError) before anything starts when they cannot all be placed."""
+    if args.data_parallel_size > 1 and args.distributed_executor_backend == "ray":
+        from pagedserve.data_parallel.ray_replicas import RayReplicas
+
+        return RayReplicas(args)
+    return LocalReplicas(args)
+
+
+class ProcessReplica(ReplicaHandle):
+    """A replica whose engine core is a spawned process on this host."""
+
+    def __init__(self, index: int, proc: BaseProcess) -> None:
+        super().__init__(index)
+        self.proc = proc
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    @property
+    def sentinel(self) -> int:
+        return self.proc.sentinel
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def exit_status(self) -> str:
+        code = self.proc.exitcode
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def join(self, timeout_s: float) -> None:
+        self.proc.join(timeout_s)
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+class LocalReplicas(ReplicaGroup):
+    """Replicas as spawned processes on this host, each on its own GPUs (`placement`), reached
+    over IPC sockets in a private directory."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.plans = plan_replicas(args)  # refuses too few GPUs before anything starts
+        self.size = len(self.plans)
+        self._ipc_dir: str | None = tempfile.mkdtemp(prefix="pagedserve-zmq-")
+
+    def start(
+        self, index: int, to_core: zmq.Socket[Any], from_core: zmq.Socket[Any], *, offline: bool
+    ) -> ProcessReplica:
+        assert self._ipc_dir is not None, "the group was closed"
+        to_addr, from_addr = core_addresses(self._ipc_dir, index)
+        to_core.bind(to_addr)
+        from_core.bind(from_addr)
+        proc = start_core_process(self.args, self.plans[index], to_addr, from_addr, offline=offline)
+        return ProcessReplica(index, proc)
+
+    def close(self) -> None:
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
 
 def core_addresses(ipc_dir: str, replica: int) -> tuple[str, str]:
@@ -59,7 +130,7 @@ def start_core_process(
         args=(core_args.model_dump_json(), input_addr, output_addr, os.getpid(), role),
         name=f"pagedserve-engine-core-{plan.index}" if several else "pagedserve-engine-core",
         # A daemonic process may not start children, and with tensor parallelism the core starts
-        # one per rank. It still ends with this process: `stop_processes` stops it, and it exits
+        # one per rank. It still ends with this process: `stop_replicas` stops it, and it exits
         # by itself when this process is gone (see engine_proc).
         daemon=args.tensor_parallel_size == 1,
     )
@@ -69,41 +140,6 @@ def start_core_process(
         gpus = f" on GPUs {plan.gpus}" if plan.gpus is not None else ""
         logger.info("data-parallel replica %d: engine core process pid %s%s", plan.index, proc.pid, gpus)
     return proc
-
-
-def request_shutdown(proc: BaseProcess, to_core: zmq.Socket[bytes]) -> None:
-    """Ask a live core to shut down over its socket; a core that has not connected yet (still
-    starting) cannot be asked and is terminated instead. Follow with `stop_processes`."""
-    if not proc.is_alive():
-        return
-    try:
-        to_core.send(wire.encode_shutdown(), zmq.NOBLOCK)
-    except zmq.ZMQError:  # no peer to queue to: the core never connected
-        proc.terminate()
-
-
-def stop_processes(procs: Sequence[BaseProcess], timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-    """Wait for processes already told to shut down (`request_shutdown`), then terminate, then
-    kill the ones left.
-    They are waited on together: N stuck cores take one timeout, not N. Blocks."""
-    _join_all(procs, timeout_s)
-    stuck = [p for p in procs if p.is_alive()]
-    if not stuck:
-        return
-    logger.warning("engine core processes %s did not exit; terminating them", [p.pid for p in stuck])
-    for proc in stuck:
-        proc.terminate()
-    _join_all(stuck, KILL_TIMEOUT_S)
-    for proc in stuck:
-        if proc.is_alive():
-            proc.kill()
-    _join_all(stuck, KILL_TIMEOUT_S)
-
-
-def _join_all(procs: Sequence[BaseProcess], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
 
 
 def front_end_tokenizer(args: EngineArgs) -> PreTrainedTokenizerBase | None:

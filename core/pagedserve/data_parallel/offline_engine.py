@@ -1,9 +1,10 @@
-"""`DataParallelLLMEngine`: the offline engine over `data_parallel_size` engine-core processes.
+"""`DataParallelLLMEngine`: the offline engine over `data_parallel_size` engine cores.
 
 It has `LLMEngine`'s methods, so `LLM` and `pagedserve bench throughput` drive either one the
 same way; `build_offline_engine` picks. This process tokenizes, places each request on the
 replica with the least queued work (`balancer`), detokenizes and matches stop strings; every
-replica is the server's engine-core process (`server.engine_proc`), stepping on its own. So no
+replica is the server's engine-core loop (`server.engine_proc`), stepping on its own in a local
+process or a Ray actor (`launch.open_replicas` decides; this module sees a `ReplicaHandle`). So no
 replica ever waits for another: `step` returns whatever any replica has reported, and a replica
 that finishes its share early simply goes idle.
 
@@ -16,27 +17,23 @@ process is left behind) and every later call raises `ReplicaFailedError` naming 
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 
 import zmq
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
 from pagedserve.data_parallel.balancer import LoadBalancer
-from pagedserve.data_parallel.launch import (
-    core_addresses,
-    front_end_tokenizer,
+from pagedserve.data_parallel.launch import front_end_tokenizer, open_replicas
+from pagedserve.data_parallel.replica_handle import (
+    ReplicaGroup,
+    ReplicaHandle,
     request_shutdown,
-    start_core_process,
-    stop_processes,
+    stop_replicas,
 )
-from pagedserve.data_parallel.placement import plan_replicas
 from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.output_processor import OutputProcessor
@@ -69,10 +66,10 @@ def build_offline_engine(args: EngineArgs) -> LLMEngine | DataParallelLLMEngine:
 
 @dataclass(slots=True)
 class _Replica:
-    """One replica's process and sockets, and what this process holds for it. Mutable."""
+    """One replica's handle and sockets, and what this process holds for it. Mutable."""
 
     index: int
-    proc: BaseProcess
+    handle: ReplicaHandle
     to_core: zmq.Socket[bytes]
     from_core: zmq.Socket[bytes]
     stats: CoreStats | None = None  # its latest snapshot
@@ -80,11 +77,11 @@ class _Replica:
 
     @property
     def label(self) -> str:
-        return f"data-parallel replica {self.index} (pid {self.proc.pid})"
+        return self.handle.label
 
 
 class DataParallelLLMEngine:
-    """`data_parallel_size` engine cores, one process each, behind one front end. Not
+    """`data_parallel_size` engine cores, one process or Ray actor each, behind one front end. Not
     thread-safe; every method but the getters mutates. `shutdown` (or garbage collection, or
     interpreter exit) stops the replicas."""
 
@@ -95,31 +92,27 @@ class DataParallelLLMEngine:
                 "use LLMEngine (or build_offline_engine) for one replica"
             )
         self.args = args
-        plans = plan_replicas(args)  # refuses too few GPUs before anything starts
+        group = open_replicas(args)  # refuses what cannot be placed before anything starts
         self._failure: str | None = None  # why the engine was shut down after a failure
         self._replicas: list[_Replica] = []
         self._stash: list[tuple[_Replica, wire.Message]] = []  # received while waiting for replies
         self._owner: dict[RequestId, str] = {}  # unfinished sequence id -> its request id
-        ipc_dir = tempfile.mkdtemp(prefix="pagedserve-dp-")
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        procs: list[BaseProcess] = []
+        handles: list[ReplicaHandle] = []
         to_cores: list[zmq.Socket[bytes]] = []
         from_cores: list[zmq.Socket[bytes]] = []
         # Stops the replicas however this object ends; refers to the lists, never to self.
-        self._finalizer = weakref.finalize(self, _release, procs, to_cores, from_cores, ctx, ipc_dir)
+        self._finalizer = weakref.finalize(self, _release, handles, to_cores, from_cores, ctx, group)
         try:
-            for plan in plans:
-                to_addr, from_addr = core_addresses(ipc_dir, plan.index)
+            for index in range(group.size):
                 to_core = ctx.socket(zmq.PUSH)
                 to_core.setsockopt(zmq.SNDHWM, 0)  # adds and aborts are never dropped
                 from_core = ctx.socket(zmq.PULL)
                 to_cores.append(to_core)
                 from_cores.append(from_core)
-                to_core.bind(to_addr)
-                from_core.bind(from_addr)
-                proc = start_core_process(args, plan, to_addr, from_addr, offline=True)
-                procs.append(proc)
-                self._replicas.append(_Replica(plan.index, proc, to_core, from_core))
+                handle = group.start(index, to_core, from_core, offline=True)
+                handles.append(handle)
+                self._replicas.append(_Replica(index, handle, to_core, from_core))
             self.tokenizer = front_end_tokenizer(args)  # while the replicas load their models
             self.info = self._await_ready(startup_timeout_s)
         except BaseException:
@@ -128,7 +121,7 @@ class DataParallelLLMEngine:
         self._poller = zmq.Poller()
         for replica in self._replicas:
             self._poller.register(replica.from_core, zmq.POLLIN)
-            self._poller.register(replica.proc.sentinel, zmq.POLLIN)
+            self._poller.register(replica.handle.sentinel, zmq.POLLIN)
         self.vocab_size = self.info.vocab_size
         self.eos_token_ids = self.info.eos_token_ids
         self.max_model_len = self.info.max_model_len
@@ -156,10 +149,10 @@ class DataParallelLLMEngine:
                     if msg.kind is not MessageType.READY or msg.info is None:
                         raise ReplicaFailedError(f"{replica.label}: {msg.text or msg.kind.name}")
                     infos[replica.index] = msg.info
-                elif not replica.proc.is_alive():
+                elif not replica.handle.is_alive():
                     raise ReplicaFailedError(
                         f"{replica.label}: the engine core process exited during startup "
-                        f"(exit code {replica.proc.exitcode})"
+                        f"({replica.handle.exit_status()})"
                     )
             if len(infos) < len(self._replicas) and time.monotonic() > deadline:
                 late = [r.label for r in self._replicas if r.index not in infos]
@@ -179,8 +172,8 @@ class DataParallelLLMEngine:
 
     @property
     def replica_pids(self) -> list[int | None]:
-        """Process id of every replica's engine core, in replica order."""
-        return [r.proc.pid for r in self._replicas]
+        """Process id of every replica's engine core (on its own node), in replica order."""
+        return [r.handle.pid for r in self._replicas]
 
     def require_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer; raises ValueError when the engine was built with skip_tokenizer_init."""
@@ -346,9 +339,9 @@ class DataParallelLLMEngine:
                 if msg.kind is MessageType.FAILED:
                     self._fail(f"{replica.label}: {msg.text or 'the engine core failed'}")
                 received.append((replica, msg))
-            if replica.proc.sentinel in events:
-                replica.proc.join(1.0)  # it has exited: reap it to read the exit code
-                status = _exit_status(replica.proc)
+            if replica.handle.sentinel in events:
+                replica.handle.join(1.0)  # it has exited: reap it to read the exit code
+                status = replica.handle.exit_status()
                 self._fail(f"{replica.label}: the engine core process exited unexpectedly ({status})")
         return received
 
@@ -389,29 +382,22 @@ def _check_admissible(request_id: str, prompt_len: int, max_tokens: int, info: C
         )
 
 
-def _exit_status(proc: BaseProcess) -> str:
-    code = proc.exitcode
-    if code is not None and code < 0:
-        return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
 def _release(
-    procs: list[BaseProcess],
+    handles: list[ReplicaHandle],
     to_cores: list[zmq.Socket[bytes]],
     from_cores: list[zmq.Socket[bytes]],
     ctx: zmq.Context[zmq.Socket[bytes]],
-    ipc_dir: str,
+    group: ReplicaGroup,
 ) -> None:
-    """Tell every live replica to shut down, stop them all, close the sockets. `procs[i]` reads
-    `to_cores[i]` (a socket whose process failed to start has none)."""
-    for proc, to_core in zip(procs, to_cores, strict=False):
-        request_shutdown(proc, to_core)
-    stop_processes(procs)
+    """Tell every live replica to shut down, stop them all, close the sockets, free the group.
+    `handles[i]` reads `to_cores[i]` (a socket whose replica failed to start has none)."""
+    for handle, to_core in zip(handles, to_cores, strict=False):
+        request_shutdown(handle, to_core)
+    stop_replicas(handles)
     for sock in [*to_cores, *from_cores]:
         sock.close(linger=0)
     ctx.term()
-    shutil.rmtree(ipc_dir, ignore_errors=True)
+    group.close()
 
 
 __all__ = [

@@ -6,12 +6,18 @@ Each step's `SchedulerOutput` goes into Ray's object store once and every actor 
 there. The driver waits on the actors' answers one at a time, so an actor that dies (its node
 lost, its process killed) fails the engine as soon as Ray reports it, and a silent one after
 `distributed_timeout_s`; every actor is killed before the error is raised.
+
+A data-parallel replica that is itself a Ray actor (`data_parallel.ray_replicas`) reserves its
+ranks' devices in its own bundle and calls `place_ranks_in` before building its engine: its ranks
+then go into that bundle (so onto the replica's node) instead of into a placement group of their
+own, which could never be placed while the replica's bundle holds the devices.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineArgs
@@ -23,6 +29,26 @@ RAY_INSTALL = "pip install 'pagedserve[ray]'"
 
 PEER_EXIT_WAIT_S = 2.0
 """How long a failed step waits for a peer's death to show, to report the cause, not the symptom."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankBundle:
+    """A bundle of a placement group reserved elsewhere that holds the ranks of an engine: one
+    CPU (and on GPU platforms one GPU) for each."""
+
+    placement_group: Any  # ray.util.placement_group.PlacementGroup
+    index: int
+
+
+_ranks_bundle: RankBundle | None = None
+"""Where the ranks of the engines this process builds go (None: a placement group of their own).
+Set once per process, by the replica actor that hosts one engine."""
+
+
+def place_ranks_in(bundle: RankBundle | None) -> None:
+    """Put the ranks of every `RayExecutor` this process starts from now on into `bundle`."""
+    global _ranks_bundle
+    _ranks_bundle = bundle
 
 
 class _RankActor:
@@ -75,23 +101,30 @@ class RayExecutor(ParallelExecutor):
         world_size = args.tensor_parallel_size
         self.timeout_s = args.distributed_timeout_s
         self._failure: str | None = None
-        bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpus else {"CPU": 1.0}
-        self._pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-        ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
-        if not ready:
-            remove_placement_group(self._pg)
-            raise ValueError(
-                f"the Ray cluster cannot place {world_size} ranks of {bundle} within "
-                f"{self.timeout_s}s (cluster resources: {ray.cluster_resources()}): add nodes or lower "
-                "tensor_parallel_size"
-            )
+        shared = _ranks_bundle
+        self._pg: Any = None  # the placement group this executor made and must remove
+        if shared is not None:  # a data-parallel replica's bundle, reserved with its ranks' devices
+            group, bundles = shared.placement_group, [shared.index] * world_size
+        else:
+            bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpus else {"CPU": 1.0}
+            self._pg = group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+            bundles = list(range(world_size))
+            ready, _ = ray.wait([group.ready()], timeout=self.timeout_s)
+            if not ready:
+                remove_placement_group(group)
+                self._pg = None
+                raise ValueError(
+                    f"the Ray cluster cannot place {world_size} ranks of {bundle} within "
+                    f"{self.timeout_s}s (cluster resources: {ray.cluster_resources()}): add nodes or "
+                    "lower tensor_parallel_size"
+                )
         actor_cls: Any = ray.remote(_RankActor)
         self.actors: list[Any] = [
             actor_cls.options(
                 num_cpus=1,
                 num_gpus=1 if use_gpus else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=rank
+                    placement_group=group, placement_group_bundle_index=bundles[rank]
                 ),
                 runtime_env={"env_vars": env} if env else None,
             ).remote()

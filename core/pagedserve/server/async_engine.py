@@ -15,10 +15,11 @@ If the core process dies, the event loop hears it at once (its sentinel fd becom
 every request in flight gets `EngineDeadError`, new ones are refused with it, and `is_healthy`
 turns false. Nothing waits on a dead process.
 
-With `data_parallel_size=N > 1` there are N core processes (replicas, each on its own GPUs; see
-`pagedserve.data_parallel`), each with its own pair of pipes and its own reader task. Each request
-goes to the replica with the least queued work, all its samples with it; the death of any replica
-makes the whole engine unhealthy, with an error naming the replica.
+With `data_parallel_size=N > 1` there are N cores (replicas, each on its own GPUs; see
+`pagedserve.data_parallel`): local processes, or Ray actors anywhere in a Ray cluster with
+`distributed_executor_backend="ray"` (then over TCP), each with its own pair of pipes and its own
+reader task. Each request goes to the replica with the least queued work, all its samples with it;
+the death of any replica makes the whole engine unhealthy, with an error naming the replica.
 """
 
 from __future__ import annotations
@@ -26,11 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 
 import zmq
 import zmq.asyncio
@@ -38,14 +36,13 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
 from pagedserve.data_parallel.balancer import LoadBalancer
-from pagedserve.data_parallel.launch import (
-    core_addresses,
-    front_end_tokenizer,
+from pagedserve.data_parallel.launch import front_end_tokenizer, open_replicas
+from pagedserve.data_parallel.replica_handle import (
+    ReplicaGroup,
+    ReplicaHandle,
     request_shutdown,
-    start_core_process,
-    stop_processes,
+    stop_replicas,
 )
-from pagedserve.data_parallel.placement import plan_replicas
 from pagedserve.engine.input_processor import InputProcessor, ParamError, detokenizer_eos_token_id
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineCoreRequest
@@ -73,13 +70,13 @@ class InvalidRequest(ValueError):
 
 @dataclass(slots=True)
 class _Core:
-    """One engine-core process (a data-parallel replica) and the two sockets to it. Mutable."""
+    """One engine core (a data-parallel replica) and the two sockets to it. Mutable."""
 
     index: int
     to_core: zmq.Socket[bytes]
     from_core: zmq.asyncio.Socket
     several: bool  # one of several replicas: its messages name it
-    proc: BaseProcess | None = None  # set once started
+    handle: ReplicaHandle | None = None  # set once started
     stats: CoreStats | None = None  # its latest snapshot
     reader: asyncio.Task[None] | None = None
 
@@ -87,13 +84,15 @@ class _Core:
         """`message` about this core, naming the replica when there are several."""
         if not self.several:
             return message
-        pid = self.proc.pid if self.proc is not None else None
-        return f"data-parallel replica {self.index} (pid {pid}): {message}"
+        if self.handle is None:
+            return f"data-parallel replica {self.index}: {message}"
+        return f"{self.handle.label}: {message}"
 
 
 class AsyncLLMEngine:
     """Front end of the engine cores running in child processes (one, or one per data-parallel
-    replica). Use from one event loop; every method but the getters mutates."""
+    replica, possibly Ray actors on other nodes). Use from one event loop; every method but the
+    getters mutates."""
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
@@ -103,7 +102,7 @@ class AsyncLLMEngine:
         self.metrics = ServerMetrics(lambda: self.stats)
         self._inputs: InputProcessor | None = None
         self._processor: OutputProcessor | None = None
-        self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-zmq-")
+        self._group: ReplicaGroup | None = None  # where the cores run; set by `_start`
         self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         size = args.data_parallel_size
@@ -135,12 +134,10 @@ class AsyncLLMEngine:
         return engine
 
     async def _start(self, timeout_s: float) -> None:
-        plans = plan_replicas(self.args)  # refuses too few GPUs before anything starts
-        for core, plan in zip(self._cores, plans, strict=True):
-            in_addr, out_addr = core_addresses(self._ipc_dir, core.index)
-            core.to_core.bind(in_addr)
-            core.from_core.bind(out_addr)
-            core.proc = start_core_process(self.args, plan, in_addr, out_addr, offline=False)
+        # Refuses what cannot be placed (too few GPUs, a Ray cluster too small) before any start.
+        self._group = group = open_replicas(self.args)
+        for core in self._cores:
+            core.handle = group.start(core.index, core.to_core, core.from_core, offline=False)
         if len(self._cores) == 1:
             logger.info("engine core process pid %s", self.core_pid)
         # The tokenizer loads here while the cores load the model.
@@ -169,21 +166,21 @@ class AsyncLLMEngine:
         )
         loop = asyncio.get_running_loop()
         for core in self._cores:
-            assert core.proc is not None
-            loop.add_reader(core.proc.sentinel, self._on_core_exit, core)
+            assert core.handle is not None
+            loop.add_reader(core.handle.sentinel, self._on_core_exit, core)
             core.reader = asyncio.create_task(self._read_outputs(core))
 
     async def _await_ready(self, core: _Core, timeout_s: float) -> CoreInfo:
         """Wait for one core's READY. Raises EngineDeadError naming what went wrong."""
-        proc = core.proc
-        assert proc is not None
+        handle = core.handle
+        assert handle is not None
         try:
             async with asyncio.timeout(timeout_s):
                 while not await core.from_core.poll(200):
-                    if not proc.is_alive():
+                    if not handle.is_alive():
                         raise EngineDeadError(
                             core.name(
-                                f"the engine core process exited during startup (exit code {proc.exitcode})"
+                                f"the engine core process exited during startup ({handle.exit_status()})"
                             )
                         )
                 msg = wire.decode(await core.from_core.recv())
@@ -206,14 +203,14 @@ class AsyncLLMEngine:
         for request_id in list(self._queues):
             self._fail(request_id, EngineDeadError("the server is shutting down"))
         loop = asyncio.get_running_loop()
-        procs = [core.proc for core in self._cores if core.proc is not None]
+        handles = [core.handle for core in self._cores if core.handle is not None]
         for core in self._cores:
-            if core.proc is None:
+            if core.handle is None:
                 continue
             with contextlib.suppress(ValueError, OSError):  # the loop may have closed the fd already
-                loop.remove_reader(core.proc.sentinel)
-            request_shutdown(core.proc, core.to_core)
-        await asyncio.to_thread(stop_processes, procs)  # SHUTDOWN, then terminate, then kill
+                loop.remove_reader(core.handle.sentinel)
+            request_shutdown(core.handle, core.to_core)
+        await asyncio.to_thread(stop_replicas, handles)  # SHUTDOWN, then terminate, then kill
         for core in self._cores:
             if core.reader is not None:
                 core.reader.cancel()
@@ -224,7 +221,8 @@ class AsyncLLMEngine:
             core.from_core.close(linger=0)
         self._sync_ctx.term()
         self._async_ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._group is not None:
+            self._group.close()
 
     # ---- health ------------------------------------------------------------------------------------
     @property
@@ -242,8 +240,8 @@ class AsyncLLMEngine:
 
     @property
     def core_pids(self) -> list[int | None]:
-        """Every replica's engine-core process id, in replica order."""
-        return [core.proc.pid if core.proc is not None else None for core in self._cores]
+        """Every replica's engine-core process id (on its own node), in replica order."""
+        return [core.handle.pid if core.handle is not None else None for core in self._cores]
 
     @property
     def requests_placed(self) -> tuple[int, ...]:
@@ -264,13 +262,13 @@ class AsyncLLMEngine:
         return self.info
 
     def _on_core_exit(self, core: _Core) -> None:
-        proc = core.proc
-        assert proc is not None
-        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        handle = core.handle
+        assert handle is not None
+        asyncio.get_running_loop().remove_reader(handle.sentinel)
         if not self._closed:
-            proc.join(1.0)  # the sentinel fires as it exits; reap it to read the exit code
+            handle.join(1.0)  # the sentinel fires as it exits; reap it to read the exit code
             self._mark_dead(
-                core.name(f"the engine core process exited unexpectedly (exit code {proc.exitcode})")
+                core.name(f"the engine core process exited unexpectedly ({handle.exit_status()})")
             )
 
     def _mark_dead(self, reason: str) -> None:
@@ -280,8 +278,8 @@ class AsyncLLMEngine:
         self._dead = reason
         if len(self._cores) > 1:  # the other replicas cannot serve alone: free their GPUs now
             for core in self._cores:
-                if core.proc is not None:
-                    request_shutdown(core.proc, core.to_core)
+                if core.handle is not None:
+                    request_shutdown(core.handle, core.to_core)
         for request_id in list(self._queues):
             self._fail(request_id, EngineDeadError(reason))
 

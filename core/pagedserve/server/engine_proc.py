@@ -6,8 +6,9 @@ outputs plus a stats snapshot back. Only when idle does it block on its input so
 second to check that the API process that started it is still alive (it exits if not, so a killed
 server never leaves an orphaned engine holding memory).
 
-The same process serves the offline `LLM` with data parallelism: one such process per replica
-(`pagedserve.data_parallel`), its `CoreProcessRole` saying which replica it is and how to build it.
+The same loop serves the offline `LLM` with data parallelism: one such process per replica
+(`pagedserve.data_parallel`), its `CoreProcessRole` saying which replica it is and how to build it,
+or one Ray actor per replica (`serve_engine_core`, reached over TCP instead of IPC).
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def run_engine_core(
     """Entry point of the spawned process: load the engine, report READY (or FAILED), serve."""
     # Ctrl-C reaches the whole process group; the API process decides how to shut the core down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    serve_engine_core(args_json, input_addr, output_addr, parent_pid, role)
+
+
+def serve_engine_core(
+    args_json: str, input_addr: str, output_addr: str, parent_pid: int, role: CoreProcessRole
+) -> None:
+    """Load the engine, report READY (or FAILED) on `output_addr`, serve until SHUTDOWN or until
+    `parent_pid` is no longer this process's parent. The body of `run_engine_core`, and of a
+    data-parallel replica's Ray actor (whose sockets are TCP, and whose parent is its raylet)."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [{role.log_name}] %(message)s")
     if role.torch_threads is not None:
         torch.set_num_threads(role.torch_threads)

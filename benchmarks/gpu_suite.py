@@ -12,8 +12,8 @@ still run:
   conformance every attention backend and cache op of the cuda and triton platforms against the
               cpu_reference oracle (`pagedserve conformance`)
   engine      greedy tokens on the cuda and triton platforms equal cpu_reference's (tiny models)
-  attention   the attention case table (`benchmarks/attention.py --table`)
-  variants    the prefill kernel variants' sweep (`benchmarks/attention.py --variants`), the winning
+  attention   the attention case table (`benchmarks/kernels/attention.py --table`)
+  variants    the prefill kernel variants' sweep (`benchmarks/kernels/attention.py --variants`), the winning
               configs written under OUT/variant_configs for review (not into the plugin)
   latency     single stream 512 -> 128 on Llama-3.1-8B shapes, GPU idle, the decode step at 256
               running requests, the engine as configured by default
@@ -23,9 +23,9 @@ still run:
   peers       HF transformers + static cache + torch.compile single stream, and HF continuous
               batching on the 256-request workload (scripts from PEERS_DIR)
   gemm        the linear layers of a decode step (1-128 rows, 8B shapes), the Triton GEMM the
-              engine uses against cuBLAS and torch._scaled_mm (`benchmarks/skinny_gemm.py --fp8`),
+              engine uses against cuBLAS and torch._scaled_mm (`benchmarks/kernels/skinny_gemm.py --fp8`),
               and 32 layers of them with and without programmatic dependent launches
-              (`benchmarks/programmatic_launch.py`, sm_90+)
+              (`benchmarks/kernels/programmatic_launch.py`, sm_90+)
   fp8         FP8 weights + FP8 KV cache against bfloat16: KV tokens, TPOT, throughput on the
               256-request workload (`benchmarks/gpu_fp8.py`)
   multigpu    on hosts with 2+ GPUs: the all-reduce's paths, Llama-3.1-8B at TP=1/2/4 and 70B at
@@ -196,7 +196,15 @@ def stage_engine(suite: Suite) -> dict[str, Any]:
 
 def stage_attention(suite: Suite) -> dict[str, Any]:
     path = suite.out / "raw" / "attention_table.json"
-    argv = [suite.python, "benchmarks/attention.py", "--table", "--flex-budget-s", "120", "--json", str(path)]
+    argv = [
+        suite.python,
+        "benchmarks/kernels/attention.py",
+        "--table",
+        "--flex-budget-s",
+        "120",
+        "--json",
+        str(path),
+    ]
     res = suite.run("attention", argv, timeout_s=900)
     res["table"] = read_json(path)
     return res
@@ -206,7 +214,7 @@ def stage_variants(suite: Suite) -> dict[str, Any]:
     path = suite.out / "raw" / "attention_variants.json"
     configs = suite.out / "variant_configs"
     configs.mkdir(parents=True, exist_ok=True)
-    argv = [suite.python, "benchmarks/attention.py", "--variants", "--write-configs", str(configs)]
+    argv = [suite.python, "benchmarks/kernels/attention.py", "--variants", "--write-configs", str(configs)]
     res = suite.run("variants", [*argv, "--json", str(path)], timeout_s=900)
     res["result"] = read_json(path)
     return res
@@ -264,11 +272,13 @@ def stage_peers(suite: Suite) -> dict[str, Any]:
 def stage_gemm(suite: Suite) -> dict[str, Any]:
     path = suite.out / "raw" / "skinny_gemm.json"
     res = suite.run(
-        "gemm", [suite.python, "benchmarks/skinny_gemm.py", "--fp8", "--json", str(path)], timeout_s=600
+        "gemm",
+        [suite.python, "benchmarks/kernels/skinny_gemm.py", "--fp8", "--json", str(path)],
+        timeout_s=600,
     )
     res["result"] = read_json(path)
     launches = suite.out / "raw" / "programmatic_launch.json"
-    argv = [suite.python, "benchmarks/programmatic_launch.py", "--json", str(launches)]
+    argv = [suite.python, "benchmarks/kernels/programmatic_launch.py", "--json", str(launches)]
     res["programmatic_launch"] = suite.run("gemm_programmatic_launch", argv, timeout_s=600)
     res["programmatic_launch"]["result"] = read_json(launches)
     return res

@@ -1,4 +1,4 @@
-"""The arithmetic of `benchmarks/attention.py --table`: needed K/V bytes, causal FLOPs, the
+"""The arithmetic of `benchmarks/kernels/attention.py --table`: needed K/V bytes, causal FLOPs, the
 bottom-right causal mask handed to cuDNN, the case table and its goals. Hand-computed small
 cases; no GPU, no kernel launches."""
 
@@ -24,7 +24,9 @@ def _load_benchmark() -> ModuleType:
     os.environ["TRITON_INTERPRET"] = "1"
     # benchmarks/ is not a package: load the script as a module under its own name.
     sys.path.insert(0, str(ROOT / "plugins" / "triton"))
-    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "benchmarks" / "attention.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention", ROOT / "benchmarks" / "kernels" / "attention.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_attention"] = module  # dataclasses resolve annotations through sys.modules

@@ -1,4 +1,4 @@
-"""The host logic of `benchmarks/attention.py --variants`: scores, the decode verdict, the config
+"""The host logic of `benchmarks/kernels/attention.py --variants`: scores, the decode verdict, the config
 overrides it times and the files it writes; then one tiny end-to-end run in Triton's interpreter
 (two variants, one launch point)."""
 
@@ -23,7 +23,9 @@ def _load_benchmark() -> ModuleType:
     # As in test_bench_attention_formulas.py: the interpreter is chosen before the kernels exist.
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT / "plugins" / "triton"))
-    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "benchmarks" / "attention.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention", ROOT / "benchmarks" / "kernels" / "attention.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_attention"] = module  # dataclasses resolve annotations through sys.modules

@@ -1,4 +1,4 @@
-"""`benchmarks/kernel_fingerprint.py`'s notion of "the same code": source locations, comments,
+"""`benchmarks/kernels/kernel_fingerprint.py`'s notion of "the same code": source locations, comments,
 debug sections and temporary label numbers do not count; any instruction does."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location(
-    "bench_kernel_fingerprint", ROOT / "benchmarks" / "kernel_fingerprint.py"
+    "bench_kernel_fingerprint", ROOT / "benchmarks" / "kernels" / "kernel_fingerprint.py"
 )
 assert spec is not None and spec.loader is not None
 fingerprint = importlib.util.module_from_spec(spec)

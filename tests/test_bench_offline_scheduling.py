@@ -15,12 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str) -> ModuleType:
-    # benchmarks/ is not a package and its scripts import each other by file name.
-    path = str(ROOT / "benchmarks")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+def _load(name: str, folder: str = "") -> ModuleType:
+    # The scripts import their neighbours by file name, as when run from their folder.
+    directory = ROOT / "benchmarks" / folder
+    if str(directory) not in sys.path:
+        sys.path.insert(0, str(directory))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", directory / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[f"bench_{name}"] = module  # dataclasses resolve annotations through it
@@ -127,7 +127,7 @@ def test_host_window_reports_a_cprofile_per_step(offline: ModuleType) -> None:
 
 
 def test_mixed_attention_contexts_spread_around_the_mean() -> None:
-    seq_lens = _load("mixed_attention").decode_seq_lens
+    seq_lens = _load("mixed_attention", "kernels").decode_seq_lens
     assert seq_lens(5, 100) == [50, 75, 100, 125, 150]
     assert seq_lens(1, 300) == [300]
     spread = seq_lens(70, 210)
@@ -135,7 +135,7 @@ def test_mixed_attention_contexts_spread_around_the_mean() -> None:
 
 
 def test_skinny_rows_grid_is_weight_major_and_valid() -> None:
-    skinny = _load("skinny_gemm")
+    skinny = _load("skinny_gemm", "kernels")
     configs = skinny._configs("rows", 28672, 4096, None, 128)
     assert len(configs) == len(set(configs)) == 20
     assert all(c.weight_major and c.block_n >= 64 for c in configs)

@@ -6,7 +6,7 @@ both functions are timed eagerly (host launch cost included) and replayed from a
 widths of `--chunks`. The numbers behind `pagedserve.sampling.argmax`'s MAX_CHUNKED_ROWS and
 TARGET_CHUNK.
 
-    python benchmarks/argmax.py --rows 1,8,64,256
+    python benchmarks/kernels/argmax.py --rows 1,8,64,256
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--chunks", default="256,1002,4008", help="chunk widths timed besides the default")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/argmax.py needs a CUDA GPU")
+        raise SystemExit("benchmarks/kernels/argmax.py needs a CUDA GPU")
     chunks = [int(c) for c in args.chunks.split(",") if c]
     print(f"{torch.cuda.get_device_name()}: argmax over [rows, {args.vocab}] float32, us per call")
     for rows in (int(r) for r in args.rows.split(",")):

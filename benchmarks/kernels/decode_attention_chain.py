@@ -14,7 +14,7 @@ two ways:
 
 The second way's attention outputs are checked to equal the first way's bit for bit.
 
-    python benchmarks/decode_attention_chain.py --json decode_attention_chain.json
+    python benchmarks/kernels/decode_attention_chain.py --json decode_attention_chain.json
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         raise SystemExit(
-            "benchmarks/decode_attention_chain.py needs an NVIDIA GPU of compute capability 9.0+"
+            "benchmarks/kernels/decode_attention_chain.py needs an NVIDIA GPU of compute capability 9.0+"
         )
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),

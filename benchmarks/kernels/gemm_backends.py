@@ -14,7 +14,7 @@ weight shape and row count:
 Times are CUDA-graph replays of 20 products cycling through weight copies larger than the L2
 cache (`skinny_gemm.py`'s method); GB/s counts the weight bytes.
 
-    python benchmarks/gemm_backends.py --rows 64,128,192,256 --inductor --json gemm_backends.json
+    python benchmarks/kernels/gemm_backends.py --rows 64,128,192,256 --inductor --json gemm_backends.json
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gemm_backends.py needs a CUDA GPU")
+        raise SystemExit("benchmarks/kernels/gemm_backends.py needs a CUDA GPU")
     rows = [int(r) for r in args.rows.split(",")]
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
     for m in rows:

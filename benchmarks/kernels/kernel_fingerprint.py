@@ -10,8 +10,9 @@ The code is the PTX (or AMDGCN) of the kernel body with debug information, sourc
 temporary labels removed: the same fingerprint means the same instructions, so ptxas / the AMD
 assembler produce the same binary. Run it before and after the change and compare:
 
-    env -u TRITON_INTERPRET python benchmarks/kernel_fingerprint.py --json before.json   # at the old revision
-    env -u TRITON_INTERPRET python benchmarks/kernel_fingerprint.py --json after.json --compare before.json
+    # at the old revision, then at the new one
+    env -u TRITON_INTERPRET python benchmarks/kernels/kernel_fingerprint.py --json before.json
+    env -u TRITON_INTERPRET python benchmarks/kernels/kernel_fingerprint.py --compare before.json
 
 Fingerprints depend on the Triton version: compare two runs of one environment only.
 """

@@ -13,8 +13,8 @@ parameters, applied to every batch class at once) is timed on these mixed cases 
 decode-only batches of the same shapes (`DECODE_CASES`), against the shipped configs: where a
 point beats them, the tuned configs' entry for that class is the place to change.
 
-    PYTHONPATH=core:plugins/triton python benchmarks/mixed_attention.py --json mixed_attention.json
-    PYTHONPATH=core:plugins/triton python benchmarks/mixed_attention.py --sweep --json sweep.json
+    PYTHONPATH=core:plugins/triton python benchmarks/kernels/mixed_attention.py --json mixed_attention.json
+    PYTHONPATH=core:plugins/triton python benchmarks/kernels/mixed_attention.py --sweep --json sweep.json
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ shapes, `--rows` activation rows, bf16 and FP8 weights) replayed from one CUDA g
 
 Each way's products are checked to equal the plain ones bit for bit.
 
-    python benchmarks/programmatic_launch.py --json programmatic_launch.json
+    python benchmarks/kernels/programmatic_launch.py --json programmatic_launch.json
 """
 
 from __future__ import annotations
@@ -124,7 +124,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not (torch.cuda.is_available() and programmatic_launch_supported(torch.device("cuda"))):
-        raise SystemExit("benchmarks/programmatic_launch.py needs an NVIDIA GPU of compute capability 9.0+")
+        raise SystemExit(
+            "benchmarks/kernels/programmatic_launch.py needs an NVIDIA GPU of compute capability 9.0+"
+        )
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "layers": args.layers, "runs": []}
     print(f"{results['device']}: {args.layers} layers' four products, ms per step (CUDA graph replay)")
     print(f"{'weights':>8} {'rows':>5} " + " ".join(f"{way:>8}" for way in WAYS) + "  equal")

@@ -3,7 +3,7 @@
 VGPRs, spills, LDS and waves per EU of every variant the rocm tables can select, beside alternatives
 (8 warps, the NVIDIA-tuned tiles). Runs on any machine with triton (no GPU).
 
-    python benchmarks/rocm_compile_table.py [--arch gfx942 gfx950] [--out docs/results/FILE.md]
+    python benchmarks/kernels/rocm_compile_table.py [--arch gfx942 gfx950] [--out docs/results/FILE.md]
 
 Rows "table" are the tables' entries at their most demanding shape (`amdgcn.table_variants`:
 float32 unless the entry names a dtype, softcap and window on). Rows "alternative" are bfloat16,
@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path[:0] = [
-    str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/rocm", "plugins/triton", "core")
+    str(Path(__file__).resolve().parents[2] / p) for p in ("plugins/rocm", "plugins/triton", "core")
 ]
 
 from pagedserve_rocm.amdgcn import AttentionVariant, compile_attention, table_variants  # noqa: E402

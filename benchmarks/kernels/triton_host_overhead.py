@@ -16,8 +16,8 @@ launches of one step fit in the launch queue, so this is the Python and launch c
 
 Each mode's outputs are compared with the cached mode's (bitwise: same kernels, same inputs).
 
-    python benchmarks/triton_host_overhead.py --json out.json
-    python benchmarks/triton_host_overhead.py --old-attention A.py --old-cache-ops C.py
+    python benchmarks/kernels/triton_host_overhead.py --json out.json
+    python benchmarks/kernels/triton_host_overhead.py --old-attention A.py --old-cache-ops C.py
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "triton"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "triton"))
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend

@@ -375,8 +375,8 @@ def _attend_kv_tiles(
     if DOT_IN_FP32:
         q = q.to(tl.float32)
     head_off = kv_head.to(tl.int64) * stride_kv_head
-    # The next tile's block ids under PREFETCH_BLOCK_IDS; otherwise an unused placeholder (the
-    # loop carries it unchanged, and the compiler drops it).
+    # The next tile's block ids under PREFETCH_BLOCK_IDS; without prefetching the loop carries
+    # this scalar along unchanged and the compiler removes it (the code is the same as before).
     next_block = kv_tile_start
     if PREFETCH_BLOCK_IDS:
         # Masked only so that an empty range reads nothing (every key is < end * TILE_SIZE otherwise).

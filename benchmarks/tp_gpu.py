@@ -174,7 +174,7 @@ def _bandwidth_rank(rank: int, world: int, port: int, mib: int, result: Any) -> 
     torch.distributed.destroy_process_group()
 
 
-def nccl_bandwidth(world: int, mib: int) -> dict[str, float]:
+def nccl_bandwidth(world: int, mib: int) -> dict[str, Any]:
     """nccl-tests' all-reduce bus bandwidth between `world` local GPUs, from torch.distributed."""
     from pagedserve.executor.multiproc import free_port
 
@@ -184,8 +184,16 @@ def nccl_bandwidth(world: int, mib: int) -> dict[str, float]:
     procs = [ctx.Process(target=_bandwidth_rank, args=(r, world, port, mib, result)) for r in range(world)]
     for p in procs:
         p.start()
+    # A rank that fails (before its group forms, say) leaves its peers waiting for it: stop them.
+    while any(p.is_alive() for p in procs) and all(p.exitcode in (None, 0) for p in procs):
+        time.sleep(0.2)
     for p in procs:
+        if p.is_alive():
+            p.kill()
         p.join()
+    codes = [p.exitcode for p in procs]
+    if any(code != 0 for code in codes) or result.empty():
+        return {"error": f"a rank of the bandwidth test failed (exit codes {codes})"}
     return dict(result.get())
 
 

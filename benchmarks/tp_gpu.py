@@ -37,7 +37,7 @@ from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor.base import ParallelExecutor
-from pagedserve.executor.launch import NCCL_DEFAULTS, NO_MULTICAST
+from pagedserve.executor.launch import worker_environment
 from pagedserve.sampling.sampling_params import SamplingParams
 
 
@@ -147,7 +147,7 @@ def measure(args: argparse.Namespace, model_dir: str, tp: int) -> dict[str, Any]
 
 
 def _bandwidth_rank(rank: int, world: int, port: int, mib: int, result: Any) -> None:
-    os.environ.update({**{k: v for k, v in NCCL_DEFAULTS.items() if k not in os.environ}, **NO_MULTICAST})
+    os.environ.update(worker_environment("cuda"))  # no NVLink multicast, as the engine's ranks
     torch.cuda.set_device(rank)
     torch.distributed.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from pagedserve.distributed.all_reduce import PeerMemoryLimits, installed
 from pagedserve.distributed.group import destroy_process_group, init_process_group
-from pagedserve.executor.launch import NCCL_DEFAULTS, NO_MULTICAST
+from pagedserve.executor.launch import worker_environment
 from pagedserve.executor.multiproc import free_port
 
 PATHS = ("nccl", "one_shot", "two_shot")
@@ -42,7 +42,7 @@ def _force(path: str, biggest: int) -> PeerMemoryLimits | None:
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update({**{k: v for k, v in NCCL_DEFAULTS.items() if k not in os.environ}, **NO_MULTICAST})
+    os.environ.update(worker_environment("cuda"))  # no NVLink multicast, as the engine's ranks
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     group = init_process_group(

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.config import CacheConfig, EngineArgs, SchedulerConfig, SchedulingPolicy
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.ngram_proposer import NgramProposer
-from pagedserve.executor.base import WorkerReport
+from pagedserve.executor.base import StepRunner, WorkerReport
 from pagedserve.models.loader import LoadedModel, load_config, load_tokenizer, resolve_model_source
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend
@@ -90,16 +90,8 @@ def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
     scheduler = _scheduler(
         args, policy, spec, num_blocks, dm.max_model_len, dm.max_num_batched_tokens, dm.kv_cache_dtype
     )
-    proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
-    async_scheduling = async_scheduling_choice(args.async_scheduling, platform, proposer is not None)
-    structured = structured_output_manager(tokenizer, spec.vocab_size, eos, args, device)
-    core = EngineCore(
-        scheduler,
-        runner,
-        max_model_len=dm.max_model_len,
-        proposer=proposer,
-        async_scheduling=async_scheduling,
-        structured=structured,
+    core = _engine_core(
+        args, platform, scheduler, runner, tokenizer, spec.vocab_size, eos, dm.max_model_len, device
     )
     if args.freeze_startup_heap:
         freeze_startup_heap()
@@ -143,24 +135,48 @@ def _build_parallel_engine(
         first.max_num_batched_tokens,
         kv_dtype,
     )
-    proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
-    async_scheduling = async_scheduling_choice(args.async_scheduling, platform, proposer is not None)
-    # Grammars live here, beside the scheduler; the ranks receive each constrained step's bitmask.
-    structured = structured_output_manager(
-        tokenizer, first.local_spec.vocab_size, eos, args, torch.device("cpu")
-    )
-    core = EngineCore(
+    # Grammars live here, beside the scheduler (a host device: no pinned bitmasks); the ranks
+    # receive each constrained step's bitmask.
+    vocab_size = first.local_spec.vocab_size
+    core = _engine_core(
+        args,
+        platform,
         scheduler,
         executor,
-        max_model_len=first.max_model_len,
-        proposer=proposer,
-        async_scheduling=async_scheduling,
-        structured=structured,
+        tokenizer,
+        vocab_size,
+        eos,
+        first.max_model_len,
+        torch.device("cpu"),
     )
     if args.freeze_startup_heap:
         freeze_startup_heap()  # the driver's; each rank freezes its own after it is ready
     spec = _whole_model_spec(first)
     return EngineSetup(platform, spec, None, backend, tokenizer, eos, first.max_model_len, num_blocks, core)
+
+
+def _engine_core(
+    args: EngineArgs,
+    platform: LoadedPlatform,
+    scheduler: Scheduler,
+    runner: StepRunner,  # this device's ModelRunner, or the executor over the ranks
+    tokenizer: PreTrainedTokenizerBase | None,
+    vocab_size: int,
+    eos: frozenset[int],
+    max_model_len: int,
+    grammar_device: torch.device,  # where the structured-output bitmasks are filled for
+) -> EngineCore:
+    """The engine core over `runner`, with the n-gram proposer, asynchronous scheduling and
+    structured outputs that `args` and the platform give it."""
+    proposer = NgramProposer(args.num_speculative_tokens) if args.num_speculative_tokens else None
+    return EngineCore(
+        scheduler,
+        runner,
+        max_model_len=max_model_len,
+        proposer=proposer,
+        async_scheduling=async_scheduling_choice(args.async_scheduling, platform, proposer is not None),
+        structured=structured_output_manager(tokenizer, vocab_size, eos, args, grammar_device),
+    )
 
 
 def _whole_model_spec(report: WorkerReport) -> ModelSpec:

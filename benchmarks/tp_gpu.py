@@ -6,7 +6,9 @@ For each (shape, tensor_parallel_size) it builds one engine and measures:
     TPOT the median of the others (each step ends in a device -> host copy of the samples);
   * collectives: a torch-profiler trace of `--profile-steps` decode steps of `--batch` requests
     on every rank; rank 0's NCCL kernel time (all-reduce, all-gather) per step;
-  * throughput (`--workload FILE`): `pagedserve bench throughput`'s loop on the workload file.
+  * throughput (`--workload FILE`): `pagedserve bench throughput`'s loop on the workload file,
+    with the steps' time by running-request count and the host/device split; `--host-profile`
+    runs it once more under cProfile (the driver and rank 0) to show where host time goes.
 Then, without an engine, the bus bandwidth NCCL reaches between the GPUs (all-reduce of
 `--bw-mib` MiB, nccl-tests' busbw = 2 (n - 1) / n * bytes / time), to compare with the per-step
 collective time above. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set).
@@ -18,6 +20,7 @@ collective time above. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import itertools
 import json
@@ -33,11 +36,12 @@ import torch
 import torch.multiprocessing as mp
 from gpu_latency import LLAMA_SHAPES, _prompt, bench_engine_args, llama_config
 
-from pagedserve.bench.datasets import fit_vocab, load_workload
-from pagedserve.bench.throughput import run_throughput
+from pagedserve.bench.datasets import BenchRequest, fit_vocab, load_workload
+from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor.base import ParallelExecutor
 from pagedserve.executor.launch import worker_environment
+from pagedserve.executor.worker import host_profile_text
 from pagedserve.sampling.sampling_params import SamplingParams
 
 
@@ -129,20 +133,48 @@ def measure(args: argparse.Namespace, model_dir: str, tp: int) -> dict[str, Any]
     print(out["collectives"], flush=True)
     if args.workload:
         requests = fit_vocab(load_workload(args.workload), engine.vocab_size, wrap=True)
-        executor = engine.core.runner
-        if isinstance(executor, ParallelExecutor):
-            executor.host_times()  # reset: count the throughput run alone
-        out["throughput"] = run_throughput(engine, requests).to_dict()
-        if isinstance(executor, ParallelExecutor):
-            # Host-bound or device-bound: the driver's wait for the ranks against the run's
-            # duration, and each rank's time preparing steps against its wait for the device.
-            out["throughput"]["host_times"] = executor.host_times()
-        print(out["throughput"], flush=True)
+        out["throughput"] = throughput(engine, requests)
+        print({k: v for k, v in out["throughput"].items() if k != "trace"}, flush=True)
+        if args.host_profile:
+            out["host_profile"] = host_profile(engine, requests, args.host_profile_top)
     executor = engine.core.runner
     if isinstance(executor, ParallelExecutor):
         executor.shutdown()
     del engine, executor
     gc.collect()
+    return out
+
+
+def throughput(engine: LLMEngine, requests: list[BenchRequest]) -> dict[str, Any]:
+    """`bench throughput`'s run, with where its time went: the steps by running-request count
+    (`summarize_trace`) and, with tensor parallelism, whether the host or the device bound them
+    (the driver's wait for the ranks against the run's duration, each rank's time preparing
+    steps against its wait for the device)."""
+    executor = engine.core.runner
+    if isinstance(executor, ParallelExecutor):
+        executor.host_times()  # reset: count the throughput run alone
+    trace: list[StepRecord] = []
+    out = run_throughput(engine, requests, trace).to_dict()
+    out["trace"] = summarize_trace(trace)
+    if isinstance(executor, ParallelExecutor):
+        out["host_times"] = executor.host_times()
+    return out
+
+
+def host_profile(engine: LLMEngine, requests: list[BenchRequest], top: int) -> dict[str, Any]:
+    """The workload again under cProfile (the driver, and rank 0 with tensor parallelism): where
+    a host-bound step's time goes. The profiler slows the host, so this run is not timed."""
+    executor = engine.core.runner
+    parallel = isinstance(executor, ParallelExecutor)
+    if parallel:
+        executor.start_host_profile()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_throughput(engine, requests)
+    profiler.disable()
+    out = {"driver": host_profile_text(profiler, top)}
+    if parallel:
+        out["rank0"] = executor.stop_host_profile(top)
     return out
 
 
@@ -209,6 +241,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="running requests of the profiled decode steps")
     parser.add_argument("--profile-steps", type=int, default=16)
     parser.add_argument("--workload", help="workload JSON of the throughput run")
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="run the workload once more under cProfile (driver and rank 0) and keep the top functions",
+    )
+    parser.add_argument("--host-profile-top", type=int, default=40)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--bw-mib", type=int, default=256, help="all-reduce size of the bandwidth test")

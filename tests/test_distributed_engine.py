@@ -149,8 +149,17 @@ def test_tp2_async_scheduling_equals_tp1(checkpoints: dict[str, Path]) -> None:
     llm = _llm(path, tensor_parallel_size=2, async_scheduling=True, **PRESSURE)
     try:
         assert llm.engine.core.pipeline is not None
+        runner = llm.engine.core.runner
+        assert isinstance(runner, MultiprocExecutor)
+        runner.start_host_profile()
         got = llm.generate(prompts, per_prompt, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        # The benchmarks' host/device split: every step was launched on every rank and profiled.
+        assert "launch" in runner.stop_host_profile(top=10)
+        times = runner.host_times()
+        assert times["driver_wait_s"] > 0
+        assert [r["steps"] for r in times["ranks"]] == [times["ranks"][0]["steps"]] * 2
+        assert times["ranks"][0]["steps"] >= MAX_NEW
         again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # a lone request: launch, then flush
         assert again[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
     finally:

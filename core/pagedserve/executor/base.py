@@ -105,6 +105,16 @@ class ParallelExecutor(ABC):
         assert isinstance(result, dict)
         return result
 
+    def start_host_profile(self) -> None:
+        """Start a Python profiler on every rank (benchmarks: a host-bound step's rank side)."""
+        self.call_all("start_host_profile")
+
+    def stop_host_profile(self, top: int = 40) -> str:
+        """Stop them; rank 0's `top` functions by own and by cumulative time (pstats' text)."""
+        result = self.call_all("stop_host_profile", top)[0]
+        assert isinstance(result, str)
+        return result
+
     def host_times(self) -> dict[str, Any]:
         """Where the host time of the steps since the last call went, for benchmarks: the
         driver's seconds waiting for the ranks' answers (`driver_wait_s`), and per rank the

@@ -17,8 +17,11 @@ step's output when no step follows it.
 
 from __future__ import annotations
 
+import cProfile
+import io
 import logging
 import os
+import pstats
 import time
 
 import torch
@@ -78,6 +81,7 @@ class TensorParallelWorker:
         self._launch_s = self._wait_s = 0.0
         self._steps = 0
         self._profiler: torch.profiler.profile | None = None
+        self._host_profiler: cProfile.Profile | None = None
 
     def load(self) -> WorkerReport:
         """Load this rank's shard and size its KV cache. Slow."""
@@ -183,6 +187,21 @@ class TensorParallelWorker:
             for e in events
         }
 
+    def start_host_profile(self) -> None:
+        """Start a Python profiler (cProfile) of this rank's host work: where a host-bound step's
+        time goes on the rank's side."""
+        self._host_profiler = cProfile.Profile()
+        self._host_profiler.enable()
+
+    def stop_host_profile(self, top: int) -> str | None:
+        """Stop it; rank 0 returns its `top` functions by own time and by cumulative time (pstats'
+        text), the others None."""
+        if self._host_profiler is None:
+            raise RuntimeError("stop_host_profile called without start_host_profile")
+        self._host_profiler.disable()
+        profiler, self._host_profiler = self._host_profiler, None
+        return host_profile_text(profiler, top) if self.group.rank == 0 else None
+
     def pid(self) -> int:
         """This rank's process id (the Ray executor reports it in errors; tests kill it)."""
         return os.getpid()
@@ -209,3 +228,12 @@ def _enable_peer_memory(group_name: str, world_size: int, device: torch.device, 
         limits.one_shot_max_bytes // 1024,
         limits.two_shot_max_bytes // 1024,
     )
+
+
+def host_profile_text(profiler: cProfile.Profile, top: int) -> str:
+    """A cProfile's `top` functions by own time, then by cumulative time, as pstats prints them."""
+    buffer = io.StringIO()
+    stats = pstats.Stats(profiler, stream=buffer)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return buffer.getvalue()

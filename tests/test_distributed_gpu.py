@@ -68,8 +68,11 @@ def _tokens(path: Path, **engine: object) -> list[list[int]]:
         first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # a second pass, prefix caching on
         assert llm.engine.core.scheduler.num_preemptions > 0
-        assert sum(o.num_cached_tokens for o in again) > 0
-        return [o.outputs[0].token_ids for o in first + again]
+        # Six blocks under preemption keep no prompt's blocks for long: a lone request run twice
+        # is what surely reads its own first block (16 of its 30 prompt tokens) from the cache.
+        lone = [llm.generate(PROMPTS[2:3], GREEDY, use_tqdm=False)[0] for _ in range(2)]
+        assert lone[1].num_cached_tokens == 16
+        return [o.outputs[0].token_ids for o in first + again + lone]
     finally:
         runner = llm.engine.core.runner
         if isinstance(runner, ParallelExecutor):

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import traceback
+from functools import partial
 from multiprocessing.connection import Connection
 
 PARENT_POLL_S = 0.5
@@ -47,16 +48,25 @@ def run_worker(
         if method == "shutdown":
             break
         try:
-            result = getattr(worker, method)(*args)
+            if method == "launch":
+                # May answer before the step is queued (`launch_and_reply`): an error after the
+                # answer goes out as the answer to the driver's next call, which fails the engine.
+                (step,) = args
+                worker.launch_and_reply(step, partial(_reply, conn))
+            else:
+                _reply(conn, getattr(worker, method)(*args))
         except Exception as exc:
             conn.send(("error", _describe(exc)))
             continue
-        conn.send(("ok", result))
     worker.shutdown()
     logging.shutdown()
     # Interpreter teardown can wait seconds on the communication library's threads; nothing is
     # left to clean up, so leave at once.
     os._exit(0)
+
+
+def _reply(conn: Connection, result: object) -> None:
+    conn.send(("ok", result))
 
 
 def _describe(exc: BaseException) -> str:

@@ -23,6 +23,7 @@ import logging
 import os
 import pstats
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -134,6 +135,22 @@ class TensorParallelWorker:
         self._launch_s += time.perf_counter() - start
         self._steps += 1
         return self._answer(previous)
+
+    def launch_and_reply(
+        self, so: SchedulerOutput, reply: Callable[[ModelRunnerOutput | None], None]
+    ) -> None:
+        """`launch`, for a transport that can answer before the call returns (the `mp` pipe).
+        When the device has already finished the previous step (a host-bound engine), its
+        output is replied first and this step is prepared while the driver applies it and
+        schedules the next one; otherwise the step is queued first, as `launch` does, so the
+        device never waits for the reply. Mutates as `launch`."""
+        previous = self._in_flight
+        if previous is None or not previous.done():
+            reply(self.launch(so))
+            return
+        self._in_flight = None
+        reply(self._answer(previous))
+        self.launch(so)  # nothing in flight now: answers None, which nobody reads
 
     def flush(self) -> ModelRunnerOutput | None:
         """Answer the last launched step's output (waiting for it); None when none is in flight."""

@@ -42,7 +42,12 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor.base import ParallelExecutor
 from pagedserve.executor.launch import worker_environment
 from pagedserve.executor.worker import host_profile_text
+from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.scheduler.output import SchedulerOutput
+from pagedserve.worker.async_output import PendingOutput
+from pagedserve.worker.host_times import HostTimes
+from pagedserve.worker.model_runner import ModelRunner
 
 
 def single_stream(engine: LLMEngine, prompt_len: int, output_len: int) -> dict[str, float]:
@@ -153,12 +158,35 @@ def throughput(engine: LLMEngine, requests: list[BenchRequest]) -> dict[str, Any
     executor = engine.core.runner
     if isinstance(executor, ParallelExecutor):
         executor.host_times()  # reset: count the throughput run alone
+        one_device = None
+    else:
+        one_device = time_launches(executor)
     trace: list[StepRecord] = []
     out = run_throughput(engine, requests, trace).to_dict()
     out["trace"] = summarize_trace(trace)
     if isinstance(executor, ParallelExecutor):
         out["host_times"] = executor.host_times()
+    elif one_device is not None:
+        out["host_times"] = {"runner": one_device.take()}
+        del executor.launch  # the class's method again
     return out
+
+
+def time_launches(runner: ModelRunner) -> HostTimes:
+    """Time every `launch` of a one-device runner into a `HostTimes`, as a tensor-parallel rank
+    times its own (its wait for outputs is not counted). Mutates the runner: undo with
+    `del runner.launch`."""
+    times = HostTimes()
+    launch = runner.launch
+
+    def timed(so: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingOutput:
+        start = time.perf_counter()
+        pending = launch(so, grammar_bitmask)
+        times.add_launch(so.total_num_scheduled_tokens, time.perf_counter() - start)
+        return pending
+
+    runner.launch = timed  # type: ignore[method-assign]
+    return times
 
 
 def host_profile(engine: LLMEngine, requests: list[BenchRequest], top: int) -> dict[str, Any]:

@@ -117,9 +117,9 @@ class ParallelExecutor(ABC):
 
     def host_times(self) -> dict[str, Any]:
         """Where the host time of the steps since the last call went, for benchmarks: the
-        driver's seconds waiting for the ranks' answers (`driver_wait_s`), and per rank the
-        seconds spent preparing and launching steps and waiting for the device
-        (`TensorParallelWorker.host_times`). Resets them."""
+        driver's seconds waiting for the ranks' answers (`driver_wait_s`), and per rank its
+        `worker.host_times.HostTimes` (launches by token count, waits for the device, steps
+        answered before launching). Resets them."""
         driver_wait_s, self._driver_wait_s = self._driver_wait_s, 0.0
         return {"driver_wait_s": driver_wait_s, "ranks": self.call_all("host_times")}
 

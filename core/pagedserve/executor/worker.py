@@ -24,6 +24,7 @@ import os
 import pstats
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ from pagedserve.platforms.registry import load_platforms
 from pagedserve.sampling.grammar_mask import PrecomputedBitmask
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.async_output import PendingOutput
+from pagedserve.worker.host_times import HostTimes
 from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagedserve.worker.runner_setup import DeviceModel, build_runner, fit_kv_blocks, load_device_model
 from pagedserve.worker.startup_heap import freeze_startup_heap
@@ -79,8 +81,7 @@ class TensorParallelWorker:
         self._in_flight: PendingOutput | None = None  # the last `launch`ed step, not yet answered
         # Seconds spent preparing and launching steps, and waiting for the device, since the
         # last `host_times` (benchmarks: is a step bound by the host or the device?)
-        self._launch_s = self._wait_s = 0.0
-        self._steps = 0
+        self._times = HostTimes()
         self._profiler: torch.profiler.profile | None = None
         self._host_profiler: cProfile.Profile | None = None
 
@@ -132,8 +133,7 @@ class TensorParallelWorker:
         previous = self._in_flight
         start = time.perf_counter()
         self._in_flight = self._require_runner().launch(so)
-        self._launch_s += time.perf_counter() - start
-        self._steps += 1
+        self._times.add_launch(so.total_num_scheduled_tokens, time.perf_counter() - start)
         return self._answer(previous)
 
     def launch_and_reply(
@@ -149,6 +149,7 @@ class TensorParallelWorker:
             reply(self.launch(so))
             return
         self._in_flight = None
+        self._times.replied_first += 1
         reply(self._answer(previous))
         self.launch(so)  # nothing in flight now: answers None, which nobody reads
 
@@ -162,16 +163,14 @@ class TensorParallelWorker:
             return None
         start = time.perf_counter()
         result = pending.result()  # every rank waits: no rank runs more than one step ahead
-        self._wait_s += time.perf_counter() - start
+        self._times.wait_s += time.perf_counter() - start
         return result if self.group.rank == 0 else None
 
-    def host_times(self) -> dict[str, float]:
-        """Seconds this rank spent preparing and launching steps (`launch_s`) and waiting for the
-        device's outputs (`wait_s`) over `steps` launched steps since the last call; resets them."""
-        times = {"launch_s": self._launch_s, "wait_s": self._wait_s, "steps": float(self._steps)}
-        self._launch_s = self._wait_s = 0.0
-        self._steps = 0
-        return times
+    def host_times(self) -> dict[str, Any]:
+        """This rank's `HostTimes` since the last call: seconds preparing and launching steps (by
+        the steps' token counts), waiting for the device's outputs, and how many steps found
+        the previous output ready; resets them."""
+        return self._times.take()
 
     def _require_runner(self) -> ModelRunner:
         if self._runner is None:

@@ -226,6 +226,8 @@ def test_multigpu_rows_judge_each_size_against_tp1_of_the_same_run() -> None:
             "tp_8b_2": _tp_run(3.0, 20000.0),
             "tp_70b_2": _tp_run(21.0, None, all_reduce_ms=1.5),
             "dp": {"rc": 0, "size": 2, "result": {"result": {"output_tokens_per_s": 23500.0}}},
+            # DP is judged against one engine by the same command, not against tp_8b_1
+            "dp_one_engine": {"rc": 0, "size": 1, "result": {"result": {"output_tokens_per_s": 12000.0}}},
         }
     }
     rows = {r.benchmark: r for r in suite.scoreboard(stages)}
@@ -233,6 +235,7 @@ def test_multigpu_rows_judge_each_size_against_tp1_of_the_same_run() -> None:
     assert rows["8B TP=2 output tok/s, 1,000 requests"].verdict == "met"  # 1.67x >= 1.5x
     assert rows["70B TP=2 all-reduce per decode step, 64 requests"].verdict == "missed"  # 1.5 > 1.2
     assert rows["8B DP=2 output tok/s, 1,000 requests"].verdict == "met"  # 1.96x >= 1.9x
+    assert rows["8B DP=2 output tok/s, 1,000 requests"].peer == "one engine 12,000"
     stages["multigpu"]["dp"]["result"]["result"]["output_tokens_per_s"] = 21000.0  # 1.75x
     rows = {r.benchmark: r for r in suite.scoreboard(stages)}
     assert rows["8B DP=2 output tok/s, 1,000 requests"].verdict == "missed"

@@ -19,7 +19,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STARTUP_TIMEOUT_S = 300.0
 
 
-def build_tiny_model(directory: Path) -> Path:
+def build_tiny_model(directory: Path, max_position_embeddings: int = 512) -> Path:
     """Save a 2-layer random Llama (vocab 49152, so SmolLM2's token ids fit) and SmolLM2's
     tokenizer (with its chat template) into `directory`."""
     import torch
@@ -37,7 +37,7 @@ def build_tiny_model(directory: Path) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=True,

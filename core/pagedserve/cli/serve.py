@@ -3,7 +3,8 @@
 The engine core starts first (in its own process) and the port is bound only once the model is
 loaded, so "serving on" in the log means requests will be answered. `--port 0` picks a free port;
 the log line says which. SIGTERM or Ctrl-C stop accepting connections, let requests in flight
-finish for up to `--shutdown-timeout` seconds, then abort the rest and stop the engine core.
+finish for up to `--shutdown-timeout` seconds, then answer the rest with OpenAI's 503 error (an
+error event and `data: [DONE]` on a stream), abort them and stop the engine core.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib.util
 import logging
 import socket
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
     import uvicorn
 
 logger = logging.getLogger("pagedserve.serve")
+
+RESPONSE_FLUSH_S = 2.0
+"""Seconds between failing the requests left at the shutdown timeout and closing connections."""
 
 _SERVER_MODULES = ("fastapi", "uvicorn", "zmq", "msgspec", "prometheus_client")
 """Import names of the `serve` extra's packages."""
@@ -53,6 +58,24 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=10.0,
         help="seconds requests in flight may take to finish after SIGTERM",
     )
+    parser.add_argument(
+        "--max-request-body-mb",
+        type=float,
+        default=8.0,
+        help="the largest request body accepted, in MiB (larger ones get 413 before they are read)",
+    )
+    parser.add_argument("--max-n", type=int, default=128, help="the most samples (n) one request may ask for")
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run chat templates sent in requests (a template is a program; refused by default)",
+    )
+    parser.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a chat template may take to render a conversation before the request gets 400",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
     add_engine_options(parser)
     parser.set_defaults(handler=run)
@@ -70,6 +93,14 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         print(f"pagedserve serve: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
+    for flag, value in (
+        ("--max-request-body-mb", args.max_request_body_mb),
+        ("--max-n", args.max_n),
+        ("--chat-template-timeout", args.chat_template_timeout),
+    ):
+        if value <= 0:
+            print(f"pagedserve serve: {flag} must be positive, got {value}", file=sys.stderr)
+            return 2
     missing = [m for m in _SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         print(
@@ -109,14 +140,27 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             served_model_name=args.served_model_name or default_served_name(engine_args.model),
             api_key=args.api_key,
             tool_call_parser=args.tool_call_parser,
+            max_request_body_bytes=int(args.max_request_body_mb * 2**20),
+            max_n=args.max_n,
+            trust_request_chat_template=args.trust_request_chat_template,
+            chat_template_timeout_s=args.chat_template_timeout,
         )
         app = build_app(engine, config)
+        drain_s = max(args.shutdown_timeout, 0.1)
         server = _graceful_server(
             uvicorn.Config(
                 app,
                 log_level=args.log_level,
-                timeout_graceful_shutdown=max(args.shutdown_timeout, 0.1),
-            )
+                # Past drain_s the requests still running are failed with a 503, which then needs a
+                # moment to reach the clients before uvicorn cuts the connections.
+                timeout_graceful_shutdown=drain_s + RESPONSE_FLUSH_S,
+            ),
+            on_first_signal=lambda: asyncio.get_running_loop().call_later(
+                drain_s,
+                engine.fail_in_flight,
+                f"the server is shutting down: the request was still running after the {drain_s:g} s "
+                "shutdown timeout",
+            ),
         )
         host, port = sock.getsockname()[:2]
         print(
@@ -132,10 +176,11 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     return 0
 
 
-def _graceful_server(config: uvicorn.Config) -> uvicorn.Server:
+def _graceful_server(config: uvicorn.Config, on_first_signal: Callable[[], object]) -> uvicorn.Server:
     """uvicorn's server, except that SIGTERM/SIGINT are not raised again after its graceful
-    shutdown (uvicorn does, which would kill this process before the engine core is stopped).
-    A second signal forces the exit. uvicorn is imported lazily: `pagedserve --help` stays fast."""
+    shutdown (uvicorn does, which would kill this process before the engine core is stopped), and
+    the first signal also calls `on_first_signal` (on the event loop's thread). A second signal
+    forces the exit. uvicorn is imported lazily: `pagedserve --help` stays fast."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -144,5 +189,7 @@ def _graceful_server(config: uvicorn.Config) -> uvicorn.Server:
                 self.force_exit = True
             else:
                 self.should_exit = True
+                logger.info("stopping: no new connections; requests in flight may finish")
+                on_first_signal()
 
     return GracefulServer(config)

@@ -25,21 +25,50 @@ class InputProcessor:
     """Tokenizes prompts and checks them against the vocabulary. Does not mutate anything."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase | None, *, vocab_size: int, max_logprobs: int = 20
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        *,
+        vocab_size: int,
+        max_logprobs: int = 20,
+        max_model_len: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer  # None with skip_tokenizer_init
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
+        # With it, a text too long to fit is refused before it is tokenized (`max_text_bytes`).
+        self.max_model_len = max_model_len
+        self._longest_token_bytes: int | None = None  # computed on the first text prompt
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt: a string is encoded (with the model's special tokens); a list
-        of ids is checked against the vocabulary. Raises ValueError for an empty or bad prompt."""
+    def max_text_bytes(self) -> int | None:
+        """The longest text (in UTF-8 bytes) that may still fit max_model_len tokens: no token
+        stands for more bytes than the vocabulary's longest token, so a longer text needs more
+        tokens than fit. Twice that, for normalizers that shorten a text before it is split.
+        None without a tokenizer or max_model_len. Caches the vocabulary scan (~0.1 s)."""
+        if self.tokenizer is None or self.max_model_len is None:
+            return None
+        if self._longest_token_bytes is None:
+            tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            self._longest_token_bytes = max(len(t.encode()) for t in tokens if isinstance(t, str))
+        return 2 * self.max_model_len * self._longest_token_bytes
+
+    def tokenize(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt: a string is encoded (with the model's special tokens unless
+        `add_special_tokens` is False, for text a chat template rendered); a list of ids is
+        checked against the vocabulary. Raises ValueError for an empty or bad prompt, or a text
+        too long to fit max_model_len whatever its tokens."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): pass token ids")
             if not prompt:
                 raise ValueError("prompt is an empty string: give at least one character or token")
-            ids = list(self.tokenizer.encode(prompt))
+            limit = self.max_text_bytes()
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+            if limit is not None and size > limit:
+                raise ValueError(
+                    f"the prompt has {size} bytes of text, more than max_model_len={self.max_model_len} "
+                    "tokens can hold with this tokenizer: shorten it"
+                )
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         else:
             ids = list(prompt)
             bad = [

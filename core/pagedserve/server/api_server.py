@@ -1,17 +1,17 @@
 """The OpenAI-compatible HTTP API (FastAPI) in front of an `AsyncLLMEngine`.
 
 Routes: POST /v1/completions (`completions.py`), POST /v1/chat/completions (`chat.py`), both
-streaming as server-sent events ending with `data: [DONE]`; GET /v1/models, /health, /version,
-/metrics; POST /tokenize and /detokenize (`tokenization.py`). Every error is OpenAI's JSON shape
-`{"error": {"message", "type", "param", "code"}}`: bad input is 400 naming the field, an unknown
-model 404, a wrong API key 401, a dead engine 503. Bad input never reaches a 500.
+streaming as server-sent events ending with `data: [DONE]`; GET /v1/models, /v1/models/{id},
+/health, /version, /metrics; POST /tokenize and /detokenize (`tokenization.py`). Every error is
+OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: bad input is 400 naming the
+field, an unknown model 404, a wrong API key 401, a body over the limit 413 (`guards.py`), a dead
+engine 503. Bad input never reaches a 500. CPU work (tokenizing, chat templates, grammars) runs
+off the event loop, so /health answers while it runs.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +24,7 @@ from pagedserve.server.async_engine import AsyncLLMEngine
 from pagedserve.server.chat import ChatHandler
 from pagedserve.server.completions import CompletionsHandler
 from pagedserve.server.errors import APIError, error_response, validation_api_error
+from pagedserve.server.guards import ApiKeyGuard, BodyLimit
 from pagedserve.server.handlers import ServerConfig
 from pagedserve.server.metrics import CONTENT_TYPE
 from pagedserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -40,8 +41,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     chat_handler = ChatHandler(engine, config, created)
     tokenization = TokenizationHandler(chat_handler)
     _add_error_handlers(app)
+    # The last added runs first: the key is checked before any body byte is counted.
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
     if config.api_key is not None:
-        _add_authentication(app, config.api_key)
+        app.add_middleware(ApiKeyGuard, api_key=config.api_key)
     _add_info_routes(app, engine, config, created)
 
     @app.post("/v1/completions", response_model=None)
@@ -54,11 +57,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return tokenization.tokenize(body)
+        return await tokenization.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return tokenization.detokenize(body)
+        return await tokenization.detokenize(body)
 
     return app
 
@@ -80,29 +83,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(exc.status_code, str(exc.detail), kind=kind))
 
 
-def _add_authentication(app: FastAPI, api_key: str) -> None:
-    """Require 'Authorization: Bearer `api_key`' on the /v1 routes; health, version, metrics and
-    tokenization stay open so that probes and tooling need no key."""
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def _authenticate(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            # A constant-time comparison: the time taken must not reveal how much of a guess matched.
-            if not secrets.compare_digest(given.encode(), expected):
-                return error_response(
-                    APIError(
-                        401,
-                        "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                        kind="authentication_error",
-                    )
-                )
-        return await call_next(request)
-
-
 def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, config: ServerConfig, created: int) -> None:
     """Add the routes describing the server: health, version, metrics and the model list."""
 
@@ -119,19 +99,28 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, config: ServerConfig,
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE)
+        return Response(engine.metrics.exposition(config.served_model_name), media_type=CONTENT_TYPE)
+
+    def card() -> dict[str, Any]:
+        return {
+            "id": config.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pagedserve",
+            "max_model_len": engine.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": config.served_model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "pagedserve",
-                    "max_model_len": engine.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != config.served_model_name:
+            raise APIError(
+                404,
+                f"the model {model_id!r} does not exist; this server serves {config.served_model_name!r}",
+                param="model",
+                kind="not_found_error",
+            )
+        return card()

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio
@@ -54,6 +57,8 @@ from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.types import RequestId
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -119,6 +124,10 @@ class AsyncLLMEngine:
         self._seqs: dict[str, list[RequestId]] = {}  # request id -> its core sequence ids
         self._dead: str | None = None  # why the core is gone; None while it is alive
         self._closed = False
+        # Tokenizing, rendering chat templates, detokenizing whole texts and checking grammars
+        # take the CPU for up to seconds; they run here, never on the event loop. One thread:
+        # a fast tokenizer must not be used from two threads at once.
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-tokenizer")
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     @classmethod
@@ -157,7 +166,10 @@ class AsyncLLMEngine:
         info = CoreInfo.common([wait.result() for wait in waits])
         self.info = info
         self._inputs = InputProcessor(
-            self.tokenizer, vocab_size=info.vocab_size, max_logprobs=self.args.max_logprobs
+            self.tokenizer,
+            vocab_size=info.vocab_size,
+            max_logprobs=self.args.max_logprobs,
+            max_model_len=info.max_model_len,
         )
         self._processor = OutputProcessor(
             self.tokenizer,
@@ -223,6 +235,23 @@ class AsyncLLMEngine:
         self._async_ctx.term()
         if self._group is not None:
             self._group.close()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    def fail_in_flight(self, reason: str) -> int:
+        """Fail every request in flight with `EngineDeadError(reason)` (each stream ends with an
+        error event, each waiting response becomes a 503) and abort it in the core; new requests
+        are still taken. Returns how many there were. Used when a graceful shutdown runs out of
+        time."""
+        request_ids = list(self._queues)
+        for request_id in request_ids:
+            replica = self._replica_of.get(request_id)
+            seq_ids = list(self._seqs.get(request_id, []))
+            self._fail(request_id, EngineDeadError(reason))
+            if self._dead is None and replica is not None:
+                self._cores[replica].to_core.send(wire.encode_ids(MessageType.ABORT, seq_ids))
+        if request_ids:
+            logger.warning("failed %d request(s) still running: %s", len(request_ids), reason)
+        return len(request_ids)
 
     # ---- health ------------------------------------------------------------------------------------
     @property
@@ -284,11 +313,17 @@ class AsyncLLMEngine:
             self._fail(request_id, EngineDeadError(reason))
 
     # ---- requests ----------------------------------------------------------------------------------
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt (see `InputProcessor.tokenize`). Raises ValueError."""
+    def tokenize(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt (see `InputProcessor.tokenize`). Raises ValueError. Takes the
+        CPU for as long as the prompt is long: call it through `run_cpu` on the event loop."""
         if self._inputs is None:
             raise EngineDeadError("the engine is not started")
-        return self._inputs.tokenize(prompt)
+        return self._inputs.tokenize(prompt, add_special_tokens=add_special_tokens)
+
+    async def run_cpu(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on the engine's tokenizer thread, so the event loop stays free meanwhile
+        (tokenizer work, chat templates, grammar checks). Raises what `fn` raises."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, functools.partial(fn, *args))
 
     async def generate(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str
@@ -296,8 +331,11 @@ class AsyncLLMEngine:
         """Add a request and yield its cumulative `RequestOutput`s until it finishes. When the
         consumer falls behind, intermediate outputs are skipped (each one holds all before it).
         Raises `InvalidRequest` for a request that can never run, `EngineDeadError` when the core
-        is gone. Stopping the iteration early aborts the request."""
-        queue = self._add(prompt, params, request_id)
+        is gone. Stopping the iteration early aborts the request. The prompt is tokenized and
+        the parameters checked on the tokenizer thread (`run_cpu`), not on the event loop."""
+        self._check_open()
+        ids = await self.run_cpu(self._checked_ids, prompt, params)
+        queue = self._add(prompt, ids, params, request_id)
         try:
             while True:
                 item = await queue.get()
@@ -310,19 +348,19 @@ class AsyncLLMEngine:
                     return
         finally:
             if request_id in self._queues:  # left early: cancelled, disconnected or closed
-                self.abort(request_id)
+                self.abort(request_id, "the client disconnected or its request was cancelled")
 
-    def _add(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str
-    ) -> asyncio.Queue[RequestOutput | BaseException]:
+    def _check_open(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if self._closed:
             raise EngineDeadError("the server is shutting down")
+
+    def _checked_ids(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids once the parameters and the prompt passed every check that
+        needs the tokenizer (grammars included). Raises InvalidRequest. CPU-bound."""
         info = self._require_info()
-        assert self._inputs is not None and self._processor is not None
-        if request_id in self._queues:
-            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        assert self._inputs is not None
         try:
             self._inputs.check_params(params)
         except ValueError as exc:
@@ -333,6 +371,16 @@ class AsyncLLMEngine:
         except ValueError as exc:
             raise InvalidRequest(str(exc), "prompt") from None
         _check_fits(len(ids), params.max_tokens, info.max_model_len)
+        return ids
+
+    def _add(
+        self, prompt: str | Sequence[int], ids: list[int], params: SamplingParams, request_id: str
+    ) -> asyncio.Queue[RequestOutput | BaseException]:
+        self._check_open()  # again: the core may have died while the prompt was tokenized
+        info = self._require_info()
+        assert self._processor is not None
+        if request_id in self._queues:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         seq_ids = self._processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, ids, params
         )
@@ -356,11 +404,13 @@ class AsyncLLMEngine:
             to_core.send(wire.encode_add(core_request))
         return queue
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, cause: str = "its consumer stopped reading") -> None:
         """Abort a request (unknown or finished ids are ignored). Its `generate` loop, if any,
-        gets a last output with finish_reason "abort"; the core frees its KV blocks."""
+        gets a last output with finish_reason "abort"; the core frees its KV blocks. `cause`
+        goes to the log."""
         if request_id not in self._queues or self._processor is None:
             return
+        logger.info("aborted request %s: %s", request_id, cause)
         queue = self._queues.pop(request_id)
         replica = self._replica_of.get(request_id)
         seq_ids = self._forget_sequences(request_id)

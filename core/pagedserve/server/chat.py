@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.server.chat_template import TemplateTimeout, render_messages, render_within
 from pagedserve.server.errors import APIError, invalid
 from pagedserve.server.handlers import GenerationHandler, SampleDelta, stream_choices, usage
 from pagedserve.server.openai_protocol import ChatCompletionRequest, to_sampling_params
@@ -42,9 +43,11 @@ class ChatHandler(GenerationHandler):
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         self.check_alive()
+        self.check_n(body.n)
         plan = plan_tools(body, self.tool_parser)
-        structured = self._constraint(body, plan)
-        ids = self.prompt_ids(body, plan)
+        # Checking a schema builds its grammar: CPU work, kept off the event loop.
+        structured = await self.engine.run_cpu(self._constraint, body, plan)
+        ids = await self.prompt_ids(body, plan)
         params = self._sampling_params(body, plan, structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [ids], params)
@@ -170,11 +173,19 @@ class ChatHandler(GenerationHandler):
             ) from None
         return plan.constraint
 
-    def prompt_ids(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
-        """The token ids of the rendered conversation (tools included). Raises APIError."""
+    async def prompt_ids(self, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
+        """The token ids of the rendered conversation (tools included), rendered and tokenized
+        off the event loop, the rendering within `chat_template_timeout_s`. Raises APIError."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "this server has no tokenizer, so chat is unavailable", param="messages")
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise APIError(
+                400,
+                "this server does not run chat templates sent in requests (a template is a program): "
+                "leave chat_template out, or start the server with --trust-request-chat-template",
+                param="chat_template",
+            )
         if body.chat_template is None and tokenizer.chat_template is None:
             raise APIError(
                 400,
@@ -194,21 +205,21 @@ class ChatHandler(GenerationHandler):
                     parts.append(part.text)
                 content = "".join(parts)
             contents.append(content or "")
-        messages = template_messages(body, contents)
+        render = render_messages(
+            tokenizer,
+            template_messages(body, contents),
+            tools=list(plan.tools) if plan is not None else None,
+            add_generation_prompt=body.add_generation_prompt,
+            chat_template=body.chat_template,
+        )
         try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                tools=list(plan.tools) if plan is not None else None,
-                tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
-                chat_template=body.chat_template,
-            )
+            text = await render_within(render, self.config.chat_template_timeout_s)
+        except TemplateTimeout as exc:
+            raise APIError(400, f"{exc} (--chat-template-timeout)", param="messages") from None
         except Exception as exc:  # jinja raises its own errors for conversations a template refuses
             raise APIError(400, f"the chat template failed: {exc}", param="messages") from None
-        assert isinstance(text, str)
         # The template already holds any BOS token, so encode without adding special tokens.
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
-        return self.tokenize(ids, "messages")
+        return await self.tokenize_off_loop(text, "messages", add_special_tokens=False)
 
     def logprobs_object(self, sample: CompletionOutput, params: SamplingParams, start: int) -> Any:
         """OpenAI's chat logprobs object for tokens [start:] of a sample (None if not asked)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
@@ -37,6 +38,10 @@ class ServerConfig:
     served_model_name: str
     api_key: str | None = None  # None: no authentication
     tool_call_parser: str | None = None  # parses tool calls from free text (tool_choice="auto")
+    max_request_body_bytes: int = 8 * 2**20  # larger bodies get 413 before they are parsed
+    max_n: int = 128  # the most samples one request may ask for (OpenAI's cap)
+    trust_request_chat_template: bool = False  # run chat templates sent in requests
+    chat_template_timeout_s: float = 5.0  # a chat template's rendering budget
 
 
 async def merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> Merged:
@@ -205,9 +210,29 @@ class GenerationHandler:
         assert self.engine.info is not None
         return self.engine.info.vocab_size
 
+    def check_n(self, n: int) -> None:
+        """Refuse more samples per request than `max_n` (a cheap request asking for thousands
+        would hold the batch)."""
+        if n > self.config.max_n:
+            raise APIError(
+                400, f"n must be at most {self.config.max_n} on this server (--max-n), got {n}", param="n"
+            )
+
     def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids of a prompt. CPU-bound for long texts: call it on the tokenizer thread
+        (`engine.run_cpu`). Raises APIError naming `param`."""
         try:
             return self.engine.tokenize(prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
+
+    async def tokenize_off_loop(self, text: str, param: str, *, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids, encoded on the engine's tokenizer thread. Raises APIError naming
+        `param`."""
+        try:
+            return await self.engine.run_cpu(
+                functools.partial(self.engine.tokenize, text, add_special_tokens=add_special_tokens)
+            )
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
 

@@ -1,15 +1,19 @@
 """Requests of OpenAI's completions and chat completions APIs, as pydantic models.
 
 Every field real clients send is accepted; unknown fields are ignored (clients add their own), and
-a wrongly typed field fails validation naming it. Value ranges are not repeated here:
-`to_sampling_params` hands the values to `SamplingParams`, whose ValueError names the field.
+a wrongly typed field fails validation naming it. Booleans are strict (`"stream": "yes"` is an
+error, not true), a string holding a lone UTF-16 surrogate (`"\\ud800"`, which no UTF-8 text can
+hold) is refused naming where it is, and OpenAI fields this server does not implement with a value
+that would change the result (`best_of` > 1) are refused rather than ignored. Value ranges are not
+repeated here: `to_sampling_params` hands the values to `SamplingParams`, whose ValueError names
+the field.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
@@ -20,7 +24,7 @@ class _Lenient(BaseModel):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(_Lenient):
@@ -28,7 +32,7 @@ class JsonSchemaFormat(_Lenient):
     description: str | None = None
     # "schema" shadows a pydantic BaseModel attribute, hence the alias.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Lenient):
@@ -45,15 +49,51 @@ class StructuredOutputsFields(_Lenient):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
 
 
-class _SamplingFields(_Lenient):
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """Where in a parsed JSON value a string holds a lone surrogate (e.g. "messages.0.content"),
+    or None. Pure."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items: Any = (
+        value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    )
+    for key, item in items:
+        found = lone_surrogate_path(key, path) if isinstance(key, str) else None
+        found = found or lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class _Request(_Lenient):
+    """A whole request body: checked for text no UTF-8 encoder can write before its fields are."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_path(data)
+        if where is not None:
+            raise ValueError(
+                f"{where}: the string holds a lone UTF-16 surrogate (such as \\ud800), which is not "
+                "valid Unicode text: send well-formed UTF-8"
+            )
+        return data
+
+
+class _SamplingFields(_Request):
     """Fields both endpoints share."""
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None  # accepted as OpenAI's field; only 1 (or n) is implemented
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
     top_k: int | None = None  # an extension, as in vLLM; -1 and 0 disable it
@@ -65,12 +105,12 @@ class _SamplingFields(_Lenient):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     user: str | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Constrained decoding: OpenAI's field, then the extension fields (vLLM's names). At most one.
     response_format: ResponseFormat | None = None
@@ -80,6 +120,16 @@ class _SamplingFields(_Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("best_of")
+    @classmethod
+    def _one_best_of(cls, value: int | None) -> int | None:
+        if value is not None and value > 1:
+            raise ValueError(
+                f"best_of={value} is not supported: this server returns every sample it generates; "
+                "ask for n samples instead"
+            )
+        return value
+
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
@@ -87,7 +137,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # the top-N alternatives per token (0: only the chosen token)
-    echo: bool = False
+    echo: StrictBool = False
 
 
 class ContentPart(_Lenient):
@@ -118,7 +168,7 @@ class FunctionDefinition(_Lenient):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(_Lenient):
@@ -141,13 +191,13 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     chat_template: str | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
 
 
 def logit_bias_by_id(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

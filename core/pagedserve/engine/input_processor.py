@@ -102,7 +102,12 @@ class InputProcessor:
             except ValueError as exc:
                 raise ParamError(str(exc), "structured_outputs") from None
         if params.stop_strings and not params.detokenize:
-            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
+            why = " (this engine has no tokenizer)" if self.tokenizer is None else ""
+            raise ParamError(
+                f"stop strings need detokenize=True (they are matched in the text){why}: "
+                "use stop_token_ids instead",
+                "stop",
+            )
         if self.tokenizer is None and params.detokenize:
             raise ValueError(
                 "this engine has no tokenizer (skip_tokenizer_init=True): "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -247,7 +248,17 @@ class GenerationHandler:
         self, request_id: str, prompts: list[list[int]], params: SamplingParams
     ) -> list[AsyncIterator[RequestOutput]]:
         """One `generate` stream per prompt; the engine checks each request when the stream is
-        first awaited, so this only builds the iterators."""
+        first awaited, so this only builds the iterators. A server without a tokenizer
+        (`--skip-tokenizer-init`) answers token ids with empty text, as vLLM's does."""
+        if self.engine.tokenizer is None and params.detokenize:
+            if params.stop_strings:
+                raise APIError(
+                    400,
+                    "stop strings are matched in the text, and this server has no tokenizer "
+                    "(--skip-tokenizer-init): use stop_token_ids",
+                    param="stop",
+                )
+            params = dataclasses.replace(params, detokenize=False)
         return [
             self.engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}")
             for i, p in enumerate(prompts)

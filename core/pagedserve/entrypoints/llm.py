@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,6 +24,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.inputs import PromptType, is_single_prompt, to_engine_prompt
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
 
@@ -48,14 +51,28 @@ class LLM:
 
             self.engine = DataParallelLLMEngine(args)
         self._ids = itertools.count()
+        self._default_params: SamplingParams | None = None
 
     @property
     def platform(self) -> str:
         engine = self.engine
         return engine.setup.platform.name if isinstance(engine, LLMEngine) else engine.platform_name
 
+    @property
+    def llm_engine(self) -> LLMEngine | DataParallelLLMEngine:
+        """The engine behind this `LLM` (vLLM's attribute name): `add_request`, `step`, ..."""
+        return self.engine
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters `generate` and `chat` use when given none: the model's
+        `generation_config.json` values (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens), as vLLM reads them, or SamplingParams() without one."""
+        if self._default_params is None:
+            self._default_params = generation_defaults(self.engine.args.model)
+        return self._default_params
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prompt prefixes of finished requests: the next `generate` computes
@@ -64,14 +81,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: PromptInput | Sequence[PromptInput],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string, a list of strings, a list of token ids, or a list
-        of those); returns one finished `RequestOutput` per prompt, in input order."""
+        """Generate for every prompt: one prompt or a list of them, each a string, a list of token
+        ids, a `TextPrompt` (`{"prompt": text}`) or a `TokensPrompt` (`{"prompt_token_ids": ids}`);
+        returns one finished `RequestOutput` per prompt, in input order."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = _as_params_list(self._or_default(sampling_params), len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
 
     def chat(
@@ -81,9 +99,20 @@ class LLM:
         use_tqdm: bool = True,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        `continue_final_message` continues the last (assistant) message instead of opening a new
+        turn; `tools` (JSON-schema function definitions) and `chat_template_kwargs` reach the
+        template as variables, as with vLLM."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message=True continues the last message; it cannot be combined with "
+                "add_generation_prompt=True, which opens a new turn: pass add_generation_prompt=False"
+            )
         if not messages:
             raise ValueError("messages is empty: give a conversation (a list of {'role', 'content'} dicts)")
         conversations = [messages] if isinstance(messages[0], dict) else messages
@@ -101,14 +130,22 @@ class LLM:
                     )
             text = tokenizer.apply_chat_template(
                 list(conversation),  # type: ignore[arg-type]
+                tools=list(tools) if tools is not None else None,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                **(chat_template_kwargs or {}),
             )
             # The template already holds any BOS token, so encode without adding special tokens.
             prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
-        params_list = _as_params_list(sampling_params, len(prompts))
+        params_list = _as_params_list(self._or_default(sampling_params), len(prompts))
         return self._run(prompts, params_list, use_tqdm)
+
+    def _or_default(
+        self, params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> SamplingParams | Sequence[SamplingParams]:
+        return self.get_default_sampling_params() if params is None else params
 
     def _run(
         self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool
@@ -158,18 +195,17 @@ class LLM:
         return [r for r in results if r is not None]
 
 
-def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: object) -> list[PromptInput]:
+    """Every prompt in the engine's form (`inputs.to_engine_prompt`). Raises ValueError naming the
+    prompt and what is wrong with it."""
+    if is_single_prompt(prompts):
+        return [to_engine_prompt(prompts, "prompt")]
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        return [to_engine_prompt(prompts, "prompts")]  # refuses it, naming its type
     items = list(prompts)
     if not items:
         raise ValueError("prompts is empty: give a string, a list of strings or lists of token ids")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in items):
-        return [items]  # type: ignore[list-item]  # one prompt given as token ids
-    for i, p in enumerate(items):
-        if not isinstance(p, str | list | tuple):
-            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
-    return items  # type: ignore[return-value]
+    return [to_engine_prompt(p, f"prompt {i}") for i, p in enumerate(items)]
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -192,3 +228,36 @@ def _describe_validation_error(exc: pydantic.ValidationError) -> str:
         field = ".".join(str(x) for x in err["loc"]) or "arguments"
         parts.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
     return "invalid engine arguments: " + "; ".join(parts)
+
+
+# generation_config.json field -> SamplingParams field (the ones vLLM takes as defaults)
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(model: str | None) -> SamplingParams:
+    """SamplingParams from the `generation_config.json` beside a checkpoint (SamplingParams()
+    for a GGUF file, the embedded model, or a folder without one). Raises ValueError naming the
+    file when one of its values is out of range."""
+    if model is None or not os.path.isdir(model):
+        return SamplingParams()
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return SamplingParams()
+    with open(path) as f:
+        config = json.load(f)
+    values = {
+        ours: config[theirs]
+        for theirs, ours in _GENERATION_DEFAULTS.items()
+        if config.get(theirs) is not None
+    }
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None

@@ -9,10 +9,12 @@ validates again.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from numbers import Real
 from typing import cast
 
@@ -74,8 +76,19 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the enum or its value (a str)
     # The output must match a JSON schema, regex, choice or grammar (constrained decoding).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older name for structured_outputs: accepted with a DeprecationWarning, not stored.
+    guided_decoding: InitVar[StructuredOutputsParams | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: StructuredOutputsParams | None) -> None:
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or its older name guided_decoding, not both")
+            warnings.warn(
+                "SamplingParams(guided_decoding=...) is deprecated: use structured_outputs=",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "structured_outputs", guided_decoding)
         self._check_counts()
         self._check_probabilities()
         self._normalize_stops()
@@ -192,6 +205,11 @@ class SamplingParams:
                 )
             ids = tuple(self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", ids)
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's method). The object is frozen, so a copy is only needed by code that
+        compares identities; `dataclasses.replace(params, field=value)` makes a changed one."""
+        return dataclasses.replace(self)
 
     # ---- derived, read-only views -----------------------------------------------------------------
 

@@ -347,7 +347,12 @@ class Scheduler:
         blocks or its prefix-cache hits. Returns False, changing nothing, if it does not fit.
         Mutates on success."""
         swapped = self.kv.is_swapped_out(request.id)
-        prefix = [] if swapped or parent is not None else self.kv.find_cached_prefix(request)
+        # Prompt logprobs need the logits of every prompt position, which cached blocks do not
+        # keep: such a request computes its whole prompt and is no prefix-cache query.
+        reads_cache = getattr(request.sampling_params, "prompt_logprobs", None) is None
+        prefix = (
+            [] if swapped or parent is not None or not reads_cache else self.kv.find_cached_prefix(request)
+        )
         if swapped:
             num_computed = request.num_computed_tokens
         elif parent is not None:
@@ -364,7 +369,7 @@ class Scheduler:
             alloc = self._fork(request, parent, num_computed, num_new)
         else:
             alloc = self.kv.allocate_slots(request, num_new, prefix)
-            if alloc is not None:
+            if alloc is not None and reads_cache:
                 # Counted on admission only: a request retried at the head of the queue for
                 # several steps is one query, not several.
                 self.kv.record_prefix_query(request, len(prefix))

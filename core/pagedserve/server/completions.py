@@ -1,4 +1,10 @@
-"""POST /v1/completions: prompts in, text out, streamed or not."""
+"""POST /v1/completions: prompts in, text out, streamed or not.
+
+With `echo` and `logprobs`, as in OpenAI's legacy completions API, the logprobs object covers the
+prompt's tokens first (the first one has no context, so its logprob and alternatives are null)
+and then the generated ones; in a stream the echoed prompt's chunk carries the prompt's part.
+`text_offset` indexes the choice's whole text, echoed prompt included.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +16,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.detokenizer import IncrementalDetokenizer, decode_text
+from pagedserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, invalid
-from pagedserve.server.handlers import GenerationHandler, SampleDelta, stream_choices, usage
+from pagedserve.server.handlers import GenerationHandler, Merged, SampleDelta, stream_choices, usage
 from pagedserve.server.openai_protocol import CompletionRequest, to_sampling_params
 from pagedserve.server.structured_fields import structured_outputs_of
 
@@ -39,7 +46,8 @@ class CompletionsHandler(GenerationHandler):
                 body,
                 max_tokens=body.max_tokens,
                 logprobs=body.logprobs,
-                prompt_logprobs=None,
+                # The echoed prompt's tokens get logprobs too, as many alternatives as the output's.
+                prompt_logprobs=body.logprobs if body.echo else None,
                 vocab_size=self.vocab_size(),
                 structured_outputs=structured,
             )
@@ -49,6 +57,10 @@ class CompletionsHandler(GenerationHandler):
         streams = self.start(request_id, [p.engine_prompt for p in prompts], params)
         if body.stream:
             merged = await self.first(request, streams)
+            echoed = [self.echo_text(p) for p in prompts] if body.echo else None
+            renderer = _TextRenderer(self, echoed, prompts, params, {})
+            if echoed is not None and params.logprobs is not None:
+                merged = _noting_prompt_logprobs(merged, renderer.prompt_logprobs)
             base = {
                 "id": request_id,
                 "object": "text_completion",
@@ -59,7 +71,7 @@ class CompletionsHandler(GenerationHandler):
                 merged,
                 base=base,
                 n=params.n,
-                renderer=_TextRenderer(self, body.echo, prompts, params),
+                renderer=renderer,
                 include_usage=body.stream_options is not None and body.stream_options.include_usage,
                 prompt_tokens=sum(len(p.engine_prompt) for p in prompts),
             )
@@ -97,18 +109,10 @@ class CompletionsHandler(GenerationHandler):
         assert sample.logprobs is not None
         offset = text_offset
         for token_id, entry in zip(sample.token_ids[start:], sample.logprobs[start:], strict=False):
-            chosen = entry[token_id]
-            text = chosen.decoded_token if chosen.decoded_token is not None else self.decode([token_id])
+            text, logprob, alternatives = self._token_logprobs(token_id, entry, top_n)
             tokens.append(text)
-            token_logprobs.append(chosen.logprob)
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-            top.append(
-                {
-                    (lp.decoded_token if lp.decoded_token is not None else self.decode([t])): lp.logprob
-                    for t, lp in ranked
-                    if lp.rank is not None and lp.rank <= top_n
-                }
-            )
+            token_logprobs.append(logprob)
+            top.append(alternatives)
             offsets.append(offset)
             offset += len(text)
         return {
@@ -117,6 +121,71 @@ class CompletionsHandler(GenerationHandler):
             "top_logprobs": top,
             "text_offset": offsets,
         }
+
+    def prompt_logprobs_object(
+        self, ids: list[int], text: str, prompt_logprobs: PromptLogprobs | None, top_n: int
+    ) -> dict[str, Any]:
+        """OpenAI's completions logprobs object for an echoed prompt of token ids `ids` shown as
+        `text`: one entry per prompt token, null where the engine scored none (the first token,
+        which has no context). The offsets index `text`."""
+        entries: PromptLogprobs = list(prompt_logprobs or [])
+        entries += [None] * (len(ids) - len(entries))
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        for token_id, entry in zip(ids, entries, strict=False):
+            if entry is None or token_id not in entry:
+                tokens.append(self.decode([token_id]))
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            token_text, logprob, alternatives = self._token_logprobs(token_id, entry, top_n)
+            tokens.append(token_text)
+            token_logprobs.append(logprob)
+            top.append(alternatives)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": self._prompt_text_offsets(ids, text),
+        }
+
+    def _token_logprobs(
+        self, token_id: int, entry: dict[int, Logprob], top_n: int
+    ) -> tuple[str, float, dict[str, float]]:
+        """(the token's text, its logprob, the top-`top_n` alternatives by text) of one position."""
+        chosen = entry[token_id]
+        text = chosen.decoded_token if chosen.decoded_token is not None else self.decode([token_id])
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+        alternatives = {
+            (lp.decoded_token if lp.decoded_token is not None else self.decode([t])): lp.logprob
+            for t, lp in ranked
+            if lp.rank is not None and lp.rank <= top_n
+        }
+        return text, chosen.logprob, alternatives
+
+    def _prompt_text_offsets(self, ids: list[int], text: str) -> list[int]:
+        """Where each prompt token starts in `text`, the prompt's echoed text: the length of the
+        text its preceding tokens decode to. Tokens are decoded incrementally, so the pieces of a
+        character split over several tokens all start where that character does (decoding each
+        token alone would count a replacement character for every piece)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return [0] * len(ids)
+        # The echoed text is the decoded ids or the user's string; a tokenizer may have added
+        # special tokens (a BOS) that the string lacks: leave them out when that reproduces it.
+        skip_special = decode_text(tokenizer, ids) != text and (
+            decode_text(tokenizer, ids, skip_special_tokens=True) == text
+        )
+        decoded = IncrementalDetokenizer(
+            tokenizer, SamplingParams(max_tokens=None, skip_special_tokens=skip_special)
+        )
+        offsets = []
+        for token_id in ids:
+            # Clamped: if the text is not what the ids decode to, offsets still stay inside it.
+            offsets.append(min(len(decoded.text), len(text)))
+            decoded.append([token_id])
+        return offsets
 
     def _response(
         self,
@@ -130,11 +199,18 @@ class CompletionsHandler(GenerationHandler):
         completion_tokens = 0
         for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
             prefix = self.echo_text(prompt) if body.echo else ""
+            echoed = None
+            if body.echo and params.logprobs is not None:
+                echoed = self.prompt_logprobs_object(
+                    prompt.engine_prompt, prefix, final.prompt_logprobs, params.logprobs
+                )
             for sample in final.outputs:
                 completion_tokens += len(sample.token_ids)
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs = self.logprobs_object(sample, params.logprobs, 0, len(prefix))
+                    if echoed is not None:
+                        logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
                 choices.append(
                     {
                         "index": i * params.n + sample.index,
@@ -160,28 +236,55 @@ class CompletionsHandler(GenerationHandler):
 
 @dataclass(frozen=True, slots=True)
 class _TextRenderer:
-    """Completion chunks: the echoed prompt first (if asked), then text deltas with logprobs."""
+    """Completion chunks: the echoed prompt first (if asked, with its logprobs when logprobs are
+    asked), then text deltas with logprobs."""
 
     handler: CompletionsHandler
-    echo: bool
+    echoed: list[str] | None  # each prompt's echoed text; None without echo
     prompts: list[_Prompt]
     params: SamplingParams
+    # prompt index -> its logprobs, filled by `_noting_prompt_logprobs` before a prompt's first
+    # output reaches `opening`; mutable, unlike the rest.
+    prompt_logprobs: dict[int, PromptLogprobs]
 
     def opening(self, delta: SampleDelta) -> list[dict[str, Any]]:
-        if not self.echo:
+        if self.echoed is None:
             return []
-        text = self.handler.echo_text(self.prompts[delta.prompt_index])
-        return [_text_choice(delta.index, text, None, None)]
+        text = self.echoed[delta.prompt_index]
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = self.handler.prompt_logprobs_object(
+                self.prompts[delta.prompt_index].engine_prompt,
+                text,
+                self.prompt_logprobs.get(delta.prompt_index),
+                self.params.logprobs,
+            )
+        return [_text_choice(delta.index, text, logprobs, None)]
 
     def chunk(self, delta: SampleDelta) -> list[dict[str, Any]]:
         sample = delta.sample
         logprobs = None
         if self.params.logprobs is not None and len(sample.token_ids) > delta.token_start:
             sent_chars = len(sample.text) - len(delta.text)
+            if self.echoed is not None:  # offsets index the choice's text, the prompt's first
+                sent_chars += len(self.echoed[delta.prompt_index])
             logprobs = self.handler.logprobs_object(
                 sample, self.params.logprobs, delta.token_start, sent_chars
             )
         return [_text_choice(delta.index, delta.text, logprobs, sample)]
+
+
+async def _noting_prompt_logprobs(merged: Merged, seen: dict[int, PromptLogprobs]) -> Merged:
+    """`merged` unchanged, noting each prompt's logprobs in `seen` as they first arrive (they come
+    with the prompt's first output, which is the one the echoed chunk is sent for). Closing it
+    closes `merged`, which aborts the requests still running."""
+    try:
+        async for prompt_index, out in merged:
+            if out.prompt_logprobs is not None and prompt_index not in seen:
+                seen[prompt_index] = out.prompt_logprobs
+            yield prompt_index, out
+    finally:
+        await merged.aclose()
 
 
 def _text_choice(

@@ -37,10 +37,15 @@ class CompletionsHandler(GenerationHandler):
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         self.check_alive()
-        prompts = self._prompts(body.prompt)
+        self.check_n(body.n)
+        # Tokenizing and checking a schema are CPU work: on the tokenizer thread, off the loop.
+        prompts = await self.engine.run_cpu(self._prompts, body.prompt)
         if body.logprobs is not None and body.logprobs < 0:
             raise APIError(400, f"logprobs must be >= 0, got {body.logprobs}", param="logprobs")
-        structured, _ = structured_outputs_of(body, has_tokenizer=self.engine.tokenizer is not None)
+        has_tokenizer = self.engine.tokenizer is not None
+        structured, _ = await self.engine.run_cpu(
+            lambda: structured_outputs_of(body, has_tokenizer=has_tokenizer)
+        )
         try:
             params = to_sampling_params(
                 body,

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_latency import _gpu_busy, _prompt, bench_engine_args, kernel_table, llama_8b_config
+from gpu_latency import _gpu_busy, _prompt, bench_engine_args, kernel_table, llama_8b_config, token_arrivals
 
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
@@ -95,13 +95,7 @@ def single_stream(engine: LLMEngine, prompt_len: int, output_len: int) -> dict[s
     torch.cuda.synchronize()
     start = time.perf_counter()
     engine.add_request("timed", _prompt(prompt_len, 2), params)
-    arrivals: list[float] = []
-    seen = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            count = len(out.outputs[0].token_ids)
-            arrivals.extend([time.perf_counter()] * (count - seen))
-            seen = count
+    arrivals = token_arrivals(engine)
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     return {
         "ttft_ms": (arrivals[0] - start) * 1e3,

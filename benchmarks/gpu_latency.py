@@ -111,6 +111,19 @@ def _timed_steps(engine: LLMEngine) -> list[float]:
     return steps
 
 
+def token_arrivals(engine: LLMEngine) -> list[float]:
+    """Step until nothing is left; the host time (`time.perf_counter()`) at which each token of the
+    one running request was handed out by `step`."""
+    arrivals: list[float] = []
+    seen = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            count = len(out.outputs[0].token_ids)
+            arrivals.extend([time.perf_counter()] * (count - seen))
+            seen = count
+    return arrivals
+
+
 def single_stream(engine: LLMEngine, prompt_len: int, output_len: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0, detokenize=False)
     engine.add_request("warm", _prompt(prompt_len, 1), params)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from gpu_latency import LLAMA_SHAPES, _prompt, bench_engine_args, llama_config
+from gpu_latency import LLAMA_SHAPES, _prompt, bench_engine_args, llama_config, token_arrivals
 
 from pagedserve.bench.datasets import BenchRequest, fit_vocab, load_workload
 from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
@@ -58,13 +58,7 @@ def single_stream(engine: LLMEngine, prompt_len: int, output_len: int) -> dict[s
     for name, seed in (("warm", 1), ("timed", 2)):
         start = time.perf_counter()
         engine.add_request(name, _prompt(prompt_len, seed), params)
-        arrivals: list[float] = []
-        seen = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                count = len(out.outputs[0].token_ids)
-                arrivals.extend([time.perf_counter()] * (count - seen))
-                seen = count
+        arrivals = token_arrivals(engine)
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     return {
         "ttft_ms": (arrivals[0] - start) * 1e3,

@@ -1,16 +1,14 @@
-"""The host logic of `benchmarks/kernels/attention.py --variants`: scores, the decode verdict, the config
-overrides it times and the files it writes; then one tiny end-to-end run in Triton's interpreter
-(two variants, one launch point)."""
+"""The host logic of `benchmarks/kernels/attention.py --variants` (`attention_variants.py`,
+`attention_configs.py`): scores, the decode verdict, the config overrides it times and the files it
+writes; then one tiny end-to-end run in Triton's interpreter (two variants, one launch point)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -18,26 +16,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 H100 = "NVIDIA H100 80GB HBM3"
 
+# As in test_bench_attention_formulas.py: the interpreter is chosen before the kernels exist, and
+# the kernel scripts import their neighbours by file name.
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(ROOT / "plugins" / "triton"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
+import attention_cases as case_table  # noqa: E402
+import attention_configs as configs  # noqa: E402
+import attention_variants as variants  # noqa: E402
+from attention_batches import Shape  # noqa: E402
 
-def _load_benchmark() -> ModuleType:
-    # As in test_bench_attention_formulas.py: the interpreter is chosen before the kernels exist.
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, str(ROOT / "plugins" / "triton"))
-    spec = importlib.util.spec_from_file_location(
-        "bench_attention", ROOT / "benchmarks" / "kernels" / "attention.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_attention"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
 from pagedserve.platforms.tuned_configs import TunedConfigs  # noqa: E402
-from pagedserve_triton.launch_params import LaunchParams  # noqa: E402
+from pagedserve_triton.launch_params import CONFIG_DIR, LaunchParams  # noqa: E402
 
-SHAPE = bench.Shape(q_heads=32, kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
+SHAPE = Shape(q_heads=32, kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
 LAUNCH = {"BLOCK_M": 128, "TILE_SIZE": 64, "num_warps": 8, "num_stages": 3}
 
 
@@ -54,21 +46,21 @@ def _h100(params: LaunchParams, kernel: str, max_query_len: int) -> object:
 
 
 def _result(name: str, us: dict[str, float], max_diff: float = 0.0, error: str | None = None) -> object:
-    return bench.VariantResult(name, {}, us, max_diff, error)
+    return variants.VariantResult(name, {}, us, max_diff, error)
 
 
 def test_prefill_score_is_the_geometric_mean_tflops_of_complete_results() -> None:
     flops = {"a": 4 * 10**8, "b": 10**8}  # 400 and 100 TFLOP/s at 1 us: geomean 200
-    assert bench.prefill_score(_result("x", {"a": 1.0, "b": 1.0}), flops) == pytest.approx(200.0)
-    assert bench.prefill_score(_result("x", {"a": 1.0}), flops) == 0.0
-    assert bench.prefill_score(_result("x", {"a": 1.0, "b": 1.0}, error="OutOfResources"), flops) == 0.0
+    assert variants.prefill_score(_result("x", {"a": 1.0, "b": 1.0}), flops) == pytest.approx(200.0)
+    assert variants.prefill_score(_result("x", {"a": 1.0}), flops) == 0.0
+    assert variants.prefill_score(_result("x", {"a": 1.0, "b": 1.0}, error="OutOfResources"), flops) == 0.0
 
 
 def test_decode_verdict_needs_a_gain_and_no_case_much_slower() -> None:
-    assert bench.decode_verdict([0.95, 0.97, 1.0])
-    assert not bench.decode_verdict([0.99, 1.0, 0.995])  # no real gain
-    assert not bench.decode_verdict([0.80, 0.85, 1.05])  # one case 5 % slower
-    assert not bench.decode_verdict([])
+    assert variants.decode_verdict([0.95, 0.97, 1.0])
+    assert not variants.decode_verdict([0.99, 1.0, 0.995])  # no real gain
+    assert not variants.decode_verdict([0.80, 0.85, 1.05])  # one case 5 % slower
+    assert not variants.decode_verdict([])
 
 
 def test_choose_decode_flags_takes_the_fastest_correct_candidate() -> None:
@@ -79,23 +71,23 @@ def test_choose_decode_flags_takes_the_fastest_correct_candidate() -> None:
     faster = _result("faster", {"a": 8.5, "b": 9.5})
     candidates = {"plain": {}, "fast": {"F": True}, "wrong": {"W": True}, "failed": {}, "faster": {"G": 1}}
     results = [plain, fast, faster_but_wrong, failed, faster]
-    assert bench.choose_decode_flags(results, candidates, 3e-2) == ("faster", {"G": 1})
-    assert bench.choose_decode_flags([plain, faster_but_wrong], candidates, 3e-2) is None
+    assert variants.choose_decode_flags(results, candidates, 3e-2) == ("faster", {"G": 1})
+    assert variants.choose_decode_flags([plain, faster_but_wrong], candidates, 3e-2) is None
 
 
 def test_decode_candidates_add_the_winners_flags_once() -> None:
-    winner = bench.VariantResult(
+    winner = variants.VariantResult(
         "prefetch+lazy", {**LAUNCH, "PREFETCH_BLOCK_IDS": True, "LAZY_RESCALE": True}
     )
-    assert bench.decode_candidates(winner) == {
+    assert variants.decode_candidates(winner) == {
         "plain": {},
         "prefetch+3stages": {"PREFETCH_BLOCK_IDS": True, "num_stages": 3},
         "prefetch+lazy (winner)": {"PREFETCH_BLOCK_IDS": True, "LAZY_RESCALE": True},
     }
     # Prefetching alone (at the decode entries' own 2 stages) is a set of its own.
-    same = bench.VariantResult("prefetch", {**LAUNCH, "PREFETCH_BLOCK_IDS": True, "num_stages": 3})
-    assert list(bench.decode_candidates(same)) == ["plain", "prefetch+3stages", "prefetch (winner)"]
-    assert list(bench.decode_candidates(bench.VariantResult("plain", LAUNCH))) == [
+    same = variants.VariantResult("prefetch", {**LAUNCH, "PREFETCH_BLOCK_IDS": True, "num_stages": 3})
+    assert list(variants.decode_candidates(same)) == ["plain", "prefetch+3stages", "prefetch (winner)"]
+    assert list(variants.decode_candidates(variants.VariantResult("plain", LAUNCH))) == [
         "plain",
         "prefetch+3stages",
     ]
@@ -103,18 +95,18 @@ def test_decode_candidates_add_the_winners_flags_once() -> None:
 
 def test_overrides_win_for_their_classes_only() -> None:
     entry = {"match": {"head_size": 128, "max_query_len_ge": 17}, "params": {**LAUNCH, "LAZY_RESCALE": True}}
-    params = LaunchParams(bench.configs_with(H100, {"unified_attention_2d": [entry]}))
+    params = LaunchParams(configs.configs_with(H100, {"unified_attention_2d": [entry]}))
     prefill = _h100(params, "unified_attention_2d", 2048)
     assert (prefill.block_m, prefill.num_stages, prefill.lazy_rescale) == (128, 3, True)
-    shipped = LaunchParams(TunedConfigs.from_files(sorted(bench.CONFIG_DIR.glob("*.json"))))
+    shipped = LaunchParams(TunedConfigs.from_files(sorted(CONFIG_DIR.glob("*.json"))))
     assert _h100(params, "unified_attention_2d", 1) == _h100(shipped, "unified_attention_2d", 1)
 
 
 def test_written_files_change_the_prefill_entry_and_decode_only_when_adopted(tmp_path: Path) -> None:
     winner = {**LAUNCH, "PREFETCH_BLOCK_IDS": True}
-    written = bench.write_variant_configs(tmp_path, "h100", H100, SHAPE, (winner, [1024, 2048]), None)
+    written = configs.write_variant_configs(tmp_path, "h100", H100, SHAPE, (winner, [1024, 2048]), None)
     assert [p.name for p in written] == ["unified_attention_2d-h100.json"]
-    shipped_content = json.loads((bench.CONFIG_DIR / "unified_attention_2d-h100.json").read_text())
+    shipped_content = json.loads((CONFIG_DIR / "unified_attention_2d-h100.json").read_text())
     content = json.loads(written[0].read_text())
     changed = [
         i
@@ -122,7 +114,7 @@ def test_written_files_change_the_prefill_entry_and_decode_only_when_adopted(tmp
         if a != b
     ]
     assert len(changed) == 1 and content["configs"][changed[0]]["params"] == winner
-    others = sorted(p for p in bench.CONFIG_DIR.glob("*.json") if p.name != written[0].name)
+    others = sorted(p for p in CONFIG_DIR.glob("*.json") if p.name != written[0].name)
     params = LaunchParams(TunedConfigs.from_files([written[0], *others]))
     for max_query_len in (1024, 2048):
         cfg = _h100(params, "unified_attention_2d", max_query_len)
@@ -130,14 +122,14 @@ def test_written_files_change_the_prefill_entry_and_decode_only_when_adopted(tmp
         assert cfg.prefetch_block_ids
     assert not _h100(params, "unified_attention_2d", 1).prefetch_block_ids
 
-    written = bench.write_variant_configs(
+    written = configs.write_variant_configs(
         tmp_path / "both", "h100", H100, SHAPE, (winner, [2048]), {"PREFETCH_BLOCK_IDS": True}
     )
     assert sorted(p.name for p in written) == [
         "unified_attention_2d-h100.json",
         "unified_attention_3d-h100.json",
     ]
-    others = sorted(p for p in bench.CONFIG_DIR.glob("*.json") if p.name not in {w.name for w in written})
+    others = sorted(p for p in CONFIG_DIR.glob("*.json") if p.name not in {w.name for w in written})
     params = LaunchParams(TunedConfigs.from_files([*written, *others]))
     for kernel in ("unified_attention_2d", "unified_attention_3d"):
         decode = _h100(params, kernel, 1)
@@ -151,13 +143,13 @@ def test_smoke_run_prints_the_tables_and_writes_the_winner(
 ) -> None:
     """Two variants at one launch point, tiny shapes, interpreter: the plumbing end to end."""
     monkeypatch.setattr(
-        bench, "LOOP_VARIANTS", {"plain": {}, "pf+lazy+longest": bench.LOOP_VARIANTS["pf+lazy+longest"]}
+        variants, "LOOP_VARIANTS", {"plain": {}, "pf+lazy+longest": variants.LOOP_VARIANTS["pf+lazy+longest"]}
     )
-    monkeypatch.setattr(bench, "SMOKE_POINTS", ((16, 16, 4, 2),))
+    monkeypatch.setattr(variants, "SMOKE_POINTS", ((16, 16, 4, 2),))
     monkeypatch.setattr(
-        bench,
+        variants,
         "SMOKE_SIZES",
-        bench.TableSizes(
+        case_table.TableSizes(
             decode_batches=(2,),
             decode_contexts=(40,),
             prefill=(1, 24),
@@ -178,7 +170,7 @@ def test_smoke_run_prints_the_tables_and_writes_the_winner(
         skip_variant=[],
         write_configs=tmp_path / "out",
     )
-    bench.run_variants(args)
+    variants.run_variants(args)
     out = capsys.readouterr().out
     assert "prefill sweep" in out and "decode check" in out and "mixed batch" in out
     payload = json.loads((tmp_path / "v.json").read_text())
@@ -191,7 +183,7 @@ def test_smoke_run_prints_the_tables_and_writes_the_winner(
 
 def test_sweep_order_keeps_warp_specialisation_last() -> None:
     points = ((64, 64, 4, 2), (128, 64, 8, 2))
-    pairs = bench.sweep_order(["plain", "ws", "prefetch", "prefetch+loop3"], points)
+    pairs = variants.sweep_order(["plain", "ws", "prefetch", "prefetch+loop3"], points)
     assert pairs == [
         ("plain", points[0]),
         ("prefetch", points[0]),
@@ -202,5 +194,5 @@ def test_sweep_order_keeps_warp_specialisation_last() -> None:
         ("ws", points[1]),
         ("prefetch+loop3", points[1]),
     ]
-    every = bench.sweep_order(list(bench.LOOP_VARIANTS), bench.PREFILL_POINTS)
-    assert len(every) == len(set(every)) == len(bench.LOOP_VARIANTS) * len(bench.PREFILL_POINTS)
+    every = variants.sweep_order(list(variants.LOOP_VARIANTS), variants.PREFILL_POINTS)
+    assert len(every) == len(set(every)) == len(variants.LOOP_VARIANTS) * len(variants.PREFILL_POINTS)

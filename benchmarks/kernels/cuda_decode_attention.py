@@ -7,7 +7,8 @@ that fits the cuda platform's decode thresholds (`configs/cuda_paged_attention-<
 Shapes: a Llama-3-8B layer (32 query heads, 8 KV heads, head size 128, bfloat16, block size 16),
 batches of 1..256 decodes, every sequence at the same context length, blocks scattered randomly
 over a cache large enough for the biggest batch. Times are CUDA-event averages over back-to-back
-calls captured in one CUDA graph (GPU time; the host cost of a forward call is printed apart).
+calls captured in one CUDA graph, the median of 5 replays (`timing.time_graph`; GPU time, the host
+cost of a forward call is printed apart).
 
 The sweep times v1 and v2 (partitions of 128..1024 tokens) at 128 and 256 threads on every shape,
 then scores every candidate `DecodeTuning` by the geometric mean, over shapes, of (time of the kernel
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from timing import time_events, time_graph
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend
@@ -52,29 +54,12 @@ def _time(fn: Callable[[], object], iters: int) -> float:
     """Mean GPU microseconds per call: `iters` calls captured in one CUDA graph and replayed, so
     the host's launch cost is left out (it is measured separately). Eager back-to-back calls if
     capture fails."""
-    for _ in range(3):
-        fn()  # compiles, loads modules, fills caches
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                fn()
+        return time_graph(fn, iters)
     except RuntimeError as e:
-        print(f"  (CUDA graph capture failed, timing eagerly: {e})")
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
         torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1000 / iters
-    graph.replay()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+        print(f"  (CUDA graph capture failed, timing eagerly: {e})")
+        return time_events(fn, iters)
 
 
 class Setup:

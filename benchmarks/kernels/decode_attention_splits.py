@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from attention import BACKEND, Batch, Shape, configs_with_point, make_batch, time_graph
+from attention_batches import BACKEND, LLAMA_8B_LAYER, Batch, make_batch
+from attention_configs import configs_with_point
+from timing import time_graph
 
 from pagedserve.platforms.api import KVCacheScales
 from pagedserve.platforms.tuned_configs import TunedConfigs
 
-SHAPE = Shape(q_heads=32, kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
+SHAPE = LLAMA_8B_LAYER
 SPLITS = (4, 8, 16, 32, 64)
 TILES = (16, 32, 64)
 L2_SPAN_BYTES = 96 << 20  # the layers' caches together exceed the H100's 50 MB L2

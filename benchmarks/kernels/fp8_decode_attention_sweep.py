@@ -4,7 +4,7 @@ shipped configs on the same FP8 cache and on a bf16 cache.
 Three decode classes at Llama-3-8B layer shapes (32 query heads, 8 KV heads, head size 128,
 block size 16): 256 decodes of 384 keys, 128 of 640 and 64 of 2048. For each, every point of
 BLOCK_M 16 x TILE_SIZE 32/64/128 x 4/8 warps x 2/3/4 stages x PREFETCH_BLOCK_IDS off/on is timed
-(CUDA-graph replays, `benchmarks/kernels/attention.py`'s timing) with the other kernels on their shipped
+(CUDA-graph replays, `benchmarks/kernels/timing.py`) with the other kernels on their shipped
 configs; the best points and GB/s (cache bytes as stored) are printed and written as JSON. The
 winner common to all classes goes into `unified_attention_2d-<device>.json` as an entry matching
 `"kv_cache_dtype": "float8_e4m3fn"` (see the plugin's configs/README.md).
@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from attention import Shape, configs_with_point, kv_bytes, make_batch, triton_time
+from attention_batches import LLAMA_8B_LAYER, kv_bytes, make_batch, triton_time
+from attention_configs import configs_with_point
 
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.launch_params import tuned_config_files
 
-SHAPE = Shape(q_heads=32, kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
+SHAPE = LLAMA_8B_LAYER
 CASES = {"b256_ctx384": (256, 384), "b128_ctx640": (128, 640), "b64_ctx2048": (64, 2048)}
 GRID: dict[str, list[Any]] = {
     "BLOCK_M": [16],

@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import skinny_gemm
 import torch
 import triton
 import triton.language as tl
+from timing import graph_ms
 
 from pagedserve_triton.linear_op import activation_dtype, choose_config, kernel_linear, shared_memory_budget
 from pagedserve_triton.programmatic_launch import launch_options, programmatic_launch_supported
 
-SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, o, gate_up, down
+SHAPES = [skinny_gemm.SHAPES[name] for name in ("qkv", "o", "gate_up", "down")]  # a layer's (N, K)
 WAYS = ("plain", "gemm", "all")
 
 
@@ -53,31 +54,6 @@ def _between(t: torch.Tensor, dependent: bool) -> None:
     n = t.numel()
     launch = launch_options(dependent, t.device)
     scale_kernel[(triton.cdiv(n, 4096),)](t, n, BLOCK=4096, DEPENDENT=dependent, num_warps=8, **launch)
-
-
-def graph_ms(step: Callable[[], None], repeats: int = 7, replays: int = 10) -> float:
-    """Best mean time of `replays` back-to-back replays of `step` captured as one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(repeats):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / replays)
-    return best
 
 
 def measure(weight_dtype: torch.dtype, rows: int, layers: int) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Batches made only of prompt chunks run on `pagedserve_triton.ragged_prefill` whe
 passes the step's own keys and values beside the cache (`attention_reads_new_kv`, the default).
 For each case (Llama-3-8B layer shapes: 32 query heads, 8 KV heads, head size 128, bfloat16,
 block size 16, shuffled block tables) this times one layer's attention, replayed from a CUDA
-graph (`attention.time_graph`: median of 5 rounds of 50 calls):
+graph (`timing.time_graph`: median of 5 rounds of 50 calls):
 
   * `engine` — the backend as the engine calls it (shipped launch parameters);
   * `cache only` — the unified 2D kernel reading every key and value from the cache;
@@ -28,23 +28,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from attention import (
-    Batch,
-    Shape,
-    causal_flops,
-    contiguous_kv,
-    make_batch,
-    new_kv_of,
-    ours_call,
-    time_graph,
-)
+from attention_batches import LLAMA_8B_LAYER, Batch, contiguous_kv, make_batch, new_kv_of, ours_call
+from attention_cases import causal_flops
+from timing import time_graph
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.ragged_prefill import launch_ragged_prefill, plan_tiles
 from pagedserve_triton.ragged_prefill_sm90 import device_supported, launch_ragged_prefill_sm90
 
-SHAPE = Shape(q_heads=32, kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
+SHAPE = LLAMA_8B_LAYER
 CASES: dict[str, tuple[list[int], list[int]]] = {  # name -> (query lens, seq lens)
     "prefill 4x2048": ([2048] * 4, [2048] * 4),
     "chunked q1024 ctx7168": ([1024], [8192]),

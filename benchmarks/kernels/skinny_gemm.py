@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timing import graph_ms
 
 from pagedserve_triton.linear_activations import quantize_rows_fused, silu_mul
 from pagedserve_triton.linear_op import (
@@ -104,29 +105,14 @@ REPEAT = 20
 
 
 def _graph_time_us(fn: Callable[[int], object], copies: int) -> float:
-    """Mean µs of one call of `fn(i)` replayed inside a CUDA graph of REPEAT calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(i % copies)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):  # where the warm-up ran: its lazy state is reused
+    """Mean µs of one call of `fn(i)` replayed inside a CUDA graph of REPEAT calls (`i` cycling
+    through the weight copies): the best of 5 rounds of 5 replays."""
+
+    def products() -> None:
         for i in range(REPEAT):
             fn(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (5 * REPEAT))
-    return best
+
+    return graph_ms(products, repeats=5, replays=5) * 1e3 / REPEAT
 
 
 def _weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:

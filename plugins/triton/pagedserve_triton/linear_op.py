@@ -174,7 +174,8 @@ def kernel_linear(
 
 # The BLAS library of the 16-bit products past the Triton kernel's rows on NVIDIA GPUs, and the
 # environment variable that overrides it: "cublas", "cublaslt" or "default" (torch's own pick,
-# cuBLAS for these products). Timed alone on an H100 (benchmarks/kernels/gemm_backends.py), cuBLASLt ran
+# cuBLAS for these products). Timed alone on an H100 (benchmarks/kernels/gemm_backends.py, retired;
+# at revision bb43c45), cuBLASLt ran
 # the 8B layer's down projection (K = 14,336) at 43-48 us against cuBLAS's 47-65 us at 64-192
 # rows and the other products within 1% (3% slower for gate/up at 256 rows): 32 layers' products
 # 5.32 / 5.45 / 5.81 ms against 5.41 / 5.71 / 6.31 ms at 64 / 128 / 192 rows, 6.52 against 6.41

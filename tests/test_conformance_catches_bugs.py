@@ -7,6 +7,7 @@ pass, and an undeclared feature must come out as unsupported, not failed.
 from __future__ import annotations
 
 import dataclasses
+import re
 from types import SimpleNamespace
 from typing import ClassVar
 
@@ -34,8 +35,13 @@ from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 PLATFORM = "under_test"
 
 
-def _suite(backend: type[AttentionBackend], cache_ops: CacheOps | None = None) -> ConformanceSuite:
-    """The quick suite of a platform made of `backend` and `cache_ops` (default: the reference's)."""
+def _suite(
+    backend: type[AttentionBackend],
+    cache_ops: CacheOps | None = None,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16),
+) -> ConformanceSuite:
+    """The quick suite of a platform made of `backend` and `cache_ops` (default: the reference's),
+    computing in `dtypes` (the engine smoke cases run in those the backend declares too)."""
 
     @hookimpl
     def pagedserve_platforms() -> list[PlatformInfo]:
@@ -44,7 +50,7 @@ def _suite(backend: type[AttentionBackend], cache_ops: CacheOps | None = None) -
                 name=PLATFORM,
                 priority=0,
                 device_type="cpu",
-                supported_dtypes=(torch.float32, torch.float16),
+                supported_dtypes=dtypes,
                 is_available=lambda: Availability(True, "test platform"),
             )
         ]
@@ -306,7 +312,7 @@ class SwapsKVScales(_MisreadsKVScales):
 
 
 DIFFERS = "differs from the float64 reference"
-FP8_DIFFERS = "beyond the float32 + fp8 KV tolerance"
+FP8_DIFFERS = "beyond the float32 without TF32 + fp8 KV tolerance"  # the reference declares exact float32
 
 
 @pytest.mark.parametrize(
@@ -452,6 +458,13 @@ def test_suite_fails_broken_cache_ops(ops: CacheOps, expected_group: str) -> Non
     failure = _first_failure(_suite(ReferenceAttentionBackend, ops), "cache_ops")
     assert failure is not None, f"the conformance suite passed {type(ops).__name__}"
     assert failure.group == expected_group, failure.summary()
+    if isinstance(ops, WritesNextSlot):
+        # The failure names the token and both slots, read back from the cache.
+        assert re.search(r"token 12 went to slot (\d+), expected slot (\d+)", failure.summary()), (
+            failure.summary()
+        )
+        found = re.search(r"went to slot (\d+), expected slot (\d+)", failure.summary())
+        assert found is not None and int(found[1]) == int(found[2]) + 1, failure.summary()
     if isinstance(ops, QuantizesWithoutScales):
         assert failure.case.kv_cache_dtype is not None, failure.summary()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.conformance.cases import attention_cases, cache_op_cases
+from pagedserve.conformance.cases import attention_cases, cache_op_cases, engine_cases
 from pagedserve.conformance.report import RunInfo, matrix_section
 from pagedserve.conformance.suite import ConformanceSuite
 
@@ -89,6 +89,7 @@ def test_triton_sections_cover_the_current_case_matrix() -> None:
         expected: Counter[tuple[str, str]] = Counter(
             (backend, c.group) for c in attention_cases(caps, quick=quick)
         )
+        expected.update((backend, c.group) for c in engine_cases(backend, caps, info.supported_dtypes))
         expected.update(
             ("cache_ops", c.group)
             for c in cache_op_cases(

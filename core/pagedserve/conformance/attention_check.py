@@ -37,11 +37,12 @@ import torch
 from pagedserve.attention.layer import NewKV
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.conformance.cases import FP8_KV_SCALES, AttentionCase, dtype_name
-from pagedserve.conformance.guards import POISON, GuardedTensor, count_changed
+from pagedserve.conformance.diagnosis import DiagnosisInputs, diagnose
+from pagedserve.conformance.guards import POISON, GuardedTensor, bits, count_changed
 from pagedserve.conformance.oracle import Oracle
 from pagedserve.conformance.results import CaseResult, ErrorStats, Status
-from pagedserve.conformance.tolerances import tolerance_for
-from pagedserve.platforms.api import AttentionBackend, UnsupportedCase
+from pagedserve.conformance.tolerances import Tolerance, tolerance_for
+from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, UnsupportedCase
 
 PADDING_ROWS = 3  # query rows past num_actual_tokens
 EXTRA_TABLE_COLUMNS = 2  # block-table entries past the longest request's last block
@@ -132,43 +133,66 @@ def _reference(case: AttentionCase, inputs: _Inputs, oracle: Oracle, scale: floa
     return result[: inputs.metadata_cpu.num_actual_tokens]
 
 
-def _call(backend: AttentionBackend, case: AttentionCase, inputs: _Inputs, scale: float) -> torch.Tensor:
+def _call(
+    backend: AttentionBackend,
+    case: AttentionCase,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    out: torch.Tensor | None,
+    scale: float,
+) -> object:
+    """`forward` as the engine calls it for `case`. Returns whatever the backend returned (the
+    caller checks it is a tensor)."""
     with torch.no_grad():
         if case.kv_cache_dtype in backend.capabilities.kv_cache_dtypes:
             return backend.forward(
-                inputs.query,
-                inputs.kv_cache.tensor,
-                inputs.metadata,
+                query,
+                kv_cache,
+                metadata,
                 scale=scale,
                 sliding_window=case.sliding_window,
                 logit_softcap=case.logit_softcap,
-                out=inputs.out.tensor if case.pass_out else None,
+                out=out,
                 kv_scales=FP8_KV_SCALES,
             )
         new_kv = NewKV()
         if backend.enable_new_kv_reads():
             # As `attention.layer.attend` calls it: the new tokens' cache rows passed beside it.
-            rows = [inputs.kv_cache.tensor[i].flatten(0, 1)[inputs.metadata.slot_mapping] for i in (0, 1)]
+            rows = [kv_cache[i].flatten(0, 1)[metadata.slot_mapping] for i in (0, 1)]
             new_kv = NewKV(new_key=rows[0], new_value=rows[1])
         return backend.forward(
-            inputs.query,
-            inputs.kv_cache.tensor,
-            inputs.metadata,
+            query,
+            kv_cache,
+            metadata,
             scale=scale,
             sliding_window=case.sliding_window,
             logit_softcap=case.logit_softcap,
-            out=inputs.out.tensor if case.pass_out else None,
+            out=out,
             **new_kv,
         )
 
 
-def tolerance_name(case: AttentionCase) -> str:
-    """The tolerance row a case is judged by, as people read it ("bfloat16", "bfloat16 + fp8 KV")."""
-    return dtype_name(case.dtype) + (" + fp8 KV" if case.kv_cache_dtype is not None else "")
+def _call_case(backend: AttentionBackend, case: AttentionCase, inputs: _Inputs, scale: float) -> object:
+    out = inputs.out.tensor if case.pass_out else None
+    return _call(backend, case, inputs.query, inputs.kv_cache.tensor, inputs.metadata, out, scale)
 
 
-def _error_stats(output: torch.Tensor, reference: torch.Tensor, case: AttentionCase) -> ErrorStats:
-    tolerance = tolerance_for(case.dtype, case.kv_cache_dtype)
+def tolerance_name(case: AttentionCase, exact_float32: bool = False) -> str:
+    """The tolerance row a case is judged by, as people read it ("bfloat16", "bfloat16 + fp8 KV",
+    "float32 without TF32")."""
+    name = dtype_name(case.dtype)
+    if exact_float32 and case.dtype == torch.float32:
+        name += " without TF32"
+    return name + (" + fp8 KV" if case.kv_cache_dtype is not None else "")
+
+
+def case_tolerance(case: AttentionCase, caps: AttentionCapabilities) -> Tolerance:
+    """The tolerance `case` is judged by for a backend declaring `caps`."""
+    return tolerance_for(case.dtype, case.kv_cache_dtype, exact_float32=caps.exact_float32)
+
+
+def _error_stats(output: torch.Tensor, reference: torch.Tensor, tolerance: Tolerance) -> ErrorStats:
     err = (output - reference).abs()
     return ErrorStats(
         max_abs_err=float(err.max()) if err.numel() else 0.0,
@@ -189,20 +213,66 @@ def check_attention_case(
     if unsupported is not None:
         return _check_refused(backend, case, inputs, scale, unsupported)
     try:
-        returned = _call(backend, case, inputs, scale)
+        returned = _call_case(backend, case, inputs, scale)
     except Exception as e:
         return CaseResult(name, case, Status.FAILED, (f"forward raised {type(e).__name__}: {e}",), None)
     problems = _memory_problems(inputs)
-    output = inputs.out.tensor
-    if not case.pass_out:
-        expected = (tuple(inputs.query.shape), inputs.query.dtype, inputs.query.device)
-        got = (tuple(returned.shape), returned.dtype, returned.device)
-        if got != expected:
-            problems.append(f"forward without out= returned {got}, expected {expected}")
-            return CaseResult(name, case, Status.FAILED, tuple(problems), None)
-        output = returned
-    errors = _compare(output[: inputs.metadata.num_actual_tokens], case, inputs, oracle, scale, problems)
+    out = inputs.out.tensor if case.pass_out else None
+    problems += output_contract_problems(returned, inputs.query, out)
+    # What the engine goes on with: `out` when it was given (the backend wrote it), else the
+    # returned tensor, judged by value even when its dtype is wrong (the contract problem is
+    # reported above) but only when its shape lets rows be compared.
+    output: torch.Tensor | None = inputs.out.tensor
+    if out is None:
+        shaped = isinstance(returned, torch.Tensor) and tuple(returned.shape) == tuple(inputs.query.shape)
+        output = returned if shaped and isinstance(returned, torch.Tensor) else None
+    if output is None:
+        return CaseResult(name, case, Status.FAILED, tuple(problems), None)
+    n = inputs.metadata.num_actual_tokens
+    tolerance = case_tolerance(case, backend.capabilities)
+    reference = _reference(case, inputs, oracle, scale)
+    errors = _compare(output[:n], reference, case, inputs, tolerance, backend.capabilities, scale, problems)
+    if backend.capabilities.deterministic:
+        problems += _determinism_problems(backend, case, inputs, output[:n], scale)
+    if case.check_batch_invariance:
+        problems += _batch_invariance_problems(backend, case, inputs, output[:n], reference, tolerance, scale)
     return CaseResult(name, case, Status.FAILED if problems else Status.PASSED, tuple(problems), errors)
+
+
+def output_contract_problems(returned: object, query: torch.Tensor, out: torch.Tensor | None) -> list[str]:
+    """What is wrong with what `forward` returned: it must be a tensor of the query's shape, dtype
+    and device (the engine continues with it: a float32 result in a bfloat16 model fails the next
+    layer's matmul), and `out` itself when `out` was given (the engine may hold on to either)."""
+    expected = f"{tuple(query.shape)} {dtype_name(query.dtype)} on {query.device}"
+    if not isinstance(returned, torch.Tensor):
+        return [f"forward returned {type(returned).__name__}, not a tensor; expected {expected}"]
+    problems = []
+    got = f"{tuple(returned.shape)} {dtype_name(returned.dtype)} on {returned.device}"
+    how = "with out=" if out is not None else "without out="
+    if returned.dtype != query.dtype:
+        problems.append(
+            f"forward {how} returned {dtype_name(returned.dtype)}, expected the query's dtype "
+            f"{dtype_name(query.dtype)} (returned {got}; expected {expected})"
+        )
+    elif (tuple(returned.shape), returned.device) != (tuple(query.shape), query.device):
+        problems.append(f"forward {how} returned {got}, expected {expected}")
+    if out is not None and not _is_same_view(returned, out):
+        problems.append(
+            "forward with out= returned a new tensor, not `out`: return the `out` it was given "
+            f"(returned {got} at address {returned.data_ptr():#x}, out at {out.data_ptr():#x})"
+        )
+    return problems
+
+
+def _is_same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` is `b` or a view of exactly the same elements."""
+    return a is b or (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and tuple(a.shape) == tuple(b.shape)
+        and a.stride() == b.stride()
+    )
 
 
 def _memory_problems(inputs: _Inputs) -> list[str]:
@@ -224,16 +294,18 @@ def _memory_problems(inputs: _Inputs) -> list[str]:
 
 def _compare(
     output: torch.Tensor,  # [num_actual_tokens, num_q_heads, head_size], the backend's
+    reference: torch.Tensor,  # the same, float64 on the CPU
     case: AttentionCase,
     inputs: _Inputs,
-    oracle: Oracle,
+    tolerance: Tolerance,
+    caps: AttentionCapabilities,
     scale: float,
     problems: list[str],
 ) -> ErrorStats:
     """Error statistics of `output` against the reference; appends to `problems` (mutates it) for
-    non-finite elements and for errors beyond the tolerance."""
+    non-finite elements and for errors beyond the tolerance, with where the error is largest and
+    what it looks like (`diagnosis`)."""
     actual = output.detach().to("cpu", torch.float64)
-    reference = _reference(case, inputs, oracle, scale)
     bad = ~torch.isfinite(actual)
     if bool(bad.any()):
         rows = sorted({int(r) for r in bad.nonzero()[:, 0]})
@@ -241,13 +313,142 @@ def _compare(
             f"{int(bad.sum())} non-finite output elements in rows {rows[:8]}{'...' if len(rows) > 8 else ''} "
             "(unwritten rows, or reads of poisoned cache slots, guard blocks or padding rows)"
         )
-    errors = _error_stats(torch.where(bad, torch.zeros_like(actual), actual), reference, case)
+    finite = torch.where(bad, torch.zeros_like(actual), actual)
+    errors = _error_stats(finite, reference, tolerance)
     if errors.worst_ratio > 1.0:
         problems.append(
-            f"output differs from the float64 reference beyond the {tolerance_name(case)} tolerance "
-            f"(max abs err {errors.max_abs_err:.3g}, err/tol {errors.worst_ratio:.3g})"
+            "output differs from the float64 reference beyond the "
+            f"{tolerance_name(case, caps.exact_float32)} tolerance (max abs err {errors.max_abs_err:.3g}, "
+            f"err/tol {errors.worst_ratio:.3g})"
         )
+        problems += diagnose(case, _diagnosis_inputs(case, inputs), finite, reference, tolerance, scale)
     return errors
+
+
+def _diagnosis_inputs(case: AttentionCase, inputs: _Inputs) -> DiagnosisInputs:
+    """The case's query and cache in float64 on the CPU (an FP8 cache dequantized), for `diagnose`."""
+    cache = inputs.cache_cpu.double()
+    if case.kv_cache_dtype is not None:
+        cache = torch.stack((cache[0] * FP8_KV_SCALES.k_scale, cache[1] * FP8_KV_SCALES.v_scale))
+    return DiagnosisInputs(query=inputs.query_cpu.double(), kv_cache=cache, metadata=inputs.metadata_cpu)
+
+
+def _where(metadata: AttentionMetadata, row: int) -> str:
+    """Flat query row `row` for people: "request 2, query row 3 of 6"."""
+    starts = metadata.query_start_loc_cpu.tolist()
+    req = max(i for i in range(metadata.num_reqs) if starts[i] <= row)
+    return f"request {req}, query row {row - starts[req]} of {starts[req + 1] - starts[req]}"
+
+
+def _determinism_problems(
+    backend: AttentionBackend, case: AttentionCase, inputs: _Inputs, first: torch.Tensor, scale: float
+) -> list[str]:
+    """The backend declares `deterministic`: the same call again, into a fresh `out`, must give the
+    same bits in every real row."""
+    out = GuardedTensor(tuple(inputs.query.shape), case.dtype, inputs.query.device, margin=1)
+    try:
+        again = _call(
+            backend,
+            case,
+            inputs.query,
+            inputs.kv_cache.tensor,
+            inputs.metadata,
+            out.tensor if case.pass_out else None,
+            scale,
+        )
+    except Exception as e:
+        return [f"the second identical call (determinism check) raised {type(e).__name__}: {e}"]
+    second = out.tensor if case.pass_out else again
+    if (
+        not isinstance(second, torch.Tensor)
+        or second.shape != inputs.query.shape
+        or second.dtype != case.dtype
+    ):
+        return []  # the first call's contract problems already say what is wrong with it
+    n = inputs.metadata.num_actual_tokens
+    differs = bits(first) != bits(second[:n])
+    if not bool(differs.any()):
+        return []
+    row, head, dim = (int(i) for i in differs.nonzero()[0])
+    return [
+        f"not deterministic: a second identical call changed {int(differs.sum())} of {differs.numel()} "
+        f"output elements, compared bit for bit (first at {_where(inputs.metadata_cpu, row)}, head {head}, "
+        f"dim {dim}: "
+        f"{float(first[row, head, dim])!r} then {float(second[row, head, dim])!r}); the backend declares "
+        f"deterministic=True in its capabilities (with {inputs.metadata.num_reqs} requests in the batch)"
+    ]
+
+
+def _batch_invariance_problems(
+    backend: AttentionBackend,
+    case: AttentionCase,
+    inputs: _Inputs,
+    batched: torch.Tensor,  # [num_actual_tokens, num_q_heads, head_size], the backend's
+    reference: torch.Tensor,  # the same, float64 reference
+    tolerance: Tolerance,
+    scale: float,
+) -> list[str]:
+    """Each request run alone (a batch of one, same cache and blocks) must match its rows of the
+    batched call within the tolerance: a result must not depend on the rest of the batch."""
+    problems = []
+    failing: list[str] = []  # one line per request whose alone result differs
+    meta = inputs.metadata_cpu
+    starts = meta.query_start_loc_cpu.tolist()
+    table = inputs.metadata.block_table
+    batched_cpu = batched.detach().to("cpu", torch.float64)
+    for req in range(meta.num_reqs):
+        lo, hi = starts[req], starts[req + 1]
+        seq_len = int(meta.seq_lens_cpu[req])
+        query = torch.full(
+            (hi - lo + PADDING_ROWS, *inputs.query.shape[1:]),
+            POISON,
+            dtype=case.dtype,
+            device=inputs.query.device,
+        )
+        query[: hi - lo] = inputs.query[lo:hi]
+        metadata = AttentionMetadata.build(
+            [hi - lo], [seq_len], table[req : req + 1], case.block_size, table.device
+        )
+        out = GuardedTensor(tuple(query.shape), case.dtype, query.device, margin=1)
+        try:
+            returned = _call(
+                backend,
+                case,
+                query,
+                inputs.kv_cache.tensor,
+                metadata,
+                out.tensor if case.pass_out else None,
+                scale,
+            )
+        except Exception as e:
+            problems.append(
+                f"request {req} run alone (batch-invariance check) raised {type(e).__name__}: {e}"
+            )
+            continue
+        alone_t = out.tensor if case.pass_out else returned
+        if not isinstance(alone_t, torch.Tensor) or alone_t.shape != query.shape:
+            problems.append(f"request {req} run alone: forward returned no [tokens, heads, head_size] tensor")
+            continue
+        alone = alone_t[: hi - lo].detach().to("cpu", torch.float64)
+        ratio = (alone - batched_cpu[lo:hi]).abs() / tolerance.bound(reference[lo:hi])
+        ratio = torch.where(torch.isfinite(ratio), ratio, torch.full_like(ratio, math.inf))
+        worst = float(ratio.max())
+        if worst > 1.0:
+            row, head, dim = (int(i) for i in (ratio == ratio.max()).nonzero()[0])
+            failing.append(
+                f"request {req} (diff/tol {worst:.3g} at its query row {row}, head {head}, dim {dim}: alone "
+                f"{float(alone[row, head, dim]):.6g}, in the batch "
+                f"{float(batched_cpu[lo + row, head, dim]):.6g})"
+            )
+    if failing:
+        shown = "; ".join(failing[:2]) + (f"; and {len(failing) - 2} more" if len(failing) > 2 else "")
+        problems.append(
+            f"batch invariance: {len(failing)} of {meta.num_reqs} requests computed alone differ from the "
+            f"same request in the batch of {meta.num_reqs} beyond the "
+            f"{tolerance_name(case, backend.capabilities.exact_float32)} tolerance: {shown}. The result "
+            "depends on the rest of the batch"
+        )
+    return problems
 
 
 def _check_refused(
@@ -255,7 +456,7 @@ def _check_refused(
 ) -> CaseResult:
     """An undeclared case: the backend must raise `UnsupportedCase`, nothing else."""
     try:
-        _call(backend, case, inputs, scale)
+        _call_case(backend, case, inputs, scale)
     except UnsupportedCase as e:
         return CaseResult(
             backend.name, case, Status.UNSUPPORTED, (), None, note=f"unsupported: {reason} ({e})"

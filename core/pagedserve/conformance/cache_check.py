@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.conformance.cases import FP8_KV_SCALES, CacheOp, CacheOpCase
-from pagedserve.conformance.guards import POISON, GuardedTensor, count_changed
+from pagedserve.conformance.guards import POISON, GuardedTensor, bits, count_changed
 from pagedserve.conformance.oracle import Oracle
 from pagedserve.conformance.results import CaseResult, Status
 from pagedserve.platforms.api import CacheOps
@@ -105,8 +105,51 @@ def _reshape_and_cache(
     ops.reshape_and_cache(key, value, cache.tensor, slots.to(device), **scales)
     check.guards(cache, "kv_cache")
     check.unchanged(expected, cache.tensor, "kv_cache")
+    if count_changed(expected, cache.tensor):
+        check.problems += token_slot_problems(expected, cache.tensor, slots[real])
     check.unchanged(key_cpu, key, "key (an input)")
     check.unchanged(value_cpu, value, "value (an input)")
+
+
+MAX_TOKEN_LINES = 4  # per-token lines in one failure; the count of the rest follows
+
+
+def token_slot_problems(expected: torch.Tensor, actual: torch.Tensor, slots: torch.Tensor) -> list[str]:
+    """Where each wrongly written token went: "token 12 went to slot 45, expected slot 44". Token
+    `i` is the `i`-th entry of `slots` (the real ones, padding removed); it is found in the actual
+    cache by the bits of its key (and value), which are distinct random data. Does not mutate."""
+    num_slots = expected.shape[1] * expected.shape[2]
+    want = bits(expected).view(2, num_slots, -1)
+    got = bits(actual).view(2, num_slots, -1)
+    where_key: dict[bytes, list[int]] = {}
+    for slot in range(num_slots):
+        where_key.setdefault(got[0, slot].numpy().tobytes(), []).append(slot)
+    lines: list[str] = []
+    wrong = 0
+    for token, t in enumerate(int(x) for x in slots):
+        key_ok = bool(torch.equal(want[0, t], got[0, t]))
+        value_ok = bool(torch.equal(want[1, t], got[1, t]))
+        if key_ok and value_ok:
+            continue
+        wrong += 1
+        if len(lines) >= MAX_TOKEN_LINES:
+            continue
+        found = [s for s in where_key.get(want[0, t].numpy().tobytes(), []) if s != t]
+        if key_ok:
+            lines.append(f"token {token}: its key is in slot {t} as expected but its value is not")
+        elif found:
+            lines.append(f"token {token} went to slot {found[0]}, expected slot {t}")
+        else:
+            lines.append(
+                f"token {token} is in no slot (its key is written nowhere, or changed), expected slot {t}"
+            )
+    if wrong > len(lines):
+        lines.append(f"... {wrong - len(lines)} more tokens are misplaced")
+    written = {int(x) for x in slots}
+    stray = [s for s in range(num_slots) if s not in written and not torch.equal(want[:, s], got[:, s])]
+    if stray:
+        lines.append(f"slots written that no token maps to: {stray[:8]}{'...' if len(stray) > 8 else ''}")
+    return lines
 
 
 def _copy_blocks(

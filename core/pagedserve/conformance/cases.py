@@ -7,11 +7,15 @@ seed. The matrix is derived from what a backend *declares*, intersected with fix
   chunked prefill with a context much longer than the query, decode, speculative queries of 2 to 8
   tokens, a mixed batch (decodes + prefill + chunked prefill + speculative), and sequence lengths
   around block boundaries. Every case reads keys through a shuffled block table with gaps.
-* `no_out`: the mixed batch without `out=`, checking the returned tensor instead.
+* `no_out`: the mixed batch without `out=`, checking the returned tensor instead, in every
+  declared dtype.
 * Sweeps, each varying one property of the mixed batch away from the base shape: GQA ratio (1, 3, 4,
-  8 and MQA), head size, block size, dtype, sliding window, logit softcap. Every declared value in
-  the candidate lists is run; candidates the backend does not declare become *unsupported probes*:
-  the suite asserts that calling them raises `UnsupportedCase`.
+  8 and MQA), head size, block size, dtype, sliding window, logit softcap (the last two in every
+  declared dtype). Every declared value in the candidate lists is run; candidates the backend does
+  not declare become *unsupported probes*: the suite asserts that calling them raises
+  `UnsupportedCase`.
+* `engine_smoke` (`EngineCase`): a few greedy tokens of a tiny random model per backend and
+  declared engine dtype, run through the model's attention layers as the engine runs them.
 
 `quick=True` keeps every group and every declared dtype but fewer head sizes, block sizes, windows
 and softcaps, and no long-sequence cases: small enough for the Triton interpreter in CI.
@@ -106,6 +110,9 @@ class AttentionCase:
     pass_out: bool  # False: forward gets no `out=` and its return value is checked instead
     seed: int  # every tensor of the case is drawn from a generator seeded with this
     kv_cache_dtype: torch.dtype | None = None  # an FP8 cache (scales FP8_KV_SCALES); None: `dtype`
+    # Also run every request of the batch alone and compare with its rows in the batch: a result
+    # must not depend on what else the batch holds (set on the mixed geometry).
+    check_batch_invariance: bool = False
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -128,6 +135,8 @@ class AttentionCase:
             options.append("out=None")
         if self.kv_cache_dtype is not None:
             options.append(f"kv_cache={dtype_name(self.kv_cache_dtype)}")
+        if self.check_batch_invariance:
+            options.append("each request also alone")
         return (
             f"query_lens={list(g.query_lens)} seq_lens={list(g.seq_lens)} heads={self.num_q_heads}/"
             f"{self.num_kv_heads} head_size={self.head_size} block_size={self.block_size} "
@@ -211,14 +220,19 @@ def attention_cases(caps: AttentionCapabilities, *, quick: bool, seed: int = 0) 
         seed_ = _seed(f"{group}[{variant}]", seed)
         cases.append(replace(base, group=group, variant=variant, geometry=geometry, seed=seed_, **changes))
 
-    base_dtypes = [dtype] if quick else [d for d in DTYPES if d in caps.dtypes] or [dtype]
-    for d in base_dtypes:
+    declared_dtypes = declared_compute_dtypes(caps) or [dtype]
+    for d in [dtype] if quick else declared_dtypes:
         for group, geometry in _geometries(block_size, quick).items():
-            add(group, dtype_name(d), geometry, dtype=d)
+            add(group, dtype_name(d), geometry, dtype=d, check_batch_invariance=group == "mixed")
 
     _shape_attention_cases(add, caps, head_size, block_size, dtype, quick)
-    _feature_attention_cases(add, caps, block_size, dtype, quick)
+    _feature_attention_cases(add, caps, block_size, declared_dtypes, quick)
     return cases
+
+
+def declared_compute_dtypes(caps: AttentionCapabilities) -> list[torch.dtype]:
+    """The dtypes of `DTYPES` the backend declares, in `DTYPES`' order (empty if none)."""
+    return [d for d in DTYPES if d in caps.dtypes]
 
 
 # add(group, variant, geometry, **changes): appends a variant of the base case to the matrix.
@@ -256,14 +270,21 @@ def _shape_attention_cases(
 
 
 def _feature_attention_cases(
-    add: _AddAttentionCase, caps: AttentionCapabilities, block_size: int, dtype: torch.dtype, quick: bool
+    add: _AddAttentionCase,
+    caps: AttentionCapabilities,
+    block_size: int,
+    dtypes: list[torch.dtype],
+    quick: bool,
 ) -> None:
     """Add the cases turning on one optional attention feature of the base case (sliding
-    window, logit softcap, no preallocated output, FP8 KV cache)."""
+    window, logit softcap, no preallocated output, FP8 KV cache). Windows, softcaps and the
+    returned output run on the mixed batch in every dtype of `dtypes` (the declared ones): masks
+    and output conversions are often written once per dtype."""
     geometries = _geometries(block_size, quick)
     mixed = geometries["mixed"]
     for w in QUICK_SLIDING_WINDOWS if quick else SLIDING_WINDOWS:
-        add("sliding_window", str(w), mixed, sliding_window=w)
+        for d in dtypes:
+            add("sliding_window", f"{w}_{dtype_name(d)}", mixed, sliding_window=w, dtype=d)
         if not quick:
             add(
                 "sliding_window",
@@ -272,15 +293,71 @@ def _feature_attention_cases(
                 sliding_window=w,
             )
     for c in QUICK_SOFTCAPS if quick else SOFTCAPS:
-        add("softcap", str(c), mixed, logit_softcap=c)
+        for d in dtypes:
+            add("softcap", f"{c}_{dtype_name(d)}", mixed, logit_softcap=c, dtype=d)
     if not quick:
         add("softcap", "2.0_window5", mixed, logit_softcap=2.0, sliding_window=5)
-    add("no_out", dtype_name(dtype), mixed, pass_out=False)
+    for d in dtypes:
+        add("no_out", dtype_name(d), mixed, pass_out=False, dtype=d)
     for kv in FP8_KV_DTYPES:
         # Declared encodings run on several geometries; undeclared ones are one probe each.
         groups = (QUICK_FP8_GROUPS if quick else FP8_GROUPS) if kv in caps.kv_cache_dtypes else FP8_GROUPS[:1]
         for group in groups:
             add("fp8_kv_cache", f"{dtype_name(kv)}_{group}", geometries[group], kv_cache_dtype=kv)
+
+
+ENGINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the engine serves models in
+ENGINE_PREFILL_CHUNK = 8  # prompt tokens per step in the engine smoke check (chunked prefill)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCase:
+    """A few greedy steps of a tiny random model whose attention runs on one backend, compared
+    with the same model on cpu_reference (see `engine_check`)."""
+
+    backend: str  # the attention backend's name
+    dtype: torch.dtype  # the model's parameters, activations and KV cache
+    head_size: int
+    block_size: int
+    prefill_chunk: int  # prompt tokens per step, within the backend's max_query_len
+    seed: int
+
+    @property
+    def group(self) -> str:
+        return "engine_smoke"
+
+    @property
+    def variant(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
+    def case_id(self) -> str:
+        return f"{self.group}[{self.variant}]"
+
+    @property
+    def description(self) -> str:
+        return (
+            f"greedy tokens of a tiny random Llama (heads {BASE_HEADS[0]}/{BASE_HEADS[1]}, head_size="
+            f"{self.head_size}, block_size={self.block_size}, prompt chunks of {self.prefill_chunk}) in "
+            f"{dtype_name(self.dtype)}, against cpu_reference"
+        )
+
+
+def engine_cases(
+    backend: str, caps: AttentionCapabilities, platform_dtypes: Iterable[torch.dtype], *, seed: int = 0
+) -> list[EngineCase]:
+    """One engine smoke case per dtype the engine serves in that both the backend and its
+    platform declare, at the backend's base head and block size. Pure."""
+    head_size, block_size, _ = base_shape(caps)
+    if head_size not in caps.head_sizes or block_size not in caps.block_sizes:
+        return []  # nothing declared to build a model from; the attention cases report that
+    chunk = min(ENGINE_PREFILL_CHUNK, caps.max_query_len or ENGINE_PREFILL_CHUNK)
+    platform = set(platform_dtypes)
+    return [
+        EngineCase(backend, d, head_size, block_size, chunk, _seed(f"engine_smoke[{dtype_name(d)}]", seed))
+        for d in ENGINE_DTYPES
+        if d in caps.dtypes and d in platform
+    ]
 
 
 class CacheOp(enum.Enum):

@@ -8,8 +8,9 @@ Both entry points, `pagedserve conformance` and the pytest plugin, go through th
 third-party plugin author runs exactly the items and checks that pagedserve's CI runs.
 
 An item is one case for one component: every attention backend of the platform gets the attention
-case matrix derived from its declared capabilities; the platform's cache ops get the cache-op cases
-for the platform's dtypes and its backends' block sizes.
+case matrix derived from its declared capabilities and the engine smoke cases (a tiny model's
+greedy tokens in each declared engine dtype, with the platform's cache ops); the platform's cache
+ops get the cache-op cases for the platform's dtypes and its backends' block sizes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import torch
 from pagedserve.conformance.attention_check import check_attention_case
 from pagedserve.conformance.cache_check import COMPONENT as CACHE_COMPONENT
 from pagedserve.conformance.cache_check import check_cache_case
-from pagedserve.conformance.cases import AttentionCase, CacheOpCase, attention_cases, cache_op_cases
+from pagedserve.conformance.cases import (
+    AttentionCase,
+    CacheOpCase,
+    EngineCase,
+    attention_cases,
+    cache_op_cases,
+    engine_cases,
+)
+from pagedserve.conformance.engine_check import check_engine_case
 from pagedserve.conformance.oracle import Oracle
 from pagedserve.conformance.results import CaseResult
 from pagedserve.platforms.api import AttentionBackend, CacheOps
@@ -34,7 +43,7 @@ class SuiteItem:
     """One case for one component of the platform."""
 
     component: str  # attention backend name, or "cache_ops"
-    case: AttentionCase | CacheOpCase
+    case: AttentionCase | CacheOpCase | EngineCase
 
     @property
     def item_id(self) -> str:
@@ -114,6 +123,12 @@ class ConformanceSuite:
                 SuiteItem(name, c)
                 for c in attention_cases(backend.capabilities, quick=self.quick, seed=self.seed)
             ]
+            found += [
+                SuiteItem(name, c)
+                for c in engine_cases(
+                    name, backend.capabilities, self.platform.info.supported_dtypes, seed=self.seed
+                )
+            ]
         block_sizes = {
             b for backend in self._backend_classes.values() for b in backend.capabilities.block_sizes
         }
@@ -137,6 +152,10 @@ class ConformanceSuite:
         suite itself (a broken oracle) propagate."""
         if isinstance(item.case, CacheOpCase):
             return check_cache_case(self._ops(), item.case, self.device, self.oracle)
+        if isinstance(item.case, EngineCase):
+            # A fresh backend, as an engine constructs one: the check asks `enable_new_kv_reads`.
+            engine_backend = self._backend_classes[item.component]()
+            return check_engine_case(engine_backend, self._ops(), item.case, self.device, self.oracle)
         return check_attention_case(self._backend(item.component), item.case, self.device, self.oracle)
 
     def run(self) -> list[CaseResult]:

@@ -50,6 +50,12 @@ read the new tokens' keys and values from them instead of the cache: contiguous 
 prefill kernel can stream with the GPU's bulk-copy engine. The default answers False, and the
 keywords are then never passed.
 
+Determinism and exact float32 (API 1.8): `AttentionCapabilities.deterministic` promises that
+`forward` gives bit-identical outputs when called twice on the same inputs, and
+`AttentionCapabilities.exact_float32` that float32 inputs are computed in float32 (no TF32 dot
+products). Both default to False; the conformance kit then checks them (every case run twice;
+float32 cases judged by a tolerance 250 times tighter).
+
 Full-graph plans (API 1.2): `AttentionBackend.full_graph_key` tells the engine what a backend's
 launches for a batch depend on besides tensor addresses (its plan: kernel, grid, split count), for
 one layer shape (`AttentionLayerShape`). Full decode graphs are captured once per padded request
@@ -71,9 +77,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.7"
+PLUGIN_API_VERSION = "1.8"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.7"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.8"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -132,6 +138,14 @@ class AttentionCapabilities:
     # FP8 dtypes the backend reads as a quantized KV cache (with `KVCacheScales`), besides caches in
     # the query's dtype. Empty: the cache must have the query's dtype. (API 1.1)
     kv_cache_dtypes: frozenset[torch.dtype] = frozenset()
+    # API 1.8. True promises determinism: `forward` called twice on the same inputs (same batch,
+    # same tensors) writes and returns bit-identical outputs, whatever the batch holds (no atomics
+    # or reduction orders that change from run to run). Default False: nothing promised.
+    deterministic: bool = False
+    # API 1.8. True promises that float32 queries are computed in float32 throughout (no TF32 or
+    # lower-precision dot products), so the conformance kit judges float32 cases by the tighter
+    # `EXACT_FLOAT32_TOLERANCE`. Default False: TF32 is allowed.
+    exact_float32: bool = False
 
 
 # (x [M, K], weight [N, K] in x's dtype or FP8, scale [N] float32 or None, bias [N] or None) -> [M, N]

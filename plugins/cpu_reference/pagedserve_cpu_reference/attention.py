@@ -156,6 +156,10 @@ class ReferenceAttentionBackend(AttentionBackend):
         sliding_window=True,
         logit_softcap=True,
         kv_cache_dtypes=FP8_DTYPES,
+        # Plain torch on the CPU: the same call takes the same operations in the same order, and
+        # float32 stays float32 (the CPU has no TF32); the conformance kit checks both promises.
+        deterministic=True,
+        exact_float32=True,
     )
 
     def __init__(self, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:

@@ -122,3 +122,16 @@ def start_server(model_dir: Path, *extra: str, name: str = "tiny") -> ServerProc
 def _drain(stream: Iterable[str], log: list[str]) -> None:
     for line in stream:
         log.append(line)
+
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """A server's /metrics as series name (with labels) -> value."""
+    import httpx
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values

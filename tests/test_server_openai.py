@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_support import ServerProcess, build_tiny_model, start_server
+from server_support import ServerProcess, build_tiny_model, scrape_metrics, start_server
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
@@ -48,13 +48,7 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 
 def _metrics(server: ServerProcess) -> dict[str, float]:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return scrape_metrics(server.base_url)
 
 
 def _wait_idle(server: ServerProcess, timeout_s: float = 20.0) -> dict[str, float]:

@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from server_support import ServerProcess, build_tiny_model, pid_alive, start_server
+from server_support import ServerProcess, build_tiny_model, pid_alive, scrape_metrics, start_server
 
 API_KEY = "robust-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -52,13 +52,7 @@ def server(model_dir: Path) -> Iterator[ServerProcess]:
 
 
 def _metrics(server: ServerProcess) -> dict[str, float]:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return scrape_metrics(server.base_url)
 
 
 ENGINE_STATE = ("kv_cache_blocks_in_use", "num_requests_running", "num_requests_waiting")

@@ -163,8 +163,13 @@ class AsyncLLMEngine:
             error = None if wait.cancelled() else wait.exception()
             if error is not None:
                 raise error
-        info = CoreInfo.common([wait.result() for wait in waits])
+        infos = [wait.result() for wait in waits]
+        info = CoreInfo.common(infos)
         self.info = info
+        # /metrics shows the engine's state from the start, not only after the first step.
+        for core, core_info in zip(self._cores, infos, strict=True):
+            core.stats = CoreStats.idle(core_info.num_kv_blocks)
+        self.stats = CoreStats.total([c.stats for c in self._cores if c.stats is not None])
         self._inputs = InputProcessor(
             self.tokenizer,
             vocab_size=info.vocab_size,

@@ -85,6 +85,11 @@ class CoreStats:
     prefix_hits_tokens: int
 
     @classmethod
+    def idle(cls, num_kv_blocks: int) -> CoreStats:
+        """A core that has not stepped yet: nothing running, every block free."""
+        return cls(0, 0, 0, num_kv_blocks, 0, 0, 0)
+
+    @classmethod
     def from_scheduler(cls, stats: SchedulerStats) -> CoreStats:
         kv = stats.kv_cache
         return cls(

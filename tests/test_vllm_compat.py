@@ -1,12 +1,14 @@
 """vLLM's everyday Python idioms with only the import changed: every prompt form of `generate`
 alone and in lists (and a clear refusal of anything else: never a silently wrong prompt), vLLM's
 module paths, `SamplingParams.clone` and the older `guided_decoding` spelling, `llm.llm_engine`,
-`get_default_sampling_params` from the model's generation config, and `chat`'s
+`get_default_sampling_params` from the model's generation config, `RequestOutput.metrics`, and
+`chat`'s
 `continue_final_message`, `chat_template_kwargs` and `tools`."""
 
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from pathlib import Path
 
@@ -86,6 +88,15 @@ def test_vllm_module_paths_and_sampling_params_idioms() -> None:
     assert GuidedDecodingParams is StructuredOutputsParams
     with pytest.raises(TypeError, match="best_of"):
         SamplingParams(best_of=2)  # type: ignore[call-arg]  # unknown fields still fail naming them
+
+
+def test_request_output_metrics(llm: LLM) -> None:
+    before = time.time()
+    (out,) = llm.generate("Hello", GREEDY, use_tqdm=False)
+    m = out.metrics
+    assert m is not None and m.first_token_time is not None and m.finished_time is not None
+    assert before <= m.arrival_time <= m.first_token_time <= m.finished_time <= time.time()
+    assert m.time_to_first_token == m.first_token_time - m.arrival_time
 
 
 def test_engine_and_default_sampling_params(llm: LLM) -> None:

@@ -46,6 +46,21 @@ class CompletionOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """When a request's milestones happened, as seen by the engine front end (wall-clock seconds,
+    `time.time()`, vLLM's field names). A field is None until its milestone is reached."""
+
+    arrival_time: float  # when the request was added
+    first_token_time: float | None = None  # when its first generated token arrived
+    finished_time: float | None = None  # when its last sample finished (or it was aborted)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first token, once there is one."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """The state of one request after a step (streaming) or at the end (`LLM.generate`)."""
 
@@ -56,3 +71,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # index i -> sample i
     finished: bool  # every sample has finished
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    metrics: RequestMetrics | None = None  # arrival, first-token and finish times

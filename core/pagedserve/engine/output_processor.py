@@ -7,11 +7,12 @@ caller can tell the core to stop computing it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from pagedserve.detokenizer import IncrementalDetokenizer, TokenDecoder
 from pagedserve.engine.protocol import EngineCoreOutput, TokenLogprobs
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.types import RequestId
 
@@ -39,6 +40,9 @@ class _RequestState:
     final_only: bool  # params.output_kind is FINAL_ONLY: no output until every sample finishes
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None
+    # Replaced (not mutated) at each milestone, so the outputs of the steps in between share one
+    # object and a step costs no allocation for it.
+    metrics: RequestMetrics | None = None
 
 
 class OutputProcessor:
@@ -76,6 +80,7 @@ class OutputProcessor:
         ]
         final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
         state = _RequestState(request_id, prompt, prompt_token_ids, params, samples, final_only)
+        state.metrics = RequestMetrics(time.time())
         self._requests[request_id] = state
         ids = [sequence_id(request_id, i, params.n) for i in range(params.n)]
         for seq_id, sample in zip(ids, samples, strict=True):
@@ -117,6 +122,8 @@ class OutputProcessor:
             if detok.finish_reason is not None:
                 continue
             new_token_ids = out.new_token_ids
+            if new_token_ids and state.metrics is not None and state.metrics.first_token_time is None:
+                state.metrics = replace(state.metrics, first_token_time=time.time())
             accepted = detok.append(new_token_ids) if new_token_ids else 0
             if sample.logprobs is not None and out.logprobs is not None:
                 kept = self._decoded(out.logprobs[:accepted], state.params)
@@ -139,6 +146,8 @@ class OutputProcessor:
         results: list[RequestOutput] = []
         for state in touched.values():
             done = any_finished and all(s.detok.finish_reason is not None for s in state.samples)
+            if done and state.metrics is not None:
+                state.metrics = replace(state.metrics, finished_time=time.time())
             if done or not state.final_only:
                 results.append(self._snapshot(state))
             if done:
@@ -154,6 +163,8 @@ class OutputProcessor:
         for sample in state.samples:
             sample.detok.abort()
         self._forget(state)
+        if state.metrics is not None:
+            state.metrics = replace(state.metrics, finished_time=time.time())
         return self._snapshot(state)
 
     def _forget(self, state: _RequestState) -> None:
@@ -172,7 +183,7 @@ class OutputProcessor:
         # Positional construction: this runs once per running request per step, and keyword
         # arguments cost a third more. Order: CompletionOutput(index, text, token_ids,
         # cumulative_logprob, logprobs, finish_reason, stop_reason) and RequestOutput(request_id,
-        # prompt, prompt_token_ids, prompt_logprobs, outputs, finished, num_cached_tokens).
+        # prompt, prompt_token_ids, prompt_logprobs, outputs, finished, num_cached_tokens, metrics).
         outputs = [
             CompletionOutput(
                 s.index,
@@ -193,6 +204,7 @@ class OutputProcessor:
             outputs,
             all(o.finish_reason is not None for o in outputs),
             state.num_cached_tokens or 0,
+            state.metrics,
         )
 
 

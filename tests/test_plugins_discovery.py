@@ -89,7 +89,7 @@ def test_cli_lists_the_example_plugin(example_installed: None, capsys: pytest.Ca
     assert main(["platforms"]) == 0
     out = capsys.readouterr().out
     assert "example_cpu  [available: plain torch on the CPU]" in out
-    assert "plugin: example_cpu 0.1.0 (plugin API 1.7)" in out
+    assert f"plugin: example_cpu 0.1.0 (plugin API {PLUGIN_API_VERSION})" in out
     assert "attention backend example_gather" in out
     assert "head sizes: 32, 64, 80, 96, 128, 256" in out
     assert "features: sliding_window, logit_softcap" in out

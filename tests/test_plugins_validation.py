@@ -3,11 +3,13 @@ versions, hooks pluggy rejects, hooks that raise or answer with the wrong type, 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from plugins_support import platform_info, platform_plugin
+from plugins_support import install_fake_distribution, platform_info, platform_plugin, unique_module_name
 
 from pagedserve.platforms.api import (
     PLUGIN_API_VERSION,
@@ -152,8 +154,49 @@ def test_same_plugin_name_twice_is_reported() -> None:
         [("same", _good()), ("same", platform_plugin(platform_info("other")))]
     )
     [error] = registry.load_errors
-    assert error.plugin_name == "same" and "already registered" in error.error
+    assert error.plugin_name == "same" and "declares the plugin name 'same'" in error.error
+    assert "is refused: plugin names must be unique" in error.error
     assert [p.name for p in registry.platforms()] == ["good"]
+
+
+_PLUGIN_SOURCE = """
+import torch
+from pagedserve.platforms.api import PLUGIN_API_VERSION, Availability, PlatformInfo
+from pagedserve.platforms.hookspecs import hookimpl
+
+PAGEDSERVE_PLUGIN_API = PLUGIN_API_VERSION
+
+
+@hookimpl
+def pagedserve_platforms():
+    return [PlatformInfo("{platform}", 0, "cpu", (torch.float32,), lambda: Availability(True, "here"))]
+"""
+
+
+def test_two_distributions_declaring_one_entry_point_name_are_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two installed packages declare the entry point `shared`: the second in load order is refused
+    before it is imported, and the error names both distributions."""
+    first, second = unique_module_name("first_dup"), unique_module_name("second_dup")
+    for dist, module, version in (("alpha-plugin", first, "1.0"), ("beta-plugin", second, "2.0")):
+        install_fake_distribution(
+            monkeypatch,
+            tmp_path / dist,
+            dist,
+            version,
+            {"shared": module},
+            {f"{module}.py": _PLUGIN_SOURCE.format(platform=module)},
+        )
+    registry = PlatformRegistry.from_entry_points()
+    [error] = [e for e in registry.load_errors if e.plugin_name == "shared"]
+    assert "distribution alpha-plugin 1.0 already declares" in error.error, error.error
+    assert "this one, from distribution beta-plugin 2.0, is refused" in error.error, error.error
+    names = {p.name for p in registry.platforms()}
+    assert first in names and second not in names
+    assert second not in sys.modules  # refused before it was imported
+    with pytest.raises(PluginError, match=r"alpha-plugin 1\.0 already declares.*beta-plugin 2\.0"):
+        PlatformRegistry.from_entry_points(strict=True)
 
 
 class _Backend(AttentionBackend):

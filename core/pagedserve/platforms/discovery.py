@@ -168,10 +168,17 @@ class PluginLoader:
         self._platform_owner: dict[str, str] = {}  # platform name -> plugin name
 
     def load(self, sources: Iterable[PluginSource]) -> list[AcceptedPlugin]:
-        """Load, check and register each source; return the accepted ones in order. Mutates the
-        manager and `problems`."""
+        """Load, check and register each source; return the accepted ones in order. A source whose
+        plugin name an earlier source already has (two distributions declaring one entry-point
+        name) is refused, naming both distributions, before it is imported. Mutates the manager
+        and `problems`."""
         accepted = []
+        first_of_name: dict[str, PluginSource] = {}  # plugin name -> the source that has it
         for source in sources:
+            first = first_of_name.setdefault(source.name, source)
+            if first is not source:
+                self.problems.report_source(source, _duplicate_name_problem(source, first))
+                continue
             self.problems.know(source)
             plugin = self._load_one(source)
             if plugin is not None:
@@ -252,6 +259,22 @@ class PluginLoader:
             self._platform_owner[info.name] = source.name
             infos.append(info)
         return tuple(infos)
+
+
+def _describe_distribution(source: PluginSource) -> str:
+    if source.distribution is None:
+        return f"an object handed over in code ({source.name!r})"
+    return f"distribution {source.distribution} {source.version}"
+
+
+def _duplicate_name_problem(source: PluginSource, first: PluginSource) -> str:
+    """Why `source` is refused: `first` already has its plugin name."""
+    return (
+        f"declares the plugin name {source.name!r} (entry point group {ENTRY_POINT_GROUP!r}), which "
+        f"{_describe_distribution(first)} already declares; this one, from {_describe_distribution(source)}, "
+        "is refused: plugin names must be unique across installed packages (uninstall one, or rename "
+        "its entry point)"
+    )
 
 
 def _platform_list_problem(result: object) -> str | None:

@@ -1,9 +1,12 @@
 """Hook specifications for platform plugins: signatures plus docstrings, nothing else.
 
 A plugin is a module (or object) found through the entry-point group `pagedserve.platforms` that
-declares `PAGEDSERVE_PLUGIN_API = "1.0"` and implements any of these hooks with
-`@pagedserve.platforms.hookimpl`. Every hook that takes `platform` must return `None` for
-platforms the plugin does not own, so several plugins can coexist. See docs/plugins.md.
+declares the plugin API version it was written against (`PAGEDSERVE_PLUGIN_API = "MAJOR.MINOR"`,
+accepted when the major number equals `pagedserve.platforms.api.PLUGIN_API_VERSION`'s and the
+minor number is not newer) and implements any of these hooks with the `hookimpl` marker defined
+below (`from pagedserve.platforms.hookspecs import hookimpl`). Every hook that takes `platform`
+must return `None` for platforms the plugin does not own, so several plugins can coexist. See
+docs/plugins.md.
 """
 
 from __future__ import annotations

@@ -230,6 +230,18 @@ def test_tokenization_routes_need_the_key_and_are_bounded(server: ServerProcess)
     assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server: ServerProcess) -> None:
+    body = {"model": server.model_name, "prompt": list(range(100, 140)), "max_tokens": 2}
+    r = httpx.post(
+        f"{server.base_url}/v1/completions", json={**body, "truncate_prompt_tokens": 5}, headers=AUTH
+    )
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5
+    r = httpx.post(
+        f"{server.base_url}/v1/completions", json={**body, "truncate_prompt_tokens": 0}, headers=AUTH
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_model_route(server: ServerProcess) -> None:
     r = httpx.get(f"{server.base_url}/v1/models/{server.model_name}", headers=AUTH)
     assert r.status_code == 200 and r.json()["id"] == server.model_name

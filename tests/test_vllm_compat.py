@@ -90,6 +90,19 @@ def test_vllm_module_paths_and_sampling_params_idioms() -> None:
         SamplingParams(best_of=2)  # type: ignore[call-arg]  # unknown fields still fail naming them
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
+    ids = llm.get_tokenizer().encode("one two three four five six seven eight nine ten")
+    (cut,) = llm.generate(
+        ids, SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=3), use_tqdm=False
+    )
+    (tail,) = llm.generate(ids[-3:], GREEDY, use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-3:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)  # type: ignore[arg-type]
+
+
 def test_request_output_metrics(llm: LLM) -> None:
     before = time.time()
     (out,) = llm.generate("Hello", GREEDY, use_tqdm=False)

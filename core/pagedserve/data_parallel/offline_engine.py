@@ -126,7 +126,10 @@ class DataParallelLLMEngine:
         self.eos_token_ids = self.info.eos_token_ids
         self.max_model_len = self.info.max_model_len
         self.inputs = InputProcessor(
-            self.tokenizer, vocab_size=self.vocab_size, max_logprobs=args.max_logprobs
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+            max_logprobs=args.max_logprobs,
+            max_model_len=self.max_model_len,
         )
         eos = detokenizer_eos_token_id(self.tokenizer, self.eos_token_ids)
         self.processor = OutputProcessor(self.tokenizer, eos_token_id=eos, max_model_len=self.max_model_len)
@@ -204,11 +207,11 @@ class DataParallelLLMEngine:
         ValueError naming the problem when it can never run, as `LLMEngine.add_request` does."""
         self._check_usable()
         self.inputs.check_params(params)
-        ids = self.tokenize(prompt)
+        ids = self.inputs.prompt_ids(prompt, params)
         limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         max_tokens = max(limit, 1)  # as the core counts it
         _check_admissible(request_id, len(ids), max_tokens, self.info)
-        text = prompt if isinstance(prompt, str) else None
+        text = prompt if isinstance(prompt, str) and params.truncate_prompt_tokens is None else None
         seq_ids = self.processor.add_request(request_id, text, ids, params)
         replica = self._replicas[self.balancer.place(seq_ids, len(ids), max_tokens)]
         for i, seq_id in enumerate(seq_ids):

@@ -51,17 +51,34 @@ class InputProcessor:
             self._longest_token_bytes = max(len(t.encode()) for t in tokens if isinstance(t, str))
         return 2 * self.max_model_len * self._longest_token_bytes
 
-    def tokenize(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
+    def prompt_ids(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """The token ids a request with `params` runs on: `tokenize`'s, cut to their last
+        `params.truncate_prompt_tokens` (-1: max_model_len) when that is set. Raises ValueError."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return self.tokenize(prompt)
+        if keep == -1:
+            if self.max_model_len is None:
+                raise ParamError(
+                    "truncate_prompt_tokens=-1 needs the engine's max_model_len", "truncate_prompt_tokens"
+                )
+            keep = self.max_model_len
+        return self.tokenize(prompt, bounded=False)[-keep:]
+
+    def tokenize(
+        self, prompt: str | Sequence[int], *, add_special_tokens: bool = True, bounded: bool = True
+    ) -> list[int]:
         """Token ids of a prompt: a string is encoded (with the model's special tokens unless
         `add_special_tokens` is False, for text a chat template rendered); a list of ids is
-        checked against the vocabulary. Raises ValueError for an empty or bad prompt, or a text
-        too long to fit max_model_len whatever its tokens."""
+        checked against the vocabulary. Raises ValueError for an empty or bad prompt, or (unless
+        `bounded` is False: the caller truncates) a text too long to fit max_model_len whatever
+        its tokens."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): pass token ids")
             if not prompt:
                 raise ValueError("prompt is an empty string: give at least one character or token")
-            limit = self.max_text_bytes()
+            limit = self.max_text_bytes() if bounded else None
             size = len(prompt.encode("utf-8", "surrogatepass"))
             if limit is not None and size > limit:
                 raise ValueError(

@@ -32,7 +32,10 @@ class LLMEngine:
         self.eos_token_ids = self.setup.eos_token_ids
         self.max_model_len = self.setup.max_model_len
         self.inputs = InputProcessor(
-            self.tokenizer, vocab_size=self.vocab_size, max_logprobs=args.max_logprobs
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+            max_logprobs=args.max_logprobs,
+            max_model_len=self.max_model_len,
         )
         eos = detokenizer_eos_token_id(self.tokenizer, self.eos_token_ids)
         self.processor = OutputProcessor(self.tokenizer, eos_token_id=eos, max_model_len=self.max_model_len)
@@ -60,8 +63,8 @@ class LLMEngine:
         """Queue a request. Raises ValueError naming the problem when it can never run (empty
         prompt, token ids outside the vocabulary, prompt + max_tokens beyond max_model_len...)."""
         self.inputs.check_params(params)
-        ids = self.tokenize(prompt)
-        text = prompt if isinstance(prompt, str) else None
+        ids = self.inputs.prompt_ids(prompt, params)
+        text = prompt if isinstance(prompt, str) and params.truncate_prompt_tokens is None else None
         seq_ids = self.processor.add_request(request_id, text, ids, params)
         try:
             for i, seq_id in enumerate(seq_ids):

@@ -76,6 +76,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the enum or its value (a str)
     # The output must match a JSON schema, regex, choice or grammar (constrained decoding).
     structured_outputs: StructuredOutputsParams | None = None
+    # Keep only the prompt's last k tokens (k >= 1; -1: max_model_len); None: a prompt that does
+    # not fit is refused.
+    truncate_prompt_tokens: int | None = None
     # vLLM's older name for structured_outputs: accepted with a DeprecationWarning, not stored.
     guided_decoding: InitVar[StructuredOutputsParams | None] = None
 
@@ -147,6 +150,12 @@ class SamplingParams:
         integer("min_tokens", 0, allow_none=False)
         integer("logprobs", 0, allow_none=True)
         integer("prompt_logprobs", 0, allow_none=True)
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (not _is_int(keep) or (keep < 1 and keep != -1)):
+            raise ValueError(
+                f"truncate_prompt_tokens must be an int >= 1, -1 (the model's context length) or None, "
+                f"got {keep!r}"
+            )
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1 disable it), got {self.top_k!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

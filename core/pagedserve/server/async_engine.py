@@ -372,9 +372,10 @@ class AsyncLLMEngine:
             param = exc.param if isinstance(exc, ParamError) else "prompt"
             raise InvalidRequest(str(exc), param) from None
         try:
-            ids = self._inputs.tokenize(prompt)
+            ids = self._inputs.prompt_ids(prompt, params)
         except ValueError as exc:
-            raise InvalidRequest(str(exc), "prompt") from None
+            param = exc.param if isinstance(exc, ParamError) else "prompt"
+            raise InvalidRequest(str(exc), param) from None
         _check_fits(len(ids), params.max_tokens, info.max_model_len)
         return ids
 
@@ -386,9 +387,8 @@ class AsyncLLMEngine:
         assert self._processor is not None
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        seq_ids = self._processor.add_request(
-            request_id, prompt if isinstance(prompt, str) else None, ids, params
-        )
+        text = prompt if isinstance(prompt, str) and params.truncate_prompt_tokens is None else None
+        seq_ids = self._processor.add_request(request_id, text, ids, params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self.metrics.on_added(request_id, len(ids))

@@ -49,6 +49,7 @@ class ChatHandler(GenerationHandler):
         structured = await self.engine.run_cpu(self._constraint, body, plan)
         ids = await self.prompt_ids(body, plan)
         params = self._sampling_params(body, plan, structured)
+        ids = self.truncated(ids, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [ids], params)
         try:

@@ -58,6 +58,9 @@ class CompletionsHandler(GenerationHandler):
             )
         except ValueError as exc:
             raise invalid(exc) from None
+        if params.truncate_prompt_tokens is not None:
+            # Cut here, so usage and echo describe the prompt the engine runs on.
+            prompts = [_Prompt(self.truncated(p.engine_prompt, params), None) for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [p.engine_prompt for p in prompts], params)
         if body.stream:

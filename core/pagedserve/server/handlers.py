@@ -219,6 +219,14 @@ class GenerationHandler:
                 400, f"n must be at most {self.config.max_n} on this server (--max-n), got {n}", param="n"
             )
 
+    def truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """`ids` cut to their last `params.truncate_prompt_tokens` (-1: max_model_len), or as
+        they are when that is None."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        return ids[-(self.engine.max_model_len if keep == -1 else keep) :]
+
     def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
         """Token ids of a prompt. CPU-bound for long texts: call it on the tokenizer thread
         (`engine.run_cpu`). Raises APIError naming `param`."""

@@ -119,6 +119,7 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's extension: keep the prompt's last k tokens
 
     @field_validator("best_of")
     @classmethod
@@ -248,6 +249,7 @@ def to_sampling_params(
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "structured_outputs": structured_outputs,
+        "truncate_prompt_tokens": req.truncate_prompt_tokens,
     }
     return SamplingParams(**kwargs)
 
@@ -273,6 +275,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "include_stop_str_in_output",
     "skip_special_tokens",
     "structured_outputs",
+    "truncate_prompt_tokens",
 )
 """Field names a SamplingParams error message may start with."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Callable
 from typing import ClassVar
 
 import pytest
@@ -16,6 +17,8 @@ import torch
 from test_conformance_catches_bugs import _first_failure, _suite
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.conformance.cases import AttentionCase, attention_cases
+from pagedserve.conformance.report import pattern_hints
 from pagedserve.conformance.results import CaseResult, Status
 from pagedserve.conformance.tolerances import tolerance_for
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities
@@ -314,3 +317,31 @@ def test_tf32_under_a_declared_exact_float32() -> None:
         },
     )
     assert _first_failure(_suite(relaxed), relaxed.name, "prefill") is None
+
+
+@pytest.mark.parametrize(
+    ("failing", "hint"),
+    [
+        pytest.param(lambda c: c.sliding_window is not None, "only sliding-window cases fail", id="window"),
+        pytest.param(
+            lambda c: c.num_q_heads > c.num_kv_heads, "only cases with GQA ratio > 1 fail", id="gqa_ratio"
+        ),
+        pytest.param(lambda c: c.dtype == torch.bfloat16, "only bfloat16 cases fail", id="one_dtype"),
+        pytest.param(lambda c: not c.pass_out, "only cases without out= fail", id="no_out"),
+    ],
+)
+def test_pattern_of_failing_cases_gives_a_hint(failing: Callable[[AttentionCase], bool], hint: str) -> None:
+    """The report's hints read which cases of a backend failed and which passed (no case is run)."""
+    cases = attention_cases(ReferenceAttentionBackend.capabilities, quick=True)
+    results = [
+        CaseResult(
+            "backend",
+            c,
+            Status.FAILED if failing(c) else Status.PASSED,
+            ("problem",) if failing(c) else (),
+            None,
+        )
+        for c in cases
+    ]
+    assert [h for h in pattern_hints(results) if hint in h], pattern_hints(results)
+    assert pattern_hints([dataclasses.replace(r, status=Status.PASSED, problems=()) for r in results]) == []

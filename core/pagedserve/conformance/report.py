@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.conformance.cases import AttentionCase, dtype_name
+from pagedserve.conformance.cases import AttentionCase, EngineCase, dtype_name
 from pagedserve.conformance.results import CaseResult, Status
 
 
@@ -72,12 +72,69 @@ def _worst_cells(s: GroupSummary) -> list[str]:
     return [s.worst.case.case_id, f"{e.max_abs_err:.2g}", f"{e.worst_ratio:.2g}"]
 
 
+def pattern_hints(results: list[CaseResult]) -> list[str]:
+    """Hints from which cases of an attention backend fail and which pass: only window cases, only
+    GQA ratios above 1, only one dtype, only FP8 caches, only batches with multi-token queries,
+    only calls without `out=`, only the engine smoke check. Pure."""
+    hints = []
+    for component in dict.fromkeys(r.component for r in results):
+        mine = [r for r in results if r.component == component and r.status is not Status.UNSUPPORTED]
+        failed = [r for r in mine if r.status is Status.FAILED]
+        passed = [r for r in mine if r.status is Status.PASSED]
+        if not failed or not passed:
+            continue
+        kernel_failed = [r.case for r in failed if isinstance(r.case, AttentionCase)]
+        kernel_passed = [r.case for r in passed if isinstance(r.case, AttentionCase)]
+        if not kernel_failed:
+            if any(isinstance(r.case, EngineCase) for r in failed):
+                hints.append(
+                    f"{component}: every kernel case passes but the engine smoke check fails: look at what "
+                    "forward returns (dtype, shape, `out`) and at state kept between calls"
+                )
+            continue
+        found = _kernel_pattern(kernel_failed, kernel_passed)
+        if found is not None:
+            hints.append(f"{component}: {found}")
+    return hints
+
+
+def _kernel_pattern(failed: list[AttentionCase], passed: list[AttentionCase]) -> str | None:
+    def only(pred: Callable[[AttentionCase], bool]) -> bool:
+        return all(pred(c) for c in failed) and not all(pred(c) for c in passed)
+
+    if only(lambda c: c.sliding_window is not None):
+        return "only sliding-window cases fail: look at the window mask"
+    if only(lambda c: c.logit_softcap is not None):
+        return "only softcap cases fail: look at the softcap"
+    if only(lambda c: c.kv_cache_dtype is not None):
+        return "only FP8 KV-cache cases fail: look at the dequantization and its scales"
+    if only(lambda c: not c.pass_out):
+        return "only cases without out= fail: look at the tensor forward allocates and returns"
+    # Before the shape patterns: every base case has GQA ratio 2 and multi-token queries.
+    dtypes = {c.dtype for c in failed}
+    if len(dtypes) == 1 and only(lambda c: c.dtype in dtypes):
+        return f"only {dtype_name(next(iter(dtypes)))} cases fail: look at that dtype's path"
+    if only(lambda c: c.num_q_heads > c.num_kv_heads) and any(
+        c.num_q_heads == c.num_kv_heads for c in passed
+    ):
+        return (
+            "only cases with GQA ratio > 1 fail (ratio 1 passes): look at the query-head -> KV-head mapping"
+        )
+    if only(lambda c: max(c.geometry.query_lens) > 1) and any(
+        max(c.geometry.query_lens) == 1 for c in passed
+    ):
+        return "only batches with multi-token queries fail (decodes pass): look at the causal mask"
+    return None
+
+
 def format_text(info: RunInfo, results: list[CaseResult]) -> str:
-    """The CLI's report: every failure in full, then one table per component."""
+    """The CLI's report: every failure in full, hints from the pattern of failures, then one table
+    per component."""
     lines = []
     failures = [r for r in results if r.status is Status.FAILED]
     for r in failures:
         lines.append(r.summary())
+    lines += [f"hint: {h}" for h in pattern_hints(results)]
     if failures:
         lines.append("")
     mode = "quick" if info.quick else "full"

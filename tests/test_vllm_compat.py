@@ -7,6 +7,7 @@ module paths, `SamplingParams.clone` and the older `guided_decoding` spelling, `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import warnings
@@ -101,6 +102,22 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_allowed_token_ids_restrict_sampling(llm: LLM) -> None:
+    allowed = [1000, 2000, 3000]
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed
+    )
+    (out,) = llm.generate("Hello", params, use_tqdm=False)
+    assert set(out.outputs[0].token_ids) <= set(allowed)
+    (greedy,) = llm.generate("Hello", dataclasses.replace(params, temperature=0), use_tqdm=False)
+    assert set(greedy.outputs[0].token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be token ids in \[0, 49152\)"):
+        llm.generate("Hello", SamplingParams(allowed_token_ids=[49152]), use_tqdm=False)
+    for bad in ([], [-1], "12"):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)  # type: ignore[arg-type]
 
 
 def test_request_output_metrics(llm: LLM) -> None:

@@ -118,6 +118,12 @@ class InputProcessor:
                 check_constraint(params.structured_outputs, has_tokenizer=self.tokenizer is not None)
             except ValueError as exc:
                 raise ParamError(str(exc), "structured_outputs") from None
+        allowed = params.allowed_token_ids
+        if allowed is not None and allowed[-1] >= self.vocab_size:  # sorted: the last is the largest
+            raise ParamError(
+                f"allowed_token_ids must be token ids in [0, {self.vocab_size}), got {allowed[-1]}",
+                "allowed_token_ids",
+            )
         if params.stop_strings and not params.detokenize:
             why = " (this engine has no tokenizer)" if self.tokenizer is None else ""
             raise ParamError(

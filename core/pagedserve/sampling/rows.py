@@ -190,7 +190,7 @@ class SamplingRows:
         self.num_logprobs[row] = params.logprobs or 0
         self.wants_prompt_logprobs[row] = params.prompt_logprobs is not None
         self.min_tokens[row] = params.min_tokens
-        self.has_bias[row] = bool(params.bias)
+        self.has_bias[row] = bool(params.bias) or params.allowed_token_ids is not None
         self.version += 1
         return row
 
@@ -338,20 +338,31 @@ class SamplingRows:
         return penalized, weights
 
     def _bias(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Logit bias and, for rows with allowed_token_ids, a -inf ban of every other token
+        (built when the batch changes, not per step)."""
         positions: list[int] = []
         tokens: list[int] = []
         values: list[float] = []
+        bans: list[tuple[int, np.ndarray]] = []  # (position, banned token ids)
         for position in np.nonzero(self.has_bias[rows])[0].tolist():
-            for token, value in self.params[int(rows[position])].bias.items():
+            params = self.params[int(rows[position])]
+            for token, value in params.bias.items():
                 positions.append(position)
                 tokens.append(token)
                 values.append(value)
+            if params.allowed_token_ids is not None:
+                allowed = np.asarray(params.allowed_token_ids, dtype=np.int64)
+                _check_vocab(allowed.tolist(), vocab_size)
+                bans.append((position, np.setdiff1d(np.arange(vocab_size, dtype=np.int64), allowed)))
         _check_vocab(tokens, vocab_size)
-        return (
-            np.array(positions, dtype=np.int64),
-            np.array(tokens, dtype=np.int64),
-            np.array(values, dtype=np.float32),
-        )
+        out_positions = [np.array(positions, dtype=np.int64)]
+        out_tokens = [np.array(tokens, dtype=np.int64)]
+        out_values = [np.array(values, dtype=np.float32)]
+        for position, banned in bans:
+            out_positions.append(np.full(banned.size, position, dtype=np.int64))
+            out_tokens.append(banned)
+            out_values.append(np.full(banned.size, -np.inf, dtype=np.float32))
+        return np.concatenate(out_positions), np.concatenate(out_tokens), np.concatenate(out_values)
 
     def _logit_edits(
         self,
@@ -463,7 +474,8 @@ def _check_vocab(tokens: list[int], vocab_size: int) -> None:
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(
-            f"logit_bias / stop_token_ids hold token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}"
+            f"logit_bias / stop_token_ids / allowed_token_ids hold token ids outside the vocabulary "
+            f"[0, {vocab_size}): {bad[:8]}"
         )
 
 

@@ -73,6 +73,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit; stored as a dict copy
+    # Only these token ids may be sampled (every other logit is -inf); stored as a sorted tuple.
+    allowed_token_ids: Sequence[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the enum or its value (a str)
     # The output must match a JSON schema, regex, choice or grammar (constrained decoding).
     structured_outputs: StructuredOutputsParams | None = None
@@ -106,6 +108,13 @@ class SamplingParams:
                     raise ValueError(f"logit_bias[{token}] must be a finite float, got {value!r}")
                 bias[token] = float(value)
             object.__setattr__(self, "logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if isinstance(allowed, str | bytes) or not isinstance(allowed, Sequence) or not allowed:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
+            if not all(_is_int(t) and t >= 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids must hold token ids (ints >= 0), got {allowed!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._normalize_output_kind()

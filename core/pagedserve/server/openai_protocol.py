@@ -120,6 +120,7 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's extension: keep the prompt's last k tokens
+    allowed_token_ids: list[int] | None = None  # vLLM's extension: sample only these token ids
 
     @field_validator("best_of")
     @classmethod
@@ -250,6 +251,7 @@ def to_sampling_params(
         "skip_special_tokens": req.skip_special_tokens,
         "structured_outputs": structured_outputs,
         "truncate_prompt_tokens": req.truncate_prompt_tokens,
+        "allowed_token_ids": req.allowed_token_ids,
     }
     return SamplingParams(**kwargs)
 
@@ -276,6 +278,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "skip_special_tokens",
     "structured_outputs",
     "truncate_prompt_tokens",
+    "allowed_token_ids",
 )
 """Field names a SamplingParams error message may start with."""
 

@@ -143,7 +143,22 @@ def explain_text(registry: PlatformRegistry, args: argparse.Namespace) -> str:
     platforms = [registry.get(args.platform)] if args.platform else registry.platforms()
     lines = [f"batch: {query_desc(args)}"]
     silent: list[str] = []
+    explained = 0
+    absent = _absent_gpu_note(platforms)
+    # Asked for nothing in particular on a host without a GPU, the GPU platforms are left out:
+    # describing an assumed H100 or MI300X would read as if this machine had one. Naming the
+    # platform, --device or --arch asks for that description, so it is still given.
+    skip_gpu_platforms = absent is not None and not (args.platform or args.device or args.arch)
+    if absent is not None:
+        hint = (
+            "pass --device NAME:SMS:MAJOR.MINOR (or --arch GFX for rocm) to see what they would run there"
+            if skip_gpu_platforms
+            else "what follows is for an assumed GPU"
+        )
+        lines.append(f"{absent}; {hint}")
     for platform in platforms:
+        if skip_gpu_platforms and platform.info.device_type == "cuda":
+            continue
         device, where = assumed, "assumed (--device)" if args.device else "assumed: no GPU of it here"
         arch: str | None = args.arch
         if platform.availability.available and platform.info.device_type == "cuda":
@@ -171,12 +186,31 @@ def explain_text(registry: PlatformRegistry, args: argparse.Namespace) -> str:
                 header = f"{name} ({sms} SMs, sm_{major}{minor}; {where})"
             lines.append(f"{platform.name}/{backend_cls.name} on {header}:")
             lines.append(f"  {backend.explain_batch(batch_query(args, device, arch))}")
-    if len(lines) == 1:
-        scope = f"platform {args.platform!r}" if args.platform else "any platform"
+            explained += 1
+    if explained == 0:
+        if args.platform:
+            scope = f"platform {args.platform!r}"
+        else:
+            scope = "the platforms available here" if skip_gpu_platforms else "any platform"
         lines.append(f"no backend of {scope} explains its kernel choice")
     if silent:
         lines.append(f"(backends that do not explain their choice: {', '.join(silent)})")
     return "\n".join(lines)
+
+
+def _absent_gpu_note(platforms: list[LoadedPlatform]) -> str | None:
+    """A "no GPU found: ..." line with each GPU platform's own reason for being unavailable, when this
+    host has no GPU that torch sees and none of `platforms` that runs on one is available; None
+    otherwise (a GPU is here, or no GPU platform was asked about)."""
+    gpu_platforms = [p for p in platforms if p.info.device_type == "cuda"]
+    if not gpu_platforms or torch.cuda.device_count() > 0:
+        return None
+    if any(p.availability.available for p in gpu_platforms):
+        return None
+    names = ", ".join(p.name for p in gpu_platforms)
+    reasons = "; ".join(f"{p.name}: {p.availability.reason}" for p in gpu_platforms)
+    verb = "is" if len(gpu_platforms) == 1 else "are"
+    return f"no GPU found: {names} {verb} unavailable here because {reasons}"
 
 
 def query_desc(args: argparse.Namespace) -> str:

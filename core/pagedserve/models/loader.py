@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.decoder import DecoderForCausalLM
+from pagedserve.models.gguf_reads import shared_gguf_reads
 from pagedserve.models.layers import RotaryEmbedding
 from pagedserve.models.registry import architecture_of, choose_model
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
@@ -107,7 +108,9 @@ def load_config(source: ModelSource) -> Any:
     """The transformers config of `source` (read from the GGUF metadata for GGUF models).
     Raises `ValueError` naming the source when transformers cannot read it."""
     try:
-        return AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+        # shared_gguf_reads: the tokenizer and the weights reuse this parse of the GGUF metadata
+        with shared_gguf_reads():
+            return AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
     except (ValueError, KeyError, OSError) as exc:
         where = source.gguf_path or source.directory
         raise ValueError(f"cannot read a transformers config from {where}: {exc}") from exc
@@ -117,7 +120,9 @@ def load_tokenizer(source: ModelSource | str | Path | None) -> PreTrainedTokeniz
     """The tokenizer for a model source (GGUF files carry their tokenizer)."""
     if not isinstance(source, ModelSource):
         source = resolve_model_source(source)
-    return AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+    # shared_gguf_reads: AutoTokenizer reads the GGUF's config too, which the model load reuses
+    with shared_gguf_reads():
+        return AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
 
 
 def _resolve_format(source: ModelSource, load_format: LoadFormat) -> LoadFormat:

@@ -47,35 +47,66 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def iter_gguf(gguf_path: Path, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield a GGUF file's tensors dequantized to float32 under transformers parameter names.
+    """Yield a GGUF file's tensors dequantized to float32 under transformers parameter names,
+    one at a time.
 
-    transformers' GGUF reader does the name mapping and undoes llama.cpp's q/k row permutation
-    for Llama-family files; it maps names through a transformers model of this config, which is
-    built on the meta device here (no memory, no init)."""
-    from gguf import GGUFReader
+    transformers' GGUF support does the name mapping (through a transformers model of this
+    config, built on the meta device here: no memory, no init) and its tensor processor undoes
+    llama.cpp's q/k row permutation for Llama-family files. The metadata comes from the
+    per-process cache (`gguf_reads`) and the tensor table from transformers' struct-based header
+    reader, so loading the weights does not parse the file's metadata again."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
     from transformers import AutoModelForCausalLM
+    from transformers.integrations.gguf import GgufHeader, load_gguf_state_dict
     from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
         TensorProcessor,
         get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
     )
+
+    from pagedserve.models.gguf_reads import gguf_metadata, shared_gguf_reads
 
     with torch.device("meta"):
         name_source = AutoModelForCausalLM.from_config(config)
+    header = GgufHeader.from_file(str(gguf_path))
+    # The processor sees the config as transformers read it from this file, as it would inside
+    # transformers' own loader (head counts for the q/k un-permutation).
+    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(
+        config=gguf_metadata(gguf_path)["config"]
+    )
+    with shared_gguf_reads():
+        mapped = get_gguf_hf_weights_map(name_source, TensorProcessor())  # the base one only maps names
+        tensor_key_mapping = get_gguf_hf_weights_map(name_source, processor)
     # transformers drops GGUF tensors its model has no parameter for (q/k/v biases of a llama
     # file, whose metadata cannot say attention_bias; llama 3.1's rope_freqs). Serving without
-    # them would be a different model, so name them instead. The reader only maps the file.
-    gguf_names = {t.name for t in GGUFReader(str(gguf_path)).tensors}
-    mapped = get_gguf_hf_weights_map(name_source, TensorProcessor())  # the base one only maps names
-    unmapped = sorted(gguf_names - set(mapped))
+    # them would be a different model, so name them instead.
+    unmapped = sorted({info.name for info in header.tensors} - set(mapped))
     if unmapped:
         raise ValueError(
             f"{gguf_path} holds tensors that the {config.model_type!r} config read from its metadata "
             f"has no place for: {unmapped[:6]}; transformers (and so pagedserve) cannot load this "
             "file faithfully"
         )
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=name_source)
-    tensors: dict[str, torch.Tensor] = parsed["tensors"]
+    stored = load_gguf_state_dict(header)  # memory-mapped, nothing read yet
+    # Processors of merged expert tensors write into parsed_parameters["tensors"] themselves.
+    parsed_parameters: dict[str, Any] = {"tensors": {}}
+    for info in header.tensors:
+        # Rows of raw bytes, whatever the type: gguf's dequantize views float rows and decodes
+        # block rows (the last dimension is then bytes per row).
+        rows = stored[info.name].data.reshape(*info.shape[:-1], -1)
+        weights = dequantize(rows, GGMLQuantizationType(info.ggml_type))
+        result = processor.process(
+            weights=weights,
+            name=info.name,
+            tensor_key_mapping=tensor_key_mapping,
+            parsed_parameters=parsed_parameters,
+        )
+        if result.name not in tensor_key_mapping:
+            continue
+        # A copy: `weights` may still be a view of the read-only memory map.
+        yield tensor_key_mapping[result.name], torch.from_numpy(np.copy(result.weights))
+    tensors: dict[str, torch.Tensor] = parsed_parameters["tensors"]
     yield from tensors.items()
 
 

@@ -265,15 +265,18 @@ def test_health_stays_fast_while_a_1mb_prompt_is_tokenized(server: ServerProcess
     prober.start()
     try:
         prompt = "tokens " * 140_000  # ~1 MB: within the byte bound of a 4,096-token context
+        start = time.monotonic()
         r = httpx.post(f"{server.base_url}/tokenize", json={"prompt": prompt}, headers=AUTH, timeout=120)
+        took = time.monotonic() - start
         assert r.status_code == 400  # tokenized, then over the context
     finally:
         done.set()
         prober.join()
     assert len(latencies) > 5
-    # Tokenizing takes about a second; on the event loop it would hold /health that long. The
-    # bound is loose for busy CI machines; the target (50 ms) is measured by the benchmarks.
-    assert max(latencies) < 0.3, f"/health took up to {max(latencies) * 1e3:.0f} ms"
+    # Tokenizing on the event loop would hold /health for the whole request; off the loop it
+    # answers between. Relative, so a busy machine slows both alike: a check of behaviour, not
+    # a latency target.
+    assert max(latencies) < took / 2, f"/health took up to {max(latencies):.2f} s of the {took:.2f} s"
 
 
 # ---- chaos -----------------------------------------------------------------------------------------
@@ -389,8 +392,11 @@ def test_chaos_leaks_nothing_and_health_stays_fast(server: ServerProcess) -> Non
     assert _aborts(after) > _aborts(before)
     assert _open_fds(server.proc.pid) <= fds_before + 2  # sockets closed, nothing left open
     # Measured from a process of its own, so the 128 clients' own event loop does not delay it.
+    # A blocked loop (a 50 MB body parsed on it took minutes) shows as seconds; on a busy 2-core
+    # machine an answer may wait hundreds of ms for the CPU, so this bound detects blocking
+    # only and is not a latency target.
     assert len(health.latencies) > 10
-    assert max(health.latencies) < 0.25, f"/health took up to {max(health.latencies) * 1e3:.0f} ms"
+    assert max(health.latencies) < 2.0, f"/health took up to {max(health.latencies) * 1e3:.0f} ms"
 
     # The engine core dies: /health says so at once, requests get 503.
     os.kill(server.core_pid, signal.SIGKILL)

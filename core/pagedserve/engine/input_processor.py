@@ -54,16 +54,13 @@ class InputProcessor:
     def prompt_ids(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """The token ids a request with `params` runs on: `tokenize`'s, cut to their last
         `params.truncate_prompt_tokens` (-1: max_model_len) when that is set. Raises ValueError."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
+        if params.truncate_prompt_tokens is None:
             return self.tokenize(prompt)
-        if keep == -1:
-            if self.max_model_len is None:
-                raise ParamError(
-                    "truncate_prompt_tokens=-1 needs the engine's max_model_len", "truncate_prompt_tokens"
-                )
-            keep = self.max_model_len
-        return self.tokenize(prompt, bounded=False)[-keep:]
+        if params.truncate_prompt_tokens == -1 and self.max_model_len is None:
+            raise ParamError(
+                "truncate_prompt_tokens=-1 needs the engine's max_model_len", "truncate_prompt_tokens"
+            )
+        return last_tokens(self.tokenize(prompt, bounded=False), params, self.max_model_len or 0)
 
     def tokenize(
         self, prompt: str | Sequence[int], *, add_special_tokens: bool = True, bounded: bool = True
@@ -147,3 +144,12 @@ def detokenizer_eos_token_id(
         eos = tokenizer.eos_token_id
         return int(eos) if isinstance(eos, int) else None
     return min(eos_token_ids, default=None)
+
+
+def last_tokens(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """`ids` cut to their last `params.truncate_prompt_tokens` (-1: `max_model_len`), or as they
+    are when that is None. Pure."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    return ids[-(max_model_len if keep == -1 else keep) :]

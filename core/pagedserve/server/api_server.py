@@ -12,6 +12,7 @@ off the event loop, so /health answers while it runs.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -45,7 +46,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
     if config.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=config.api_key)
-    _add_info_routes(app, engine, config, created)
+    _add_info_routes(app, engine, config, created, chat_handler.check_model)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -83,7 +84,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(exc.status_code, str(exc.detail), kind=kind))
 
 
-def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, config: ServerConfig, created: int) -> None:
+def _add_info_routes(
+    app: FastAPI,
+    engine: AsyncLLMEngine,
+    config: ServerConfig,
+    created: int,
+    check_model: Callable[[str | None], None],
+) -> None:
     """Add the routes describing the server: health, version, metrics and the model list."""
 
     @app.get("/health")
@@ -116,11 +123,5 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLMEngine, config: ServerConfig,
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != config.served_model_name:
-            raise APIError(
-                404,
-                f"the model {model_id!r} does not exist; this server serves {config.served_model_name!r}",
-                param="model",
-                kind="not_found_error",
-            )
+        check_model(model_id)
         return card()

@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 
+from pagedserve.engine.input_processor import last_tokens
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError, InvalidRequest
@@ -220,12 +221,9 @@ class GenerationHandler:
             )
 
     def truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
-        """`ids` cut to their last `params.truncate_prompt_tokens` (-1: max_model_len), or as
-        they are when that is None."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
-            return ids
-        return ids[-(self.engine.max_model_len if keep == -1 else keep) :]
+        """`ids` as the engine will cut them (`truncate_prompt_tokens`), so that usage and echo
+        describe the prompt it runs on."""
+        return last_tokens(ids, params, self.engine.max_model_len)
 
     def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
         """Token ids of a prompt. CPU-bound for long texts: call it on the tokenizer thread

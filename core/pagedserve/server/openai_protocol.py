@@ -73,7 +73,7 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
     return None
 
 
-class _Request(_Lenient):
+class RequestBody(_Lenient):
     """A whole request body: checked for text no UTF-8 encoder can write before its fields are."""
 
     @model_validator(mode="before")
@@ -88,7 +88,7 @@ class _Request(_Lenient):
         return data
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(RequestBody):
     """Fields both endpoints share."""
 
     model: str | None = None

@@ -11,24 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
+from pydantic import StrictBool
 
 from pagedserve.server.chat import ChatHandler
 from pagedserve.server.errors import APIError
-from pagedserve.server.openai_protocol import ChatCompletionRequest, ChatMessage, lone_surrogate_path
+from pagedserve.server.openai_protocol import ChatCompletionRequest, ChatMessage, RequestBody
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = lone_surrogate_path(data)
-        if where is not None:
-            raise ValueError(f"{where}: the string holds a lone UTF-16 surrogate, which is not valid Unicode")
-        return data
-
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -37,9 +27,7 @@ class TokenizeRequest(BaseModel):
     chat_template: str | None = None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

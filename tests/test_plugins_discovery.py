@@ -92,7 +92,8 @@ def test_cli_lists_the_example_plugin(example_installed: None, capsys: pytest.Ca
     assert f"plugin: example_cpu 0.1.0 (plugin API {PLUGIN_API_VERSION})" in out
     assert "attention backend example_gather" in out
     assert "head sizes: 32, 64, 80, 96, 128, 256" in out
-    assert "features: sliding_window, logit_softcap" in out
+    # The API 1.8 flags the example leaves at their defaults are listed as not declared.
+    assert "features: sliding_window, logit_softcap (not declared: deterministic, exact_float32)" in out
     assert "cache ops: pagedserve_example_plugin.cache_ops.TorchCacheOps" in out
 
 
@@ -109,6 +110,7 @@ def test_cli_json_lists_the_example_plugin(
     assert backend["block_sizes"] == [8, 16, 32]
     assert backend["kv_cache_layout"] == "NHD"
     assert backend["max_query_len"] is None
+    assert backend["deterministic"] is False and backend["exact_float32"] is False
     assert [e for e in report["load_errors"] if e["plugin"] == "example_cpu"] == []
 
 

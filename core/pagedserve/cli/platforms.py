@@ -12,7 +12,8 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -250,22 +251,72 @@ def _dtype_names(dtypes: frozenset[torch.dtype] | tuple[torch.dtype, ...]) -> li
     return sorted(str(d).removeprefix("torch.") for d in dtypes)
 
 
+# Labels for the text report. The report walks the fields of the backend's capabilities, so a field
+# missing here (one a newer plugin API added) is still shown, under its own name. Flags (bool
+# fields) are shown by their field names, the names a plugin writes in its `AttentionCapabilities`.
+_CAPABILITY_LABELS = {
+    "head_sizes": "head sizes",
+    "block_sizes": "block sizes",
+    "kv_cache_layout": "layout",
+    "max_query_len": "max query len",
+    "kv_cache_dtypes": "quantized KV caches",
+}
+# What None means for an optional field in the text report (a limit: "any"); "none" otherwise.
+_NONE_TEXT = {"max_query_len": "any"}
+
+
+def _capability_json(value: object) -> Any:
+    """A capability value as JSON data: sets as sorted lists (dtypes by name), enums by value."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, frozenset | set | tuple | list):
+        if all(isinstance(v, torch.dtype) for v in value):
+            return _dtype_names(tuple(value))
+        return sorted(_capability_json(v) for v in value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+# The keys of a `_describe_backend` entry that are not capability fields.
+_BACKEND_KEYS = ("name", "class", "features")
+
+
 def _describe_backend(backend: type[AttentionBackend]) -> dict[str, Any]:
+    """Name, class and every field of the backend's capabilities under the field's name, plus
+    `features`: the names of the flags it declares (the fields are read from the instance, so a
+    field a newer plugin API adds is reported without a change here)."""
     caps: AttentionCapabilities = backend.capabilities
-    features = [
-        f for f, on in (("sliding_window", caps.sliding_window), ("logit_softcap", caps.logit_softcap)) if on
-    ]
+    values = {f.name: getattr(caps, f.name) for f in fields(caps)}
     return {
         "name": backend.name,
         "class": f"{backend.__module__}.{backend.__qualname__}",
-        "head_sizes": sorted(caps.head_sizes),
-        "dtypes": _dtype_names(caps.dtypes),
-        "block_sizes": sorted(caps.block_sizes),
-        "kv_cache_layout": caps.kv_cache_layout.value,
-        "features": features,
-        "max_query_len": caps.max_query_len,
-        "kv_cache_dtypes": _dtype_names(caps.kv_cache_dtypes),
+        **{name: _capability_json(value) for name, value in values.items()},
+        "features": [name for name, value in values.items() if value is True],
     }
+
+
+def _capability_lines(backend: dict[str, Any], names: list[str]) -> list[str]:
+    """The text report's lines for the capability fields `names` of one `_describe_backend` entry:
+    each set on its own line, the single values on one line, then the flags, declared ones first."""
+    sets: list[str] = []
+    values: list[str] = []
+    on: list[str] = []
+    off: list[str] = []
+    for name in names:
+        value = backend[name]
+        label = _CAPABILITY_LABELS.get(name, name.replace("_", " "))
+        if isinstance(value, bool):
+            (on if value else off).append(name)
+        elif isinstance(value, list):
+            shown = _ranges(value) if all(type(v) is int for v in value) else ", ".join(map(str, value))
+            sets.append(f"{label}: {shown or 'none'}")
+        else:
+            values.append(f"{label}: {_NONE_TEXT.get(name, 'none') if value is None else value}")
+    flags = f"features: {', '.join(on) or 'none'}"
+    if off:
+        flags += f" (not declared: {', '.join(off)})"
+    return [*sets, *(["   ".join(values)] if values else []), flags]
 
 
 def _describe_platform(platform: LoadedPlatform) -> dict[str, Any]:
@@ -343,14 +394,9 @@ def format_text(report: dict[str, Any]) -> str:
         if "attention_backends_error" in p:
             lines.append(f"  attention backends: ERROR: {p['attention_backends_error']}")
         for b in p["attention_backends"]:
-            lines += [
-                f"  attention backend {b['name']} ({b['class']})",
-                f"    head sizes: {_ranges(b['head_sizes'])}",
-                f"    dtypes: {', '.join(b['dtypes'])}   block sizes: {_ranges(b['block_sizes'])}",
-                f"    layout: {b['kv_cache_layout']}   features: {', '.join(b['features']) or 'none'}"
-                f"   max query len: {b['max_query_len'] if b['max_query_len'] is not None else 'any'}",
-                f"    quantized KV caches: {', '.join(b['kv_cache_dtypes']) or 'none'}",
-            ]
+            lines.append(f"  attention backend {b['name']} ({b['class']})")
+            names = [k for k in b if k not in _BACKEND_KEYS]
+            lines += [f"    {line}" for line in _capability_lines(b, names)]
         lines.append("")
     if report["load_errors"]:
         lines.append("Plugin errors:")

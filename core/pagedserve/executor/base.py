@@ -8,15 +8,19 @@ and every rank's sampler is seeded alike). Grammar bitmasks (structured outputs)
 the driver, which owns the grammars, and travel with the step.
 
 Asynchronous scheduling works across processes as it does on one device: `launch` sends step
-N + 1 to the ranks while their devices still run step N, and the ranks answer it with step N's
-output (`TensorParallelWorker.launch`); `RankStep.result()` of the last step, with nothing
-launched after it, asks the ranks to flush.
+N + 1 to the ranks while their devices still run step N and returns without waiting; the ranks
+answer it with step N's output (`TensorParallelWorker.launch`), which the driver reads when it
+asks for step N's result (`RankStep.result()`). So the driver schedules and reports while the
+ranks prepare and launch. `RankStep.result()` of the last step, with nothing launched after it,
+asks the ranks to flush. Every other call first reads the answers still owed, so a pipe or a
+queue of answers never holds two calls' answers out of order.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,6 +35,15 @@ class PendingStep(Protocol):
 
     def result(self) -> ModelRunnerOutput:
         """The step's output; waits for it the first time."""
+        ...
+
+
+class PendingCall(Protocol):
+    """A call sent to every rank whose answers are read later, in the order calls were sent."""
+
+    def answers(self) -> list[Any]:
+        """Every rank's answer in rank order; waits for them (at most the step timeout for step
+        calls). Raises `RankFailedError` as `ParallelExecutor.call_all` does. Call once."""
         ...
 
 
@@ -74,18 +87,30 @@ STEP_METHODS = frozenset({"execute", "launch", "flush"})
 class ParallelExecutor(ABC):
     """The driver's side of the ranks. Subclasses say how a call reaches every rank."""
 
-    _in_flight: RankStep | None = None  # the launched step whose output the ranks still owe
-    _driver_wait_s = 0.0  # seconds step calls waited for the ranks, since `host_times`
+    def __init__(self) -> None:
+        self._in_flight: RankStep | None = None  # the last launched step, output still owed
+        # Launch calls sent whose answers are unread, oldest first, each with the step its answer
+        # completes (the step launched before it; None after a flush or for the first launch).
+        self._owed: deque[tuple[PendingCall, RankStep | None]] = deque()
+        self._driver_wait_s = 0.0  # seconds step calls waited for the ranks, since `host_times`
 
     @abstractmethod
-    def call_all(self, method: str, *args: Any) -> list[Any]:
-        """Call `method` of every rank's `TensorParallelWorker` with the same arguments; return
-        the answers in rank order. Raises `RankFailedError` naming the rank when one dies, raises
-        or exceeds the timeout (and shuts the others down first)."""
+    def start_call(self, method: str, *args: Any) -> PendingCall:
+        """Send `method` of every rank's `TensorParallelWorker`, with the same arguments, and
+        return without waiting for the answers. Raises `RankFailedError` naming the rank when
+        one is gone (and shuts the others down first)."""
 
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every rank and wait for it to exit. Idempotent."""
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` of every rank's `TensorParallelWorker` with the same arguments; return
+        the answers in rank order. Raises `RankFailedError` naming the rank when one dies, raises
+        or exceeds the timeout (and shuts the others down first). Reads the answers of launched
+        steps still owed first."""
+        self._read_owed()
+        return self.start_call(method, *args).answers()
 
     def load(self) -> list[WorkerReport]:
         """Every rank loads its shard and sizes its KV cache."""
@@ -120,48 +145,67 @@ class ParallelExecutor(ABC):
         driver's seconds waiting for the ranks' answers (`driver_wait_s`), and per rank its
         `worker.host_times.HostTimes` (launches by token count, waits for the device, steps
         answered before launching). Resets them."""
+        ranks = self.call_all("host_times")
         driver_wait_s, self._driver_wait_s = self._driver_wait_s, 0.0
-        return {"driver_wait_s": driver_wait_s, "ranks": self.call_all("host_times")}
+        return {"driver_wait_s": driver_wait_s, "ranks": ranks}
 
-    def _step_call(self, method: str, *args: Any) -> Any:
+    def _answer_of(self, call: PendingCall) -> Any:
         """Rank 0's answer to a step call; the wait is counted in `host_times`."""
         start = time.perf_counter()
-        answer = self.call_all(method, *args)[0]
+        answer = call.answers()[0]
         self._driver_wait_s += time.perf_counter() - start
         return answer
 
     def execute(
         self, so: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
     ) -> ModelRunnerOutput:
-        """Broadcast the step to every rank and wait; rank 0's result is the step's. A step
-        launched before must have been read (`RankStep.result`)."""
+        """Broadcast the step to every rank and wait; rank 0's result is the step's. Launched
+        steps' outputs are read first (their `RankStep`s keep them)."""
         self._flush()
         bitmask = None
         if grammar_bitmask is not None:
             req_ids = [r.req_id for r in so.scheduled_new_reqs] + [r.req_id for r in so.scheduled_cached_reqs]
             bitmask = PrecomputedBitmask.for_step(grammar_bitmask, req_ids, so.scheduled_spec_decode_tokens)
-        result = self._step_call("execute", so, bitmask)
+        result = self._answer_of(self.start_call("execute", so, bitmask))
         assert isinstance(result, ModelRunnerOutput)
         return result
 
     def launch(self, so: SchedulerOutput) -> RankStep:
-        """Send the step to every rank; their answer is the previously launched step's output,
-        which completes that step's `RankStep`. Mutates the ranks' state."""
-        answer = self._step_call("launch", so)
-        self._complete_in_flight(answer)
+        """Send the step to every rank and return at once; their answer, the previously launched
+        step's output, is read when that step's result is asked for. Mutates the ranks' state."""
+        call = self.start_call("launch", so)
+        self._owed.append((call, self._in_flight))
         step = RankStep(self)
         self._in_flight = step
         return step
 
-    def _flush(self) -> None:
-        """Have the ranks answer the launched step still in flight, if any."""
-        if self._in_flight is not None:
-            self._complete_in_flight(self._step_call("flush"))
+    def _read_owed(self) -> None:
+        """Read the answers of every launch call sent, completing their steps."""
+        while self._owed:
+            self._read_one()
 
-    def _complete_in_flight(self, answer: Any) -> None:
-        step, self._in_flight = self._in_flight, None
+    def _read_one(self) -> None:
+        call, step = self._owed.popleft()
+        answer = self._answer_of(call)
         if step is None:
             return
+        assert isinstance(answer, ModelRunnerOutput), "rank 0 answered no output for a launched step"
+        step.output = answer
+
+    def _complete(self, step: RankStep) -> None:
+        """Read answers until `step` has its output: the launch sent after it, else a flush."""
+        while step.output is None and self._owed:
+            self._read_one()
+        if step.output is None:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Read every answer owed, then have the ranks answer the last launched step, if any."""
+        self._read_owed()
+        step, self._in_flight = self._in_flight, None
+        if step is None or step.output is not None:
+            return
+        answer = self._answer_of(self.start_call("flush"))
         assert isinstance(answer, ModelRunnerOutput), "rank 0 answered no output for a launched step"
         step.output = answer
 
@@ -175,8 +219,9 @@ class RankStep:
         self.output: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
-        """The step's output; the first call without a later launch flushes the ranks."""
+        """The step's output; reads the answer that carries it (or flushes the ranks) the first
+        time."""
         if self.output is None:
-            self._executor._flush()
+            self._executor._complete(self)
         assert self.output is not None, "the ranks did not answer a launched step"
         return self.output

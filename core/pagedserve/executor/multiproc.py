@@ -25,7 +25,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from pagedserve.config import EngineArgs
-from pagedserve.executor.base import STEP_METHODS, ParallelExecutor, RankFailedError
+from pagedserve.executor.base import STEP_METHODS, ParallelExecutor, PendingCall, RankFailedError
 from pagedserve.executor.mp_worker import run_worker
 from pagedserve.scheduler.output import CachedRequestData
 
@@ -51,6 +51,7 @@ class MultiprocExecutor(ParallelExecutor):
     def __init__(self, args: EngineArgs, rank_env: list[dict[str, str]]) -> None:
         """Spawn the ranks (rank `r` with `rank_env[r]` added to its environment) and wait until
         every one has joined the process group."""
+        super().__init__()
         ctx = multiprocessing.get_context("spawn")
         world_size = args.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -80,7 +81,7 @@ class MultiprocExecutor(ParallelExecutor):
         """Process id of every rank, in rank order."""
         return [p.pid for p in self.procs]
 
-    def call_all(self, method: str, *args: Any) -> list[Any]:
+    def start_call(self, method: str, *args: Any) -> PendingCall:
         if self._failure is not None:
             raise RankFailedError(f"the engine's ranks were shut down earlier: {self._failure}")
         data = dumps_call(method, args)  # once for all ranks
@@ -90,7 +91,7 @@ class MultiprocExecutor(ParallelExecutor):
             except OSError:
                 self._fail(f"rank {rank} is gone: {self._exit_status(rank)}")
         # Loading a 70B shard takes minutes; only steps are held to the timeout.
-        return self._gather(first_message=False, timeout_s=self.timeout_s if method in STEP_METHODS else None)
+        return _PipeAnswers(self, self.timeout_s if method in STEP_METHODS else None)
 
     def shutdown(self) -> None:
         for conn in self.conns:
@@ -170,6 +171,17 @@ class MultiprocExecutor(ParallelExecutor):
         logger.error("tensor parallelism: %s; stopping every rank", reason)
         self._finalizer()
         raise RankFailedError(f"tensor-parallel engine failed: {reason}")
+
+
+class _PipeAnswers:
+    """The answers to one call, read from the pipes when asked for (each pipe answers in order)."""
+
+    def __init__(self, executor: MultiprocExecutor, timeout_s: float | None) -> None:
+        self._executor = executor
+        self._timeout_s = timeout_s
+
+    def answers(self) -> list[Any]:
+        return self._executor._gather(first_message=False, timeout_s=self._timeout_s)
 
 
 def _cached_request(fields: tuple[Any, ...]) -> CachedRequestData:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineArgs
-from pagedserve.executor.base import STEP_METHODS, ParallelExecutor, RankFailedError
+from pagedserve.executor.base import STEP_METHODS, ParallelExecutor, PendingCall, RankFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +81,23 @@ class _RankActor:
         return getattr(self.worker, method)(*args)
 
 
+class _RefAnswers:
+    """The answers to one call: Ray object references, read when asked for."""
+
+    def __init__(self, read: Callable[[], list[Any]]) -> None:
+        self._read = read
+
+    def answers(self) -> list[Any]:
+        return self._read()
+
+
 class RayExecutor(ParallelExecutor):
     """`tensor_parallel_size` ranks as Ray actors in one placement group."""
 
     def __init__(self, args: EngineArgs, env: dict[str, str], *, use_gpus: bool) -> None:
         """Connect to Ray (the running cluster, or a local one started here), reserve one bundle
         per rank, start the actors and wait until every one has joined the process group."""
+        super().__init__()
         try:
             import ray
             from ray.util.placement_group import placement_group, remove_placement_group
@@ -135,13 +147,14 @@ class RayExecutor(ParallelExecutor):
         refs = [a.start.remote(args_json, r, world_size, init_method) for r, a in enumerate(self.actors)]
         self.pids: list[int] = self._wait(refs, self.timeout_s + 60.0)
 
-    def call_all(self, method: str, *args: Any) -> list[Any]:
+    def start_call(self, method: str, *args: Any) -> PendingCall:
         if self._failure is not None:
             raise RankFailedError(f"the engine's ranks were shut down earlier: {self._failure}")
         ray = self._ray
         shared = [ray.put(a) for a in args]  # into the object store once, read by every actor
         refs = [actor.call.remote(method, *shared) for actor in self.actors]
-        return self._wait(refs, self.timeout_s if method in STEP_METHODS else None)
+        timeout_s = self.timeout_s if method in STEP_METHODS else None
+        return _RefAnswers(lambda: self._wait(refs, timeout_s))
 
     def shutdown(self) -> None:
         for actor in getattr(self, "actors", []):

@@ -185,7 +185,9 @@ def time_launches(runner: ModelRunner) -> HostTimes:
 
 def host_profile(engine: LLMEngine, requests: list[BenchRequest], top: int) -> dict[str, Any]:
     """The workload again under cProfile (the driver, and rank 0 with tensor parallelism): where
-    a host-bound step's time goes. The profiler slows the host, so this run is not timed."""
+    a host-bound step's time goes. The profiler slows the host, so this run is not timed. The
+    prefix cache is emptied first, so its steps prefill as the timed run's did."""
+    engine.reset_prefix_cache()
     executor = engine.core.runner
     parallel = isinstance(executor, ParallelExecutor)
     if parallel:

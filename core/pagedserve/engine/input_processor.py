@@ -22,7 +22,8 @@ class ParamError(ValueError):
 
 
 class InputProcessor:
-    """Tokenizes prompts and checks them against the vocabulary. Does not mutate anything."""
+    """Tokenizes prompts and checks them against the vocabulary. Mutates nothing but the bad-word
+    token ids it records on a request's SamplingParams (`check_params`)."""
 
     def __init__(
         self,
@@ -101,7 +102,9 @@ class InputProcessor:
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError when `params` needs something this front end lacks (a tokenizer), asks
-        for more logprobs than the engine's max_logprobs, or has a malformed constraint."""
+        for more logprobs than the engine's max_logprobs, or has a malformed constraint. Records
+        the token sequences of `params.bad_words` on `params` (`bad_words_token_ids`), which the
+        engine core, having no tokenizer, could not compute."""
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
@@ -121,6 +124,8 @@ class InputProcessor:
                 f"allowed_token_ids must be token ids in [0, {self.vocab_size}), got {allowed[-1]}",
                 "allowed_token_ids",
             )
+        if params.bad_words is not None:
+            self._record_bad_words(params)
         if params.stop_strings and not params.detokenize:
             why = " (this engine has no tokenizer)" if self.tokenizer is None else ""
             raise ParamError(
@@ -133,6 +138,49 @@ class InputProcessor:
                 "this engine has no tokenizer (skip_tokenizer_init=True): "
                 "use SamplingParams(detokenize=False)"
             )
+
+    def _record_bad_words(self, params: SamplingParams) -> None:
+        assert params.bad_words is not None
+        if self.tokenizer is None:
+            raise ParamError(
+                "bad_words are encoded with the tokenizer, and this engine has none "
+                "(skip_tokenizer_init=True)",
+                "bad_words",
+            )
+        sequences = bad_words_token_ids(self.tokenizer, params.bad_words)
+        largest = max(t for seq in sequences for t in seq)
+        if largest >= self.vocab_size:
+            raise ParamError(
+                f"bad_words encode to token id {largest}, outside the model's vocabulary "
+                f"[0, {self.vocab_size})",
+                "bad_words",
+            )
+        params.record_bad_words_token_ids(sequences)
+
+
+def bad_words_token_ids(
+    tokenizer: PreTrainedTokenizerBase, words: Sequence[str]
+) -> tuple[tuple[int, ...], ...]:
+    """The token sequences that ban `words`, by vLLM's rule: each word, its leading whitespace
+    dropped, as the tokenizer encodes it at the start of a text, and also as it encodes it after a
+    space when that gives a different first token and as many tokens (the tokenizer merged the
+    space into the word, as byte-level BPE does; where the space stays apart, the word's own
+    tokens follow it and are banned already). Duplicates are dropped, order kept. Raises
+    ParamError (bad_words) for a word that encodes to no tokens. Does not mutate."""
+    out: list[tuple[int, ...]] = []
+    for i, word in enumerate(words):
+        text = word.lstrip()
+        bare = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if not bare:
+            raise ParamError(f"bad_words[{i}] ({word!r}) encodes to no tokens", "bad_words")
+        spaced = tuple(tokenizer.encode(" " + text, add_special_tokens=False))
+        variants = [bare]
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            variants.append(spaced)
+        for seq in variants:
+            if seq not in out:
+                out.append(seq)
+    return tuple(out)
 
 
 def detokenizer_eos_token_id(

@@ -32,7 +32,8 @@ def step_seed(seed: int, sample_index: int, step: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class SparseLogitEdits:
-    """(row, token, value) triples added to the logits: logit bias, and -inf bans for min_tokens."""
+    """(row, token, value) triples added to the logits: logit bias, and -inf bans (allowed_token_ids,
+    min_tokens, bad words)."""
 
     rows: torch.Tensor  # [num_edits] int64
     token_ids: torch.Tensor  # [num_edits] int64

@@ -9,8 +9,9 @@ written into flat arrays once, when it joins (`add`); leaving moves the last row
 on the rows' parameters (temperatures, top-k/top-p/min-p, penalty weights, logit bias, prompt
 histories, seeds' request parts) is cached with its device tensors while the set of rows stays
 the same (`version`), which in steady decode is most steps. Only what moves with each token is
-rebuilt per step: the seeded rows' step seeds, min_tokens bans and penalty output histories, and
-each only when some row uses it. An all-greedy batch with none of them reuses one cached object.
+rebuilt per step: the seeded rows' step seeds, min_tokens bans, bans of bad words longer than one
+token and penalty output histories, and each only when some row uses it. An all-greedy batch with
+none of them reuses one cached object.
 """
 
 from __future__ import annotations
@@ -80,10 +81,12 @@ class _Static:
     penalty_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # presence, frequency, repetition
     penalty_positions: np.ndarray  # positions with any penalty (their output history is sent)
     prompt_ids: torch.Tensor | None  # [num_positions, width] prompts of repetition-penalty rows
-    # Logit bias (fixed) and the rows that may need min_tokens bans (per step).
+    # Logit bias and one-token bad words (fixed), and the rows that may need min_tokens or
+    # bad-word bans (per step).
     bias: tuple[np.ndarray, np.ndarray, np.ndarray]  # positions, token ids, values
     bias_edits: SparseLogitEdits | None  # `bias` on the device; None when empty
     min_tokens_positions: np.ndarray  # positions whose request has min_tokens > 0
+    bad_word_positions: np.ndarray  # positions whose request has a bad word of several tokens
     # Seeded random positions and their step-independent seed parts (uint64).
     seeded_positions: np.ndarray
     seeded_rows: torch.Tensor | None
@@ -143,7 +146,8 @@ class SamplingRows:
         self.num_logprobs = np.zeros(n, dtype=np.int64)  # 0 where not wanted
         self.wants_prompt_logprobs = np.zeros(n, dtype=bool)
         self.min_tokens = np.zeros(n, dtype=np.int64)
-        self.has_bias = np.zeros(n, dtype=bool)
+        self.has_bias = np.zeros(n, dtype=bool)  # logit bias, allowed_token_ids or bad words
+        self.bad_word_prefixes = np.zeros(n, dtype=bool)  # a bad word of several tokens
         self._arrays = [
             self.greedy,
             self.temperature,
@@ -160,6 +164,7 @@ class SamplingRows:
             self.wants_prompt_logprobs,
             self.min_tokens,
             self.has_bias,
+            self.bad_word_prefixes,
         ]
         self.version = 0  # bumped by every add/remove: the cache key of the static part
         self._arange = np.arange(n, dtype=np.int64)
@@ -190,7 +195,9 @@ class SamplingRows:
         self.num_logprobs[row] = params.logprobs or 0
         self.wants_prompt_logprobs[row] = params.prompt_logprobs is not None
         self.min_tokens[row] = params.min_tokens
-        self.has_bias[row] = bool(params.bias) or params.allowed_token_ids is not None
+        bad_words = params.bad_words_token_ids
+        self.has_bias[row] = bool(params.bias) or params.allowed_token_ids is not None or bool(bad_words)
+        self.bad_word_prefixes[row] = any(len(seq) > 1 for seq in bad_words)
         self.version += 1
         return row
 
@@ -206,6 +213,17 @@ class SamplingRows:
         self.params.pop()
         self.version += 1
 
+    def reads_outputs(self, rows: np.ndarray) -> bool:
+        """Whether sampling any of these rows reads its generated tokens: for a penalty, or to
+        match a bad word of several tokens. A runner that schedules a row before the host has its
+        previous sample must then write that sample into the row's history first. Does not mutate."""
+        return bool(
+            (self.presence[rows] != 0).any()
+            or (self.frequency[rows] != 0).any()
+            or (self.repetition[rows] != 1).any()
+            or self.bad_word_prefixes[rows].any()
+        )
+
     # ---- one step ----------------------------------------------------------------------------
 
     def metadata(
@@ -219,7 +237,8 @@ class SamplingRows:
     ) -> SamplingMetadata:
         """This step's metadata for the sampled positions `histories.rows` (several positions may
         share a row when drafts are scored). Raises ValueError for token ids outside
-        [0, vocab_size) (logit bias, stop ids, penalty histories) or logprobs > vocab_size."""
+        [0, vocab_size) (logit bias, stop ids, bad words, penalty histories) or logprobs >
+        vocab_size."""
         rows = histories.rows  # a row per sampled position
         n = len(rows)
         if n == 0:
@@ -243,7 +262,7 @@ class SamplingRows:
             vocab_size,
             generator,
             self._penalties(static, histories, vocab_size, device),
-            self._logit_edits(static, rows, num_outputs, vocab_size, eos_token_id, device),
+            self._logit_edits(static, histories, num_outputs, vocab_size, eos_token_id, device),
             seeded,
         )
 
@@ -288,12 +307,14 @@ class SamplingRows:
             bias=bias,
             bias_edits=_edits(*bias, device) if bias[0].size else None,
             min_tokens_positions=np.nonzero(self.min_tokens[rows] > 0)[0],
+            bad_word_positions=np.nonzero(self.bad_word_prefixes[rows])[0],
             seeded_positions=seeded_positions,
             seeded_rows=tensor(seeded_positions) if seeded_positions.size else None,
             seed_hashes=self.seed_hash[rows][seeded_positions],
             fixed=None,
         )
-        if penalty_weights is None and not static.min_tokens_positions.size and not seeded_positions.size:
+        per_step = static.min_tokens_positions.size or static.bad_word_positions.size or seeded_positions.size
+        if penalty_weights is None and not per_step:
             static.fixed = static.assemble(len(rows), vocab_size, generator, None, static.bias_edits, None)
         return static
 
@@ -338,8 +359,8 @@ class SamplingRows:
         return penalized, weights
 
     def _bias(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Logit bias and, for rows with allowed_token_ids, a -inf ban of every other token
-        (built when the batch changes, not per step)."""
+        """Logit bias, for rows with allowed_token_ids a -inf ban of every other token, and a -inf
+        ban of every one-token bad word (built when the batch changes, not per step)."""
         positions: list[int] = []
         tokens: list[int] = []
         values: list[float] = []
@@ -354,6 +375,10 @@ class SamplingRows:
                 allowed = np.asarray(params.allowed_token_ids, dtype=np.int64)
                 _check_vocab(allowed.tolist(), vocab_size)
                 bans.append((position, np.setdiff1d(np.arange(vocab_size, dtype=np.int64), allowed)))
+            single = [seq[0] for seq in params.bad_words_token_ids if len(seq) == 1]
+            if single:
+                _check_vocab(single, vocab_size)
+                bans.append((position, np.array(single, dtype=np.int64)))
         _check_vocab(tokens, vocab_size)
         out_positions = [np.array(positions, dtype=np.int64)]
         out_tokens = [np.array(tokens, dtype=np.int64)]
@@ -367,20 +392,20 @@ class SamplingRows:
     def _logit_edits(
         self,
         static: _Static,
-        rows: np.ndarray,  # [num_positions] row of each sampled position
-        num_outputs: np.ndarray,  # [num_positions] tokens generated before it
+        histories: TokenHistories,
+        num_outputs: np.ndarray,  # [num_positions] tokens generated before each sampled position
         vocab_size: int,
         eos_token_id: int | None,
         device: torch.device,
     ) -> SparseLogitEdits | None:
-        if not static.min_tokens_positions.size:
-            return static.bias_edits
+        """The fixed edits (`static.bias`) plus this step's -inf bans: min_tokens' and bad words'."""
+        rows = histories.rows
+        positions: list[int] = []  # one entry per ban
+        tokens: list[int] = []
         candidates = static.min_tokens_positions
-        below = candidates[num_outputs[candidates] < self.min_tokens[rows[candidates]]]
-        if not below.size:
-            return static.bias_edits
-        positions, tokens, values = (list(a) for a in static.bias)
-        for position in below.tolist():
+        if candidates.size:
+            candidates = candidates[num_outputs[candidates] < self.min_tokens[rows[candidates]]]
+        for position in candidates.tolist():
             # Until min_tokens are generated, nothing that would end the request may be sampled.
             params = self.params[int(rows[position])]
             banned = set(params.stop_ids)
@@ -389,16 +414,34 @@ class SamplingRows:
             for token in sorted(banned):
                 positions.append(position)
                 tokens.append(token)
-                values.append(float("-inf"))
-        _check_vocab(tokens, vocab_size)
+        for position in static.bad_word_positions.tolist():
+            for token in self._bad_word_ends(histories, position):
+                positions.append(position)
+                tokens.append(token)
         if not positions:
-            return None
+            return static.bias_edits
+        _check_vocab(tokens, vocab_size)
+        fixed_positions, fixed_tokens, fixed_values = static.bias
         return _edits(
-            np.array(positions, dtype=np.int64),
-            np.array(tokens, dtype=np.int64),
-            np.array(values, dtype=np.float32),
+            np.concatenate([fixed_positions, np.array(positions, dtype=np.int64)]),
+            np.concatenate([fixed_tokens, np.array(tokens, dtype=np.int64)]),
+            np.concatenate([fixed_values, np.full(len(tokens), -np.inf, dtype=np.float32)]),
             device,
         )
+
+    def _bad_word_ends(self, histories: TokenHistories, position: int) -> list[int]:
+        """The last tokens of the several-token bad words whose other tokens end the outputs
+        generated before sampled `position` (vLLM's rule: the prompt is not searched)."""
+        row = int(histories.rows[position])
+        sequences = self.params[row].bad_words_token_ids
+        start, end = int(histories.num_prompt[position]), int(histories.num_known[position])
+        longest = max(len(seq) for seq in sequences) - 1
+        tail = tuple(histories.token_ids[row, max(start, end - longest) : end].tolist())
+        return [
+            seq[-1]
+            for seq in sequences
+            if 1 < len(seq) <= len(tail) + 1 and tail[len(tail) - len(seq) + 1 :] == seq[:-1]
+        ]
 
     def _penalties(
         self, static: _Static, histories: TokenHistories, vocab_size: int, device: torch.device
@@ -474,8 +517,8 @@ def _check_vocab(tokens: list[int], vocab_size: int) -> None:
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(
-            f"logit_bias / stop_token_ids / allowed_token_ids hold token ids outside the vocabulary "
-            f"[0, {vocab_size}): {bad[:8]}"
+            f"logit_bias / stop_token_ids / allowed_token_ids / bad_words hold token ids outside the "
+            f"vocabulary [0, {vocab_size}): {bad[:8]}"
         )
 
 
@@ -500,7 +543,7 @@ def build_sampling_metadata(
     """Build the metadata of one step for `requests` (row i = requests[i]) from scratch; tensors
     go to `device`, which must be the device of the logits given to the sampler.
 
-    Raises ValueError when a logit-bias, stop or history token id is outside [0, vocab_size)
+    Raises ValueError when a logit-bias, stop, bad-word or history token id is outside [0, vocab_size)
     or logprobs exceeds vocab_size. Does not mutate its arguments."""
     if not requests:
         raise ValueError("cannot build sampling metadata for an empty batch")

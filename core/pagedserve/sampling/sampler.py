@@ -2,8 +2,8 @@
 
 Pipeline, for all rows at once (all on the logits' device):
   1. raw logprobs (if any row asked): log_softmax of the untouched logits;
-  2. logit bias and min_tokens bans (sparse edits), then repetition/frequency/presence penalties,
-     then the grammar bitmask of structured outputs (one masked fill for the whole batch);
+  2. logit bias, min_tokens and bad-word bans (sparse edits), then repetition/frequency/presence
+     penalties, then the grammar bitmask of structured outputs (one masked fill for the batch);
   3. greedy rows: argmax of the processed logits (exactly torch.argmax, ties to the lowest id,
      through `first_argmax`, which spreads a wide row over many parallel reductions);
   4. random rows: divide by temperature, then top-k, top-p and min-p (HF's order; min-p commutes

@@ -4,7 +4,8 @@ Field names and defaults follow vLLM's `SamplingParams`, so a user switches engi
 import. Every out-of-range value raises `ValueError` naming the field and the allowed range; an
 unknown keyword raises the usual `TypeError` naming it. The object is frozen: an engine that must
 change a field (e.g. cap `max_tokens` at the model length) uses `dataclasses.replace`, which
-validates again.
+validates again. The one exception is `record_bad_words_token_ids`: the token sequences of
+`bad_words`, which only the front end's tokenizer can compute, are filled in once there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import enum
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import InitVar, dataclass
+from dataclasses import InitVar, dataclass, field
 from numbers import Real
 from typing import cast
 
@@ -49,6 +50,23 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _token_sequences(value: object) -> tuple[tuple[int, ...], ...]:
+    """`value` as a tuple of non-empty token-id tuples; raises ValueError naming bad_words."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise ValueError(f"bad_words token ids must be a list of token-id lists, got {value!r}")
+    out = []
+    for seq in value:
+        if (
+            isinstance(seq, str | bytes)
+            or not isinstance(seq, Sequence)
+            or not seq
+            or not all(_is_int(t) and t >= 0 for t in seq)
+        ):
+            raise ValueError(f"bad_words token ids must be non-empty lists of ids >= 0, got {seq!r}")
+        out.append(tuple(seq))
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """Decoding options of one request (all of its `n` samples share them)."""
@@ -75,6 +93,9 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit; stored as a dict copy
     # Only these token ids may be sampled (every other logit is -inf); stored as a sorted tuple.
     allowed_token_ids: Sequence[int] | None = None
+    # Words never generated: each is banned as the token sequences it encodes to at the start of a
+    # text and after a space (see `bad_words_token_ids`); stored as a tuple, None when empty.
+    bad_words: Sequence[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the enum or its value (a str)
     # The output must match a JSON schema, regex, choice or grammar (constrained decoding).
     structured_outputs: StructuredOutputsParams | None = None
@@ -83,6 +104,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # vLLM's older name for structured_outputs: accepted with a DeprecationWarning, not stored.
     guided_decoding: InitVar[StructuredOutputsParams | None] = None
+    # The token sequences bad_words ban, one tuple per sequence, recorded by the engine's input
+    # processor (`record_bad_words_token_ids`): the tokenizer lives there, not in the engine core.
+    # Follows from bad_words and the tokenizer, so equality ignores it. Read `bad_words_token_ids`.
+    _bad_words_token_ids: Sequence[Sequence[int]] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self, guided_decoding: StructuredOutputsParams | None) -> None:
         if guided_decoding is not None:
@@ -115,6 +140,7 @@ class SamplingParams:
             if not all(_is_int(t) and t >= 0 for t in allowed):
                 raise ValueError(f"allowed_token_ids must hold token ids (ints >= 0), got {allowed!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
+        self._normalize_bad_words()
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._normalize_output_kind()
@@ -224,6 +250,37 @@ class SamplingParams:
             ids = tuple(self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", ids)
 
+    def _normalize_bad_words(self) -> None:
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str | bytes) or not isinstance(words, Sequence):
+                raise ValueError(f"bad_words must be a list of str, got {words!r}")
+            for i, word in enumerate(words):
+                # Leading whitespace is dropped before encoding (see bad_words_token_ids): a word
+                # of whitespace alone would ban nothing, which is surely not what was meant.
+                if not isinstance(word, str) or not word.strip():
+                    raise ValueError(f"bad_words[{i}] must be a non-blank str, got {word!r}")
+            object.__setattr__(self, "bad_words", tuple(words) or None)
+        ids = self._bad_words_token_ids
+        if ids is not None:
+            # Without bad_words there is nothing they could be the tokens of (e.g. a copy made by
+            # dataclasses.replace(params, bad_words=None)).
+            sequences = _token_sequences(ids) if self.bad_words is not None else None
+            object.__setattr__(self, "_bad_words_token_ids", sequences)
+
+    def record_bad_words_token_ids(self, token_ids: Sequence[Sequence[int]]) -> None:
+        """Record the token sequences that bad_words encode to (`bad_words_token_ids`).
+
+        Called by the engine's input processor, the one place with a tokenizer, before the request
+        leaves for the engine core; every front end (offline engines, server) hands this same
+        object on, so the sequences travel with it, across processes too. The only change ever
+        made to a built SamplingParams: it fills in what bad_words and the tokenizer determine, so
+        it gives the same value each time for one tokenizer (and equality ignores it). Raises
+        ValueError for malformed sequences or without bad_words."""
+        if self.bad_words is None:
+            raise ValueError("bad_words token ids need bad_words")
+        object.__setattr__(self, "_bad_words_token_ids", _token_sequences(token_ids))
+
     def clone(self) -> SamplingParams:
         """A copy (vLLM's method). The object is frozen, so a copy is only needed by code that
         compares identities; `dataclasses.replace(params, field=value)` makes a changed one."""
@@ -240,6 +297,13 @@ class SamplingParams:
     def stop_ids(self) -> tuple[int, ...]:
         """The stop token ids as a tuple (possibly empty)."""
         return cast(tuple[int, ...], self.stop_token_ids)
+
+    @property
+    def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:
+        """The token sequences bad_words ban (possibly empty: none, or not recorded yet). The
+        sampler sets a sequence's last token to -inf wherever the tokens generated so far end with
+        the rest of it; a one-token sequence is banned everywhere."""
+        return cast(tuple[tuple[int, ...], ...], self._bad_words_token_ids or ())
 
     @property
     def sampling_type(self) -> SamplingType:

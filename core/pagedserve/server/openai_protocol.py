@@ -121,6 +121,7 @@ class _SamplingFields(RequestBody):
     guided_grammar: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's extension: keep the prompt's last k tokens
     allowed_token_ids: list[int] | None = None  # vLLM's extension: sample only these token ids
+    bad_words: list[str] | None = None  # vLLM's extension: words never generated ([]: none)
 
     @field_validator("best_of")
     @classmethod
@@ -252,6 +253,7 @@ def to_sampling_params(
         "structured_outputs": structured_outputs,
         "truncate_prompt_tokens": req.truncate_prompt_tokens,
         "allowed_token_ids": req.allowed_token_ids,
+        "bad_words": req.bad_words,
     }
     return SamplingParams(**kwargs)
 
@@ -279,6 +281,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "structured_outputs",
     "truncate_prompt_tokens",
     "allowed_token_ids",
+    "bad_words",
 )
 """Field names a SamplingParams error message may start with."""
 

@@ -26,7 +26,7 @@ from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.logprobs import compute_prompt_logprobs, logprobs_to_dicts
 from pagedserve.sampling.metadata import SamplingMetadata
-from pagedserve.sampling.rows import SamplingRows, TokenHistories
+from pagedserve.sampling.rows import TokenHistories
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import CachedRequestData, SchedulerOutput
@@ -185,8 +185,8 @@ class ModelRunner:
 
     def _fill_pending_history(self, plan: _StepPlan) -> None:
         """Write the previous step's sampled tokens into the rows of this step's pending requests,
-        just past their known tokens, so that penalties see them in the histories. Waits for the
-        previous step (not this one). Mutates the batch's token array only."""
+        just past their known tokens, so that penalties and bad words see them in the histories.
+        Waits for the previous step (not this one). Mutates the batch's token array only."""
         assert self._last is not None  # _read_placeholders checked
         which = np.nonzero(plan.pending)[0]
         tokens = np.array(self._last.host_tokens(), dtype=np.int64)
@@ -419,10 +419,10 @@ class ModelRunner:
     ) -> SamplingMetadata:
         """The sampler's inputs for the sampled positions (`rows`: the batch row of each;
         `owner`, `draft_index`: its scheduled request and draft offset). Each position's token
-        history ends just before it, so penalties see the drafts it follows."""
+        history ends just before it, so penalties and bad words see the drafts it follows."""
         batch = self.batch
         sampling = batch.sampling
-        if plan.pending.any() and _any_penalty(sampling, plan.rows[plan.pending > 0]):
+        if plan.pending.any() and sampling.reads_outputs(plan.rows[plan.pending > 0]):
             self._fill_pending_history(plan)
         histories = TokenHistories(
             batch.token_ids,
@@ -466,16 +466,6 @@ class ModelRunner:
         if computed + n >= prompt_len:
             out[state.req_id] = list(state.prompt_logprobs)
             state.prompt_logprobs_sent = True
-
-
-def _any_penalty(sampling: SamplingRows, rows: np.ndarray) -> bool:
-    """Whether any of these rows has a presence, frequency or repetition penalty (the sampler
-    then reads their token histories). Does not mutate."""
-    return bool(
-        (sampling.presence[rows] != 0).any()
-        or (sampling.frequency[rows] != 0).any()
-        or (sampling.repetition[rows] != 1).any()
-    )
 
 
 def _sample_index(req_id: RequestId) -> int:

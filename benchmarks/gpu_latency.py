@@ -255,6 +255,9 @@ def measure(args: argparse.Namespace, model_dir: str, mode: str) -> dict[str, An
             "capture_s": times.capture_s,
             "load_and_rest_s": out["build_s"] - times.compile_s - times.kernels_s - times.capture_s,
             "warmup_batches": times.num_warmup_batches,
+            # Compiled variants those batch shapes need, and the backend calls run for them.
+            "attention_variants": times.num_attention_variants,
+            "warmup_calls": times.num_warmup_calls,
         }
     print(out, flush=True)
     graphs, full = runner.cuda_graphs, runner.full_graphs

@@ -21,7 +21,7 @@ from pagedserve_cuda.attention import CudaPagedAttentionBackend
 from pagedserve_cuda.cache_ops import CudaCacheOps, contiguous_runs, copy_unit
 from pagedserve_cuda.compiler import CudaCompileError, CudaToolError, KernelSource
 from pagedserve_cuda.launcher import CudaKernel
-from pagedserve_cuda.paged_attention import check_decode_layout, decode_source
+from pagedserve_cuda.paged_attention import check_decode_layout, decode_source, decode_variant
 from pagedserve_cuda.selection import (
     BatchShape,
     DecodeTuning,
@@ -497,6 +497,36 @@ def test_full_graph_key_is_the_decode_kernel_and_its_launch() -> None:
     # A sliding window bounds the span: bounds past the window plan alike.
     windowed = AttentionLayerShape(32, 8, 128, 16, BF16, BF16, CUDA0, sliding_window=1024)
     assert len({backend.full_graph_key(_capture_metadata(1, b), windowed) for b in (1024, 2048, 4096)}) == 1
+
+
+def test_decode_variant_is_the_nvrtc_module_not_the_partition_count() -> None:
+    """v2's partition count and size are run-time arguments: its launches of one shape class
+    share one module, which the warm-up therefore compiles once (`compile_key`)."""
+    launches = {explain(_llama(n, ctx), H100, TUNING).launch for n in (1, 8, 64) for ctx in BUCKETS}
+    assert all(launch is not None for launch in launches)
+    v2 = {launch for launch in launches if launch is not None and launch.partition_size is not None}
+    assert len({(launch.partition_size, launch.num_partitions) for launch in v2}) > 1
+    assert len({decode_variant(decode_source(BF16, 128, 16, launch), CUDA0) for launch in v2}) == 1
+    every = {decode_variant(decode_source(BF16, 128, 16, launch), CUDA0) for launch in launches if launch}
+    assert len(every) == 2  # v1 and v2
+    fp8 = decode_variant(decode_source(BF16, 128, 16, next(iter(v2)), torch.float8_e4m3fn), CUDA0)
+    assert fp8 not in every
+
+
+def test_compile_key_off_cuda_is_the_triton_backends() -> None:
+    from pagedserve_triton.attention import TritonUnifiedAttentionBackend
+
+    query, cache = torch.zeros(2, 32, 128, dtype=BF16), torch.zeros(2, 4, 16, 8, 128, dtype=BF16)
+    md = AttentionMetadata.build([1, 1], [20, 3], torch.zeros((2, 2), dtype=torch.int32), 16)
+    key = CudaPagedAttentionBackend(tuning=TUNING).compile_key(query, cache, md, scale=0.1)
+    triton = TritonUnifiedAttentionBackend(tuned_configs=TunedConfigs.from_files(tuned_config_files()))
+    assert key is not None and key == triton.compile_key(query, cache, md, scale=0.1)
+
+    class Other(CudaPagedAttentionBackend):
+        def forward(self, *args: object, **kwargs: object) -> torch.Tensor:  # type: ignore[override]
+            return super().forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    assert Other(tuning=TUNING).compile_key(query, cache, md, scale=0.1) is None
 
 
 @pytest.mark.usefixtures("fake_h100")

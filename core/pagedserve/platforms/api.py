@@ -56,6 +56,12 @@ Determinism and exact float32 (API 1.8): `AttentionCapabilities.deterministic` p
 products). Both default to False; the conformance kit then checks them (every case run twice;
 float32 cases judged by a tolerance 250 times tighter).
 
+Compile keys (API 1.9): `AttentionBackend.compile_key`, optional, names the compiled kernel
+variants (a Triton specialisation, an NVRTC module, ...) that `forward` would launch for a call,
+without launching. The engine's start-up warm-up runs a sweep of batch shapes so that no kernel
+compiles while serving; with keys it runs only the calls that need a variant no earlier call
+launched. The default (`None`) keeps the whole sweep.
+
 Full-graph plans (API 1.2): `AttentionBackend.full_graph_key` tells the engine what a backend's
 launches for a batch depend on besides tensor addresses (its plan: kernel, grid, split count), for
 one layer shape (`AttentionLayerShape`). Full decode graphs are captured once per padded request
@@ -77,9 +83,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.8"
+PLUGIN_API_VERSION = "1.9"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.8"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.9"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -266,6 +272,35 @@ class AttentionBackend(ABC):
         the first step, when `EngineArgs.attention_reads_new_kv` is on. Returns whether the backend
         wants them; the default returns False and changes nothing."""
         return False
+
+    def compile_key(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+        kv_scales: KVCacheScales | None = None,
+        new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+        new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+    ) -> frozenset[Hashable] | None:
+        """API 1.9. The compiled kernel variants `forward` would launch for exactly this call (the
+        same arguments), one hashable value per variant: whatever the backend's JIT compiles
+        separately (a Triton kernel's constexprs, integer and pointer specialisations and launch
+        options; an NVRTC module's source and defines). The promise: once calls launching a
+        variant have run, a call whose variants are all among them compiles and loads nothing.
+        An empty set: `forward` launches nothing. The engine's start-up warm-up
+        (`pagedserve.worker.warmup`) runs only the calls of its sweep that need a variant no
+        earlier call did.
+
+        Host-only: reads the metadata's host fields and the tensors' layouts (shapes, strides,
+        dtypes, devices, address alignment), never their contents; launches, allocates on the
+        device and syncs nothing. May raise what `forward` would raise for the call. The default,
+        None, means "not known": the warm-up then runs every call of its sweep."""
+        return None
 
     def check_supported(
         self,

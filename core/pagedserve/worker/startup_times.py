@@ -13,4 +13,8 @@ class StartupTimes:
     compile_s: float  # torch.compile of the forward
     kernels_s: float  # the attention-kernel sweep
     capture_s: float  # full and piecewise CUDA-graph capture
-    num_warmup_batches: int
+    num_warmup_batches: int  # batch shapes of the attention sweep
+    # Distinct compiled attention variants the sweep needed (`AttentionBackend.compile_key`), None
+    # where the backend names none (or the sweep did not run)
+    num_attention_variants: int | None = None
+    num_warmup_calls: int = 0  # backend calls the sweep ran: one per new variant with keys

@@ -22,16 +22,32 @@ The sweep is a list of batch shapes, not a list of kernels: it is what makes it 
 It covers each axis a backend plans on (request count, longest query, longest context) at the
 values where the shipped backends change their plan and at the ones Triton specialises integer
 arguments on (1, multiples of 16, others).
+
+One call per compiled variant, not per batch shape. Most of the sweep's ~1,300 batch shapes (an
+8B engine of 256 requests and 8,192 tokens) launch a kernel variant an earlier batch already
+compiled: they differ only in values no compiler specialises on (request counts the kernels
+declare `do_not_specialize`, context lengths within one split count, ...). Running every one cost
+an H100 11 s on a warm kernel cache, 31 s on a cold one. So before each call `warm_up_attention`
+asks the backend which variants it would launch (`AttentionBackend.compile_key`, plugin API 1.9,
+host-only) and runs only the calls that need one no earlier call did: tens of calls. A backend
+that names no keys gets every call, as before.
+
+The sweep's metadata sits in memory as a served step's does (`warmup_metadata`): block-table rows
+of the runner's width (its row stride is a kernel argument Triton specialises on) and
+`query_start_loc`/`seq_lens` packed as the runner's upload packs them (their 16-byte alignment is
+a specialisation too), all of it in one asynchronous upload instead of blocking copies per batch.
+Metadata shaped otherwise compiles variants serving never launches and misses some it does.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -137,12 +153,83 @@ def attention_warmup_batches(
     for q in sorted({*_powers_of_two(32, longest), longest}):
         add((q,), (q,))  # a whole prompt
         if 2 * q <= max_model_len:
-            add((q,), (2 * q,))  # a chunk after cached context
+            # Chunks after cached context, one and three: the runner uploads seq_lens right after
+            # query_start_loc, 16-byte aligned for three requests and not for one, and the ragged
+            # prefill kernel is specialised on that alignment.
+            for r in (1, 3):
+                add((q,) * r, (2 * q,) * r)
         for r in (2, 3, 16):
             add((q,) * r, (q,) * r)
     for size, bucket in decode_graphs:  # what each full-graph capture plans for
         batches[WarmupBatch((1,) * size, (bucket,) + (1,) * (size - 1))] = None
     return list(batches)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionWarmup:
+    """What `warm_up_attention` ran."""
+
+    num_calls: int  # backend calls of the sweep: batch shapes x layer layouts
+    num_launched: int  # of those, the ones it ran
+    # Distinct compiled variants the calls need (`AttentionBackend.compile_key`); None where the
+    # backend names none, and every call ran.
+    num_variants: int | None
+
+
+def warmup_metadata(
+    batches: Sequence[WarmupBatch], block_size: int, block_table_width: int, device: torch.device
+) -> list[AttentionMetadata]:
+    """Every batch's metadata, laid out the way the model runner lays out a step's
+    (`ModelRunner._build_inputs`): block-table rows of the runner's width (the leading rows of one
+    table, every entry block 0), and `query_start_loc` then `seq_lens` back to back in one int32
+    upload, so that each batch's arrays have the addresses modulo 16 that a served step of the
+    same shape has (Triton specialises some kernels on a pointer's 16-byte alignment and on the
+    block table's row stride). One host -> device copy for the whole sweep, asynchronous out of
+    pinned memory, where building each batch's metadata apart cost four blocking copies per batch.
+    Allocates on `device`; the host buffer lives as long as the metadata (its `*_cpu` views)."""
+    segments = []
+    size = 0
+    for batch in batches:
+        segments.append(size)
+        n = len(batch.query_lens)
+        # Each batch starts where a fresh allocation of the runner's upload buffer would (512 B).
+        size += -(-(2 * n + 1) // 128) * 128
+    pinned = device.type == "cuda" and torch.cuda.is_available()
+    host = torch.zeros(max(size, 1), dtype=torch.int32, pin_memory=pinned)
+    host_np = host.numpy()
+    for batch, start in zip(batches, segments, strict=True):
+        q = np.asarray(batch.query_lens, dtype=np.int32)
+        s = np.asarray(batch.seq_lens, dtype=np.int32)
+        if q.shape != s.shape or not q.size or (q < 1).any() or (q > s).any():
+            raise ValueError(f"{batch}: every request needs 1 <= query_len <= seq_len")
+        if (-(-s // block_size) > block_table_width).any():
+            raise ValueError(f"{batch}: longer than a block table of {block_table_width} blocks holds")
+        n = q.size
+        np.cumsum(q, out=host_np[start + 1 : start + n + 1])
+        host_np[start + n + 1 : start + 2 * n + 1] = s
+    dev = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    max_reqs = max(len(b.query_lens) for b in batches)
+    table = torch.zeros((max_reqs, block_table_width), dtype=torch.int32, device=device)
+    slots = torch.full((max(b.num_tokens for b in batches),), PADDING_SLOT, dtype=torch.int64, device=device)
+    out = []
+    for batch, start in zip(batches, segments, strict=True):
+        n, tokens = len(batch.query_lens), batch.num_tokens
+        qsl, seq = slice(start, start + n + 1), slice(start + n + 1, start + 2 * n + 1)
+        out.append(
+            AttentionMetadata(
+                num_reqs=n,
+                num_actual_tokens=tokens,
+                max_query_len=max(batch.query_lens),
+                max_seq_len=max(batch.seq_lens),
+                query_start_loc=dev[qsl],
+                seq_lens=dev[seq],
+                block_table=table[:n],
+                slot_mapping=slots[:tokens],
+                query_start_loc_cpu=host[qsl],
+                seq_lens_cpu=host[seq],
+            )
+        )
+    return out
 
 
 def warm_up_attention(
@@ -154,16 +241,20 @@ def warm_up_attention(
     kv_scales: KVCacheScales | None = None,  # the layer's, exactly when the cache is FP8
     *,
     new_kv_reads: bool = False,  # the backend takes the step's new keys and values (API 1.7)
-) -> None:
-    """Run `backend.forward` once per batch and per distinct (window, softcap) of the model's
-    layers, every request's block table pointing at block 0, and the cache write once per token
-    count class with padding slots when the cache ops skip them. With `new_kv_reads` (and an
-    unquantized cache, as in `attention.layer.attend`) every call gets new keys and values too,
-    so the kernels that read them compile here. Reads the KV cache, writes nothing in it. Slow on
-    a cold kernel cache (each new variant compiles)."""
+    block_table_width: int | None = None,  # the runner's (max_blocks_per_req); None: the sweep's longest
+) -> AttentionWarmup:
+    """Run `backend.forward` on every batch and distinct (window, softcap) of the model's layers
+    whose compiled variants (`backend.compile_key`, asked first, host-only) are not all among those
+    of the calls already run; on every one when the backend names no keys. Every request's block
+    table points at block 0, and the cache write runs once per token count class with padding
+    slots when the cache ops skip them. With `new_kv_reads` (and an unquantized cache, as in
+    `attention.layer.attend`) every call gets new keys and values too, so the kernels that read
+    them compile here. Reads the KV cache, writes nothing in it. Slow on a cold kernel cache (each
+    new variant compiles)."""
     device = kv_cache.device
     block_size = kv_cache.shape[2]
     max_tokens = max(b.num_tokens for b in batches)
+    width = block_table_width or max(-(-max(b.seq_lens) // block_size) for b in batches)
     # Queries, keys and values have the model's dtype; an FP8 cache only stores them narrower.
     query = torch.zeros((max_tokens, spec.num_q_heads, spec.head_size), dtype=spec.dtype, device=device)
     # Plugins of API 1.0 never see `kv_scales`: they declare no FP8 cache (`attention.layer`).
@@ -178,27 +269,26 @@ def warm_up_attention(
     out = torch.empty_like(query)
     layouts = sorted({(w, spec.logit_softcap) for w in spec.sliding_windows}, key=str)
     scale = spec.head_size**-0.5
-    for batch in tqdm(batches, desc="attention kernels", disable=None):
-        width = -(-max(batch.seq_lens) // block_size)
-        table = torch.zeros((len(batch.query_lens), width), dtype=torch.int32)
-        metadata = AttentionMetadata.build(
-            list(batch.query_lens), list(batch.seq_lens), table, block_size, device
-        )
+    seen: set[Hashable] = set()
+    keyed = True  # until the backend names no key: then every later call runs
+    launched = 0
+    metadata = warmup_metadata(batches, block_size, width, device)
+    for batch, md in tqdm(list(zip(batches, metadata, strict=True)), desc="attention kernels", disable=None):
         n = batch.num_tokens
         extra: dict[str, Any] = dict(scales)
         if new_kv is not None:
             extra.update(new_key=new_kv[0, :n], new_value=new_kv[1, :n])
         for window, softcap in layouts:
-            backend.forward(
-                query[:n],
-                kv_cache,
-                metadata,
-                scale=scale,
-                sliding_window=window,
-                logit_softcap=softcap,
-                out=out[:n],
-                **extra,
-            )
+            options = dict(scale=scale, sliding_window=window, logit_softcap=softcap, out=out[:n], **extra)
+            variants = backend.compile_key(query[:n], kv_cache, md, **options) if keyed else None
+            if variants is None:
+                keyed = False
+            elif variants <= seen:
+                continue  # everything it would launch is compiled and loaded already
+            else:
+                seen |= variants
+            backend.forward(query[:n], kv_cache, md, **options)
+            launched += 1
     if cache_ops.skips_negative_slots:
         kv = torch.zeros((max_tokens, 2, spec.num_kv_heads, spec.head_size), dtype=spec.dtype, device=device)
         for n in sorted({1, 2, 16, 17, max_tokens} & set(range(1, max_tokens + 1))):
@@ -206,6 +296,7 @@ def warm_up_attention(
             cache_ops.reshape_and_cache(kv[:n, 0], kv[:n, 1], kv_cache, slots, **scales)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return AttentionWarmup(len(batches) * len(layouts), launched, len(seen) if keyed else None)
 
 
 def prepare_runner(
@@ -222,6 +313,7 @@ def prepare_runner(
     `compiled`, `full_graphs` and `cuda_graphs`); slow."""
     compile_s = kernels_s = capture_s = 0.0
     num_batches = 0
+    swept: AttentionWarmup | None = None
     if plan.compile:
         compiled = GpuCompiledForward(runner.model, programmatic_launch=plan.programmatic_launch)
         compile_s = compiled.warm_up(runner.kv_caches, runner.backend, runner.cache_ops)
@@ -246,7 +338,7 @@ def prepare_runner(
             decode_graphs=full.graphs if full is not None else (),
         )
         scales = None if runner.kv_scales is None else runner.kv_scales[0]
-        warm_up_attention(
+        swept = warm_up_attention(
             runner.backend,
             runner.cache_ops,
             runner.kv_caches[0],
@@ -254,10 +346,29 @@ def prepare_runner(
             batches,
             scales,
             new_kv_reads=runner.new_kv_reads,
+            # The runner's block table: its row stride is a kernel argument Triton specialises on.
+            block_table_width=runner.batch.block_table.np.shape[1],
         )
         kernels_s = time.perf_counter() - start
         num_batches = len(batches)
-        logger.info("attention kernels warmed up on %d batch shapes in %.1f s", num_batches, kernels_s)
+        if swept.num_variants is not None:
+            logger.info(
+                "attention kernels warmed up: %d variants from %d batch shapes (%d of %d calls run) "
+                "in %.1f s",
+                swept.num_variants,
+                num_batches,
+                swept.num_launched,
+                swept.num_calls,
+                kernels_s,
+            )
+        else:
+            logger.info(
+                "attention kernels warmed up on %d batch shapes (the backend names no compile keys: "
+                "all %d calls run) in %.1f s",
+                num_batches,
+                swept.num_launched,
+                kernels_s,
+            )
     if plan.full_decode or plan.piecewise:
         start = time.perf_counter()
         _capture_graphs(
@@ -275,7 +386,14 @@ def prepare_runner(
         kernels_s,
         capture_s,
     )
-    return StartupTimes(compile_s, kernels_s, capture_s, num_batches)
+    return StartupTimes(
+        compile_s,
+        kernels_s,
+        capture_s,
+        num_batches,
+        num_attention_variants=None if swept is None else swept.num_variants,
+        num_warmup_calls=0 if swept is None else swept.num_launched,
+    )
 
 
 def _full_decode_graphs(

@@ -25,7 +25,13 @@ from pagedserve.platforms.api import (
 )
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_cuda.compiler import INSTALL_HINT
-from pagedserve_cuda.paged_attention import check_decode_layout, launch_decode, vector_load_problem
+from pagedserve_cuda.paged_attention import (
+    check_decode_layout,
+    decode_source,
+    decode_variant,
+    launch_decode,
+    vector_load_problem,
+)
 from pagedserve_cuda.selection import (
     BatchShape,
     DecodeTuning,
@@ -268,27 +274,11 @@ class CudaPagedAttentionBackend(AttentionBackend):
             logit_softcap=logit_softcap,
             kv_scales=kv_scales,
         )
-        _, num_q_heads, head_size = query.shape
-        _, _, block_size, num_kv_heads, _ = kv_cache.shape
         if out is None:
             out = torch.empty_like(query)
         if metadata.num_actual_tokens == 0 or metadata.num_reqs == 0:
             return out
-        choice = KernelChoice("triton", "", None)
-        if query.device.type == "cuda" and vector_load_problem(query, kv_cache) is None:
-            shape = BatchShape(
-                num_seqs=metadata.num_reqs,
-                max_query_len=metadata.max_query_len,
-                max_seq_len=metadata.max_seq_len,
-                num_q_heads=num_q_heads,
-                num_kv_heads=num_kv_heads,
-                head_size=head_size,
-                dtype=query.dtype,
-                block_size=block_size,
-                sliding_window=sliding_window,
-                logit_softcap=logit_softcap,
-            )
-            choice = self.choose(shape, query.device)
+        choice = self._call_choice(query, kv_cache, metadata, sliding_window, logit_softcap)
         if choice.launch is None:
             return self._triton_backend().forward(
                 query, kv_cache, metadata, scale=scale, sliding_window=sliding_window,
@@ -300,6 +290,77 @@ class CudaPagedAttentionBackend(AttentionBackend):
             logit_softcap=logit_softcap, kv_scales=kv_scales,
         )  # fmt: skip
         return out
+
+    def _call_choice(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        sliding_window: int | None,
+        logit_softcap: float | None,
+    ) -> KernelChoice:
+        """What `forward` runs for this call: `choose` for CUDA tensors the decode kernels' 16-byte
+        loads can read, Triton for the rest. Host-only; mutates only the decision cache."""
+        if query.device.type != "cuda" or vector_load_problem(query, kv_cache) is not None:
+            return KernelChoice("triton", "", None)
+        _, num_q_heads, head_size = query.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        shape = BatchShape(
+            num_seqs=metadata.num_reqs,
+            max_query_len=metadata.max_query_len,
+            max_seq_len=metadata.max_seq_len,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=query.dtype,
+            block_size=block_size,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+        )
+        return self.choose(shape, query.device)
+
+    def compile_key(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+        kv_scales: KVCacheScales | None = None,
+        new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+        new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+    ) -> frozenset[Hashable] | None:
+        """API 1.9: what `forward` would compile for this call. A CUDA decode batch needs the
+        NVRTC module of its launch (`decode_variant`: the decode kernel's compile-time defines;
+        partition counts and sizes are run-time arguments, so every v2 launch of one shape class
+        shares a module); everything else is the Triton backend's `compile_key`. None for a
+        subclass that launches differently (overrides `forward` without overriding this).
+        Host-only; mutates only the decision caches."""
+        if type(self).forward is not CudaPagedAttentionBackend.forward:
+            return None
+        self.check_call(
+            query,
+            kv_cache,
+            scale=scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            kv_scales=kv_scales,
+        )
+        if metadata.num_actual_tokens == 0 or metadata.num_reqs == 0:
+            return frozenset()
+        choice = self._call_choice(query, kv_cache, metadata, sliding_window, logit_softcap)
+        if choice.launch is None:
+            return self._triton_backend().compile_key(
+                query, kv_cache, metadata, scale=scale, sliding_window=sliding_window,
+                logit_softcap=logit_softcap, out=out, kv_scales=kv_scales, new_key=new_key,
+                new_value=new_value,
+            )  # fmt: skip
+        _, _, block_size, _, head_size = kv_cache.shape
+        source = decode_source(query.dtype, head_size, block_size, choice.launch, kv_cache.dtype)
+        return frozenset({decode_variant(source, query.device)})
 
     def run_decode(
         self,

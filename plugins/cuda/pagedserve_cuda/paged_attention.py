@@ -7,6 +7,8 @@ CUDA call, so a bad layout fails with a `ValueError` naming the problem even on 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 from pagedserve.platforms.api import KVCacheScales
@@ -64,6 +66,12 @@ def decode_source(
             ("REDUCE_THREADS", REDUCE_THREADS),
         ),
     )
+
+
+def decode_variant(source: KernelSource, device: torch.device) -> Hashable:
+    """What the decode launches of `source` on `device` compile and load: one NVRTC module (the
+    decode and reduce kernels both live in it; `KernelLoader` loads it once per device). Pure."""
+    return ("nvrtc", source, device)
 
 
 def _aligned16(t: torch.Tensor, dims: range) -> bool:

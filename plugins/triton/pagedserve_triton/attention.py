@@ -10,6 +10,7 @@ layers, which only check their tensors' layout and launch (`launch_params.Cached
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -27,18 +28,25 @@ from pagedserve.platforms.api import (
 )
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
+from pagedserve_triton.compile_keys import StandIn
 from pagedserve_triton.fp8_widen import bit_widening
 from pagedserve_triton.interpreter import INTERPRETED
 from pagedserve_triton.launch_params import (
     AttentionLaunchConfig,
     CachedLaunch,
     LaunchParams,
+    RaggedPrefillLaunchConfig,
     device_name_of,
     warp_specialize_supported,
 )
 from pagedserve_triton.programmatic_launch import launch_options, programmatic_launch_supported
 from pagedserve_triton.ragged_prefill import MIN_QUERY_LEN as RAGGED_MIN_QUERY_LEN
-from pagedserve_triton.ragged_prefill import RaggedPrefillLaunch, layout_key, unsupported_reason
+from pagedserve_triton.ragged_prefill import (
+    RaggedPrefillLaunch,
+    layout_key,
+    ragged_prefill_variant,
+    unsupported_reason,
+)
 from pagedserve_triton.unified_attention import (
     LOG2E,
     reduce_segments_kernel,
@@ -117,12 +125,14 @@ def choose_split(
 class _LayerLaunch:
     """The launches of one layout within one step (`attention` is None when the step has no
     tokens or runs on the ragged prefill kernel; `reduce` is the 3D plan's reduction, None for the
-    2D kernel)."""
+    2D kernel). `ragged` is the ragged prefill kernel's launch, `ragged_config` its config and
+    whether some request has cached context (set alone when only planned: `compile_key`)."""
 
     plan: SplitPlan
     attention: CachedLaunch | None
     reduce: CachedLaunch | None
     ragged: RaggedPrefillLaunch | None = None
+    ragged_config: tuple[RaggedPrefillLaunchConfig, bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,14 +304,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         pass only their own query, cache and output. A layout is every shape, stride, dtype and
         device of `query`, `kv_cache` and `out`, plus the three options: anything else is new and
         checked in full."""
-        # Decode and mixed steps (some query shorter than the ragged kernel takes; on average
-        # shorter, then surely) skip the ragged path's checks altogether.
-        prompt_chunks = metadata.num_actual_tokens >= RAGGED_MIN_QUERY_LEN * metadata.num_reqs
-        new_kv = (
-            (new_key, new_value)
-            if self._new_kv_reads and prompt_chunks and new_key is not None and new_value is not None
-            else None
-        )
+        new_kv = self._new_kv(metadata, new_key, new_value)
         key = (
             query.shape,
             query.stride(),
@@ -345,6 +348,64 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             layer.reduce(out)
         return out
 
+    def _new_kv(
+        self, metadata: AttentionMetadata, new_key: torch.Tensor | None, new_value: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's new keys and values where the ragged prefill kernel may read them. Pure."""
+        # Decode and mixed steps (some query shorter than the ragged kernel takes; on average
+        # shorter, then surely) skip the ragged path's checks altogether.
+        prompt_chunks = metadata.num_actual_tokens >= RAGGED_MIN_QUERY_LEN * metadata.num_reqs
+        if self._new_kv_reads and prompt_chunks and new_key is not None and new_value is not None:
+            return new_key, new_value
+        return None
+
+    def compile_key(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+        kv_scales: KVCacheScales | None = None,
+        new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+        new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+    ) -> frozenset[Hashable] | None:
+        """API 1.9: the compiled Triton variants `forward` would launch for this call
+        (`compile_keys.launch_variant` of each launch: the 2D kernel, the 3D kernel and its
+        reduction, or the ragged prefill kernel). Checks the call and plans it as `forward` does,
+        from the same code, but allocates nothing on the device and launches nothing; the split
+        and tile buffers `forward` would allocate count as fresh, aligned tensors. None where this
+        Triton cannot say, and for a subclass that launches differently (overrides `forward`
+        without overriding this). Mutates only the launch-parameter cache."""
+        if type(self).forward is not TritonUnifiedAttentionBackend.forward:
+            return None
+        new_kv = self._new_kv(metadata, new_key, new_value)
+        layer = self._build_layer(
+            query, kv_cache, metadata, out, scale, sliding_window, logit_softcap, kv_scales, new_kv,
+            plan_only=True,
+        )  # fmt: skip
+        # `forward` allocates a missing `out` contiguous.
+        out_arg: torch.Tensor | StandIn = out if out is not None else StandIn(query.dtype, query.shape)
+        variants: list[Hashable | None] = []
+        if layer.ragged_config is not None and new_kv is not None:
+            config, has_context = layer.ragged_config
+            variants.append(
+                ragged_prefill_variant(
+                    out_arg, query, *new_kv, kv_cache, metadata, config, scale=scale, has_context=has_context
+                )
+            )
+        elif layer.attention is not None and layer.reduce is None:
+            variants.append(layer.attention.variant(out_arg, query, kv_cache))
+        elif layer.attention is not None and layer.reduce is not None:
+            variants.append(layer.attention.variant(query, kv_cache))
+            variants.append(layer.reduce.variant(out_arg))
+        if any(v is None for v in variants):
+            return None
+        return frozenset(v for v in variants if v is not None)
+
     def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> SplitPlan:
         """The plan `forward` makes for `metadata` on a layer of shape `layer`: the split count is
         the only launch choice that depends on `max_seq_len` (grids, tile configs and scalar
@@ -378,9 +439,13 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         logit_softcap: float | None,
         kv_scales: KVCacheScales | None,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None,  # this step's keys and values
+        *,
+        plan_only: bool = False,
     ) -> _LayerLaunch:
-        """Check the whole call and build its launches. Allocates the 3D plan's split buffers;
-        mutates only the launch-parameter cache."""
+        """Check the whole call and build its launches. Allocates the 3D plan's split buffers and
+        uploads the ragged kernel's tile plan, unless `plan_only` (`compile_key`: `StandIn`s take
+        the buffers' place, the ragged launch is left at its config; such launches must never
+        run). Mutates only the launch-parameter cache."""
         # The layout first: a wrong layout (an HND cache, say) reads as wrong capabilities otherwise.
         self._check_layout(query, kv_cache, metadata, out)
         self.check_call(
@@ -398,12 +463,17 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         num_tokens = metadata.num_actual_tokens
         if num_tokens == 0 or metadata.num_reqs == 0:
             return _LayerLaunch(PLAN_2D, None, None)
-        if new_kv is not None:
-            ragged = self._ragged_launch(
-                query, kv_cache, metadata, new_kv, scale, sliding_window, logit_softcap
-            )
-            if ragged is not None:
-                return _LayerLaunch(PLAN_2D, None, None, ragged)
+        ragged_config = (
+            self._ragged_config(query, kv_cache, metadata, new_kv, sliding_window, logit_softcap)
+            if new_kv is not None
+            else None
+        )
+        if ragged_config is not None and plan_only:
+            return _LayerLaunch(PLAN_2D, None, None, ragged_config=ragged_config)
+        if ragged_config is not None:
+            config, has_context = ragged_config
+            ragged = RaggedPrefillLaunch.build(query, metadata, config, scale=scale, has_context=has_context)
+            return _LayerLaunch(PLAN_2D, None, None, ragged, ragged_config)
 
         queries_per_kv = num_q_heads // num_kv_heads
         device_name = device_name_of(query.device)
@@ -497,9 +567,15 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         # set serves every layer of the step: the stream runs each layer's reduction before the
         # next layer's 3D kernel overwrites them.
         partial_shape = (num_tokens, num_q_heads, plan.num_splits)
-        segm_acc = torch.empty((*partial_shape, head_padded), dtype=torch.float32, device=query.device)
-        segm_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
-        segm_sum = torch.empty_like(segm_max)
+        buffers: tuple[torch.Tensor | StandIn, ...]
+        if plan_only:
+            partial = StandIn(torch.float32, partial_shape)
+            buffers = (StandIn(torch.float32, (*partial_shape, head_padded)), partial, partial)
+        else:
+            maxima = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
+            acc = torch.empty((*partial_shape, head_padded), dtype=torch.float32, device=query.device)
+            buffers = (acc, maxima, torch.empty_like(maxima))
+        segm_acc, segm_max, segm_sum = buffers
         attention = CachedLaunch(
             unified_attention_3d_kernel,
             (num_programs,),
@@ -537,18 +613,18 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         )
         return _LayerLaunch(plan, attention, reduce)
 
-    def _ragged_launch(
+    def _ragged_config(
         self,
         query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         metadata: AttentionMetadata,
         new_kv: tuple[torch.Tensor, torch.Tensor],
-        scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
-    ) -> RaggedPrefillLaunch | None:
-        """The ragged prefill kernel's launch for this batch, or None when it must run on the
-        unified kernels (`ragged_prefill.unsupported_reason`). Host-only; uploads the tile plan."""
+    ) -> tuple[RaggedPrefillLaunchConfig, bool] | None:
+        """The ragged prefill kernel's config for this batch and whether some request has cached
+        context, or None when it must run on the unified kernels
+        (`ragged_prefill.unsupported_reason`). Host-only; mutates only the launch-parameter cache."""
         if unsupported_reason(
             query, kv_cache, metadata, *new_kv, sliding_window=sliding_window, logit_softcap=logit_softcap
         ):
@@ -562,7 +638,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             has_context=has_context,
             max_query_len=metadata.max_query_len,
         )
-        return RaggedPrefillLaunch.build(query, metadata, config, scale=scale, has_context=has_context)
+        return config, has_context
 
     def plan(
         self,

@@ -24,7 +24,7 @@ NVIDIA sm_90+ only), LONGEST_FIRST (true/false). `AttentionLaunchConfig` says wh
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from pagedserve.platforms.tuned_configs import Params, TunedConfigError, TunedConfigs
+from pagedserve_triton.compile_keys import launch_variant
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 _VALID_WARPS = (1, 2, 4, 8, 16)
@@ -388,6 +389,14 @@ class CachedLaunch:
         self._aligned: tuple[bool, ...] = ()
         self._device = -1
         self._support: tuple[Callable[[int], int], Callable[[], int], Any] | None = None
+
+    def variant(self, *tensors: object) -> Hashable | None:
+        """The compiled variant a call with `tensors` launches (`compile_keys.launch_variant`), or
+        None where this Triton cannot say. Host-only; launches nothing. Pure."""
+        args = self._args.copy()
+        for index, tensor in zip(self._per_call, tensors, strict=True):
+            args[index] = tensor
+        return launch_variant(self._kernel, args, self._options)
 
     @property
     def fast(self) -> bool:

@@ -26,7 +26,9 @@ FP8 cache: the backend sends those batches to the unified kernels.
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -34,6 +36,7 @@ import triton.language as tl
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve_triton import ragged_prefill_sm90
+from pagedserve_triton.compile_keys import StandIn, launch_variant
 from pagedserve_triton.interpreter import INTERPRETED
 from pagedserve_triton.launch_params import RaggedPrefillLaunchConfig
 
@@ -268,6 +271,77 @@ def plan_tiles(
     return request[order].to(torch.int32), index[order].to(torch.int32)
 
 
+def _launch_arguments(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], this step's new keys
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    tiles: tuple[Any, Any],  # `plan_tiles`, on the device (or `StandIn`s: `launch_variant`)
+    out: Any,  # [num_tokens, num_q_heads, head_size] (or a `StandIn`)
+    *,
+    scale: float,
+    has_context: bool,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    prefetch_block_ids: bool,
+    maxnreg: int | None,
+    dot_in_fp32: bool,
+) -> tuple[list[object], dict[str, object]]:
+    """(positional arguments, keyword arguments) of `ragged_prefill_kernel`'s launch: one place
+    for the launch and for the question which compiled variant it needs. Host-only."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _, num_q_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+
+    def rows(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+        return TensorDescriptor(
+            t, [t.shape[0], t.shape[1] * head_size], [t.stride(0), 1], [block_rows, head_size]
+        )
+
+    tile_request, tile_index = tiles
+    args: list[object] = [
+        rows(query, block_m),
+        rows(key, block_n),
+        rows(value, block_n),
+        out,
+        out.stride(0),
+        out.stride(1),
+        kv_cache[0],
+        kv_cache[1],
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table,
+        block_table.stride(0),
+        tile_request,
+        tile_index,
+        query_start_loc,
+        seq_lens,
+        scale * 1.4426950408889634,
+    ]
+    kwargs: dict[str, object] = dict(
+        NUM_Q_HEADS=num_q_heads,
+        QUERIES_PER_KV=num_q_heads // num_kv_heads,
+        HEAD_SIZE=head_size,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_CONTEXT=has_context,
+        PREFETCH_BLOCK_IDS=prefetch_block_ids,
+        DOT_IN_FP32=dot_in_fp32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
+    )
+    return args, kwargs
+
+
 def launch_ragged_prefill(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], this step's new keys
@@ -291,50 +365,13 @@ def launch_ragged_prefill(
 ) -> None:
     """Launch `ragged_prefill_kernel` over `tiles`. Writes only `out`'s rows of real tokens.
     `maxnreg` caps registers per thread (None: the compiler's choice)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    _, num_q_heads, head_size = query.shape
-    num_kv_heads = key.shape[1]
-
-    def rows(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
-        return TensorDescriptor(
-            t, [t.shape[0], t.shape[1] * head_size], [t.stride(0), 1], [block_rows, head_size]
-        )
-
-    tile_request, tile_index = tiles
-    grid = (tile_request.numel() * num_q_heads,)
-    ragged_prefill_kernel[grid](
-        rows(query, block_m),
-        rows(key, block_n),
-        rows(value, block_n),
-        out,
-        out.stride(0),
-        out.stride(1),
-        kv_cache[0],
-        kv_cache[1],
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_table,
-        block_table.stride(0),
-        tile_request,
-        tile_index,
-        query_start_loc,
-        seq_lens,
-        scale * 1.4426950408889634,
-        NUM_Q_HEADS=num_q_heads,
-        QUERIES_PER_KV=num_q_heads // num_kv_heads,
-        HEAD_SIZE=head_size,
-        BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        HAS_CONTEXT=has_context,
-        PREFETCH_BLOCK_IDS=prefetch_block_ids,
-        DOT_IN_FP32=dot_in_fp32,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}),
-    )
+    args, kwargs = _launch_arguments(
+        query, key, value, kv_cache, block_table, query_start_loc, seq_lens, tiles, out, scale=scale,
+        has_context=has_context, block_m=block_m, block_n=block_n, num_warps=num_warps,
+        num_stages=num_stages, prefetch_block_ids=prefetch_block_ids, maxnreg=maxnreg,
+        dot_in_fp32=dot_in_fp32,
+    )  # fmt: skip
+    ragged_prefill_kernel[(tiles[0].numel() * query.shape[1],)](*args, **kwargs)
 
 
 @functools.cache
@@ -413,6 +450,43 @@ def _runs_on_sm90(query: torch.Tensor, config: RaggedPrefillLaunchConfig, *, has
     return config.kernel == "gluon_sm90" and ragged_prefill_sm90.supports(query, has_context=has_context)
 
 
+def _dot_in_fp32(query: torch.Tensor) -> bool:
+    """Triton's interpreter (3.9) multiplies bfloat16 dot operands as raw uint16 bits."""
+    return query.dtype == torch.bfloat16 and INTERPRETED
+
+
+def ragged_prefill_variant(
+    out: torch.Tensor | StandIn,  # [num_tokens, num_q_heads, head_size]
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+    new_key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    new_value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    metadata: AttentionMetadata,
+    config: RaggedPrefillLaunchConfig,
+    *,
+    scale: float,
+    has_context: bool,
+) -> Hashable | None:
+    """The compiled variant that `RaggedPrefillLaunch.build(query, metadata, config, ...)` and a
+    call with these tensors would launch (`compile_keys.launch_variant`), asked without planning
+    or uploading the tiles (fresh device tensors: `StandIn`s). Host-only; launches nothing."""
+    tiles = (StandIn(torch.int32), StandIn(torch.int32))
+    if _runs_on_sm90(query, config, has_context=has_context):
+        args, kwargs = ragged_prefill_sm90.launch_arguments(
+            query, new_key, new_value, metadata.query_start_loc, metadata.num_actual_tokens, tiles, out,
+            scale=scale, block_n=config.block_n, num_stages=config.num_stages,
+        )  # fmt: skip
+        return launch_variant(ragged_prefill_sm90.ragged_prefill_sm90_kernel, args, kwargs)
+    args, kwargs = _launch_arguments(
+        query, new_key, new_value, kv_cache, metadata.block_table, metadata.query_start_loc,
+        metadata.seq_lens, tiles, out, scale=scale, has_context=has_context, block_m=config.block_m,
+        block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+        prefetch_block_ids=config.prefetch_block_ids, maxnreg=config.maxnreg,
+        dot_in_fp32=_dot_in_fp32(query),
+    )  # fmt: skip
+    return launch_variant(ragged_prefill_kernel, args, kwargs)
+
+
 @dataclass(frozen=True, slots=True)
 class RaggedPrefillLaunch:
     """The kernel's launch for one step and layout: everything but the per-layer tensors."""
@@ -445,10 +519,8 @@ class RaggedPrefillLaunch:
             )
         else:
             tiles = (request, index)
-        # Triton's interpreter (3.9) multiplies bfloat16 dot operands as raw uint16 bits.
-        dot_in_fp32 = query.dtype == torch.bfloat16 and INTERPRETED
         on_sm90 = _runs_on_sm90(query, config, has_context=has_context)
-        return RaggedPrefillLaunch(config, tiles, metadata, scale, has_context, dot_in_fp32, on_sm90)
+        return RaggedPrefillLaunch(config, tiles, metadata, scale, has_context, _dot_in_fp32(query), on_sm90)
 
     def __call__(
         self,

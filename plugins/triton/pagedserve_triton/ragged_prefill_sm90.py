@@ -30,6 +30,7 @@ them; key rows of the next request inside a tile are finite and masked out by ca
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from triton.experimental import gluon
@@ -224,6 +225,47 @@ def _descriptor(t: torch.Tensor, num_tokens: int, block_rows: int) -> TensorDesc
     return TensorDescriptor(t, [num_tokens, width], [t.stride(0), 1], [block_rows, head_size], layout)
 
 
+def launch_arguments(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], this step's new keys
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    num_actual_tokens: int,  # rows of real tokens; TMA reads zeros past them
+    tiles: tuple[Any, Any],  # `plan_tiles` at BLOCK_M, on the device (or `compile_keys.StandIn`s)
+    out: Any,  # [num_tokens, num_q_heads, head_size] (or a `compile_keys.StandIn`)
+    *,
+    scale: float,
+    block_n: int,
+    num_stages: int,
+) -> tuple[list[object], dict[str, object]]:
+    """(positional arguments, keyword arguments) of `ragged_prefill_sm90_kernel`'s launch: one
+    place for the launch and for the question which compiled variant it needs. Host-only."""
+    _, num_q_heads, head_size = query.shape
+    tile_request, tile_index = tiles
+    args: list[object] = [
+        _descriptor(query, num_actual_tokens, BLOCK_M),
+        _descriptor(key, num_actual_tokens, block_n),
+        _descriptor(value, num_actual_tokens, block_n),
+        out,
+        out.stride(0),
+        out.stride(1),
+        tile_request,
+        tile_index,
+        query_start_loc,
+        scale * 1.4426950408889634,
+    ]
+    kwargs: dict[str, object] = dict(
+        NUM_Q_HEADS=num_q_heads,
+        QUERIES_PER_KV=num_q_heads // key.shape[1],
+        HEAD_SIZE=head_size,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        STAGES=num_stages,
+        num_warps=NUM_WARPS,
+    )
+    return args, kwargs
+
+
 def launch_ragged_prefill_sm90(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], this step's new keys
@@ -238,25 +280,8 @@ def launch_ragged_prefill_sm90(
     num_stages: int,
 ) -> None:
     """Launch `ragged_prefill_sm90_kernel` over `tiles`. Writes only `out`'s rows of real tokens."""
-    _, num_q_heads, head_size = query.shape
-    tile_request, tile_index = tiles
-    grid = (tile_request.numel() * num_q_heads,)
-    ragged_prefill_sm90_kernel[grid](
-        _descriptor(query, num_actual_tokens, BLOCK_M),
-        _descriptor(key, num_actual_tokens, block_n),
-        _descriptor(value, num_actual_tokens, block_n),
-        out,
-        out.stride(0),
-        out.stride(1),
-        tile_request,
-        tile_index,
-        query_start_loc,
-        scale * 1.4426950408889634,
-        NUM_Q_HEADS=num_q_heads,
-        QUERIES_PER_KV=num_q_heads // key.shape[1],
-        HEAD_SIZE=head_size,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n,
-        STAGES=num_stages,
-        num_warps=NUM_WARPS,
-    )
+    args, kwargs = launch_arguments(
+        query, key, value, query_start_loc, num_actual_tokens, tiles, out,
+        scale=scale, block_n=block_n, num_stages=num_stages,
+    )  # fmt: skip
+    ragged_prefill_sm90_kernel[(tiles[0].numel() * query.shape[1],)](*args, **kwargs)

@@ -122,6 +122,7 @@ def measure(args: argparse.Namespace, model_dir: str, tp: int) -> dict[str, Any]
             tensor_parallel_size=tp,
             enforce_eager=args.enforce_eager,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         )
     )
     out: dict[str, Any] = {"tp": tp, "build_s": time.perf_counter() - start}
@@ -273,6 +274,12 @@ def main() -> None:
     parser.add_argument("--host-profile-top", type=int, default=40)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=512,
+        help="largest step replayed as piecewise CUDA graphs (the engine's default: 512)",
+    )
     parser.add_argument("--bw-mib", type=int, default=256, help="all-reduce size of the bandwidth test")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()

@@ -69,6 +69,15 @@ def test_ladder_ends_exactly_at_a_small_token_budget() -> None:
     assert default_graph_sizes(8192, max_graph_tokens=20) == (1, 2, 4, 8, 16, 20)
 
 
+def test_a_cap_above_512_continues_the_ladder_an_eighth_at_a_time() -> None:
+    sizes = default_graph_sizes(8192, max_graph_tokens=2048)
+    assert sizes[:31] == default_graph_sizes(8192)  # the default ladder, unchanged
+    assert sizes[31:] == (576, 640, 704, 768, 832, 896, 960, 1024, *range(1152, 2049, 128))
+    # A step past 512 tokens pads by less than an eighth of its size, so large steps lose little.
+    assert all(padded_size(sizes, n) - n < n / 8 for n in range(513, 2049))  # type: ignore[operator]
+    assert default_graph_sizes(1000, max_graph_tokens=4096)[-3:] == (896, 960, 1000)
+
+
 def test_ladder_rejects_a_nonpositive_budget() -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         default_graph_sizes(0)

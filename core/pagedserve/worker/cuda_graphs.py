@@ -63,9 +63,11 @@ def default_graph_sizes(
     """The ladder of padded token counts to capture, ascending. Pure.
 
     Fine steps where steps are common and padding is relatively expensive (decode batches),
-    coarser ones above: 1, 2, 4, 8..64 by 8, 80..256 by 16, 288..512 by 32, capped at
-    `min(max_num_batched_tokens, max_graph_tokens)`; the cap itself is always a size, so every
-    step up to the cap replays a graph."""
+    coarser ones above: 1, 2, 4, 8..64 by 8, 80..256 by 16, 288..512 by 32, then one eighth of
+    each power of two (576..1024 by 64, 1152..2048 by 128, ...), so that past 512 tokens a step
+    pads by less than an eighth of its size; capped at `min(max_num_batched_tokens,
+    max_graph_tokens)`, and the cap itself is always a size, so every step up to the cap
+    replays a graph."""
     if max_num_batched_tokens < 1 or max_graph_tokens < 1:
         raise ValueError(
             f"max_num_batched_tokens={max_num_batched_tokens} and max_graph_tokens={max_graph_tokens} "
@@ -73,6 +75,10 @@ def default_graph_sizes(
         )
     cap = min(max_num_batched_tokens, max_graph_tokens)
     ladder = [1, 2, 4, *range(8, 65, 8), *range(80, 257, 16), *range(288, 513, 32)]
+    low = 512
+    while low < cap:  # past 512: eight sizes per doubling
+        ladder.extend(range(low + low // 8, 2 * low + 1, low // 8))
+        low *= 2
     sizes = [s for s in ladder if s < cap]
     return (*sizes, cap)
 

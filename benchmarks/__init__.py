@@ -29,4 +29,5 @@ The host, without a GPU
   host_step.py              one engine decode step's host time, by phase
   async_overlap.py          the host time asynchronous scheduling hides (simulated device)
   scheduling_model.py       the scheduling policies on a workload, steps timed by an H100 model
+  server_health.py          /health latency of `pagedserve serve`: idle, tokenizing 1 MB, under streams
 """

@@ -1,17 +1,21 @@
-"""`AsyncLLMEngine` embedded in an asyncio program: generate, abort, bad requests, shutdown."""
+"""`AsyncLLMEngine` embedded in an asyncio program: generate, abort, bad requests, shutdown, and a
+big step's outputs applied in slices with the event loop free between them."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 from server_support import build_tiny_model, pid_alive
 
 from pagedserve.config import EngineArgs
+from pagedserve.engine.protocol import EngineCoreOutput
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError, InvalidRequest
+from pagedserve.server.async_engine import OUTPUT_SLICE, AsyncLLMEngine, EngineDeadError, InvalidRequest
 
 
 def test_generate_abort_and_shutdown(tmp_path: Path) -> None:
@@ -88,3 +92,80 @@ def test_generate_abort_and_shutdown(tmp_path: Path) -> None:
 async def _drain(stream: object) -> None:
     async for _ in stream:  # type: ignore[attr-defined]
         pass
+
+
+def test_a_step_is_applied_in_slices_with_the_loop_free_between(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's outputs are detokenized on the event loop (a thread would take the GIL from it),
+    so a step of many requests must not hold the loop: it is applied `OUTPUT_SLICE` requests at a
+    time, other callbacks run between slices, and a request's samples stay in one slice (so it
+    still gets one output per step). The outputs are those of an unsliced step."""
+    model = build_tiny_model(tmp_path / "tiny")
+    count = 3 * OUTPUT_SLICE + 1
+    args = EngineArgs(model=str(model), max_model_len=128, block_size=16, max_num_seqs=4 * count)
+
+    async def main() -> None:
+        engine = await AsyncLLMEngine.launch(args)
+        ticks = 0  # how many times the loop ran another task's callback
+        stopped = False
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stopped:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        step = 0
+        calls: list[tuple[int, int, list[str]]] = []  # (step, ticks, sequence ids) per process()
+        processor = engine._processor
+        assert processor is not None
+        process = processor.process
+        route_outputs = engine._route_outputs
+
+        def recording_process(outputs: list[EngineCoreOutput]) -> Any:
+            calls.append((step, ticks, [o.req_id for o in outputs]))
+            return process(outputs)
+
+        async def counting_route_outputs(*a: Any) -> None:
+            nonlocal step
+            step += 1
+            await route_outputs(*a)
+
+        monkeypatch.setattr(processor, "process", recording_process)
+        monkeypatch.setattr(engine, "_route_outputs", counting_route_outputs)
+        tick_task = asyncio.ensure_future(ticker())
+        try:
+            one = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+            two = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, n=2)
+
+            async def final(i: int) -> RequestOutput:
+                outs = [o async for o in engine.generate(f"story {i}", two if i % 4 == 0 else one, f"r{i}")]
+                return outs[-1]
+
+            finals = await asyncio.gather(*(final(i) for i in range(count)))
+            alone = [o async for o in engine.generate("story 1", one, "alone")][-1]
+        finally:
+            stopped = True
+            await tick_task
+            await engine.shutdown()
+        for i, out in enumerate(finals):
+            assert out.finished and [len(s.token_ids) for s in out.outputs] == [6] * (2 if i % 4 == 0 else 1)
+        # Detokenized in a slice of a big step or alone, the same text.
+        assert finals[1].outputs[0].text == alone.outputs[0].text
+
+        by_step: dict[int, list[tuple[int, list[str]]]] = {}
+        for s, t, seq_ids in calls:
+            by_step.setdefault(s, []).append((t, seq_ids))
+        split = [parts for parts in by_step.values() if len(parts) > 1]
+        assert split, "no step was applied in slices"
+        for parts in by_step.values():
+            owners = [{seq.split("#")[0] for seq in seq_ids} for _, seq_ids in parts]
+            assert all(len(requests) <= OUTPUT_SLICE for requests in owners)
+            # Every request in one slice of the step: its samples are never split.
+            assert sum(len(requests) for requests in owners) == len(set().union(*owners))
+            # The loop ran other work between one slice and the next.
+            ticks_seen = [t for t, _ in parts]
+            assert all(b > a for a, b in itertools.pairwise(ticks_seen)), ticks_seen
+
+    asyncio.run(main())

@@ -1,7 +1,8 @@
 """The server under hostile clients, through real sockets: every disconnect aborts and frees its
 blocks (API key on, streaming or not), bodies over the limit get 413 before they are read, bad
 input is an OpenAI-shaped 4xx naming the field, CPU work never blocks the event loop (/health
-stays fast while a 1 MB prompt is tokenized), a chaos run of many clients leaks nothing, and a
+stays fast while a 1 MB prompt is tokenized, response bodies are built on the tokenizer thread)
+nor does Nagle's algorithm delay answers, a chaos run of many clients leaks nothing, and a
 SIGTERM past the shutdown timeout answers what is left with 503.
 
 One `pagedserve serve` (a tiny random Llama with a 4,096-token context, API key set, 1 MiB body
@@ -22,13 +23,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 import pytest
 from server_support import ServerProcess, build_tiny_model, pid_alive, scrape_metrics, start_server
+
+from pagedserve.cli.serve import listening_socket
 
 API_KEY = "robust-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -277,6 +280,88 @@ def test_health_stays_fast_while_a_1mb_prompt_is_tokenized(server: ServerProcess
     # answers between. Relative, so a busy machine slows both alike: a check of behaviour, not
     # a latency target.
     assert max(latencies) < took / 2, f"/health took up to {max(latencies):.2f} s of the {took:.2f} s"
+
+
+def test_accepted_connections_have_nagle_off() -> None:
+    """The server's listening socket says TCP, so asyncio sets TCP_NODELAY on every connection:
+    without it a kept-alive client waits ~40 ms (its delayed ACK) for each response's body."""
+
+    async def main() -> int:
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                sock = transport.get_extra_info("socket")
+                accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        sock = listening_socket("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            nodelay = await asyncio.wait_for(accepted, 10)
+            writer.close()
+        return nodelay
+
+    assert asyncio.run(main()) != 0
+
+
+def test_response_bodies_are_built_off_the_event_loop(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bodies that grow with the prompt and output (a non-streamed choice with logprobs, an
+    echoed prompt decoded token by token with its logprobs) are built and encoded on the
+    tokenizer thread, in-process through the ASGI app, never on the event loop's thread."""
+    from pagedserve.config import EngineArgs
+    from pagedserve.server.api_server import ServerConfig, build_app
+    from pagedserve.server.async_engine import AsyncLLMEngine
+    from pagedserve.server.chat import ChatHandler
+    from pagedserve.server.completions import CompletionsHandler
+
+    threads: dict[str, set[int]] = {}
+
+    def recorded(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            threads.setdefault(name, set()).add(threading.get_ident())
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for cls, name in [
+        (CompletionsHandler, "_response"),
+        (CompletionsHandler, "echo_text"),
+        (CompletionsHandler, "prompt_logprobs_object"),
+        (ChatHandler, "_choice"),
+    ]:
+        monkeypatch.setattr(cls, name, recorded(name, getattr(cls, name)))
+
+    async def main() -> int:
+        args = EngineArgs(model=str(model_dir), max_model_len=CONTEXT, num_kv_blocks=64, block_size=16)
+        engine = await AsyncLLMEngine.launch(args)
+        try:
+            app = build_app(engine, ServerConfig(served_model_name="tiny"))
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://in-process", timeout=60) as c:
+                body = {"prompt": "a b c d", "max_tokens": 3, "echo": True, "logprobs": 2}
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                assert choice["text"].startswith("a b c d")
+                prompt_tokens = r.json()["usage"]["prompt_tokens"]
+                assert len(choice["logprobs"]["tokens"]) == prompt_tokens + 3
+                r = await c.post("/v1/completions", json={**body, "prompt": [300, 301, 302], "stream": True})
+                events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                assert len(events[0]["choices"][0]["logprobs"]["tokens"]) == 3  # the echoed prompt's
+                chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True}
+                r = await c.post("/v1/chat/completions", json=chat)
+                assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"]) == 3
+        finally:
+            await engine.shutdown()
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert set(threads) == {"_response", "echo_text", "prompt_logprobs_object", "_choice"}
+    assert all(loop_thread not in idents for idents in threads.values()), threads
 
 
 # ---- chaos -----------------------------------------------------------------------------------------

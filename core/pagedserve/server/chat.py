@@ -61,16 +61,22 @@ class ChatHandler(GenerationHandler):
                 err.param = "max_completion_tokens"  # name the field the client sent
             raise
         completion_tokens = sum(len(s.token_ids) for s in final.outputs)
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.config.served_model_name,
-                "choices": [self._choice(sample, params, plan) for sample in final.outputs],
-                "usage": usage(len(ids), completion_tokens),
-            }
-        )
+
+        def respond() -> JSONResponse:
+            return JSONResponse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": self.config.served_model_name,
+                    "choices": [self._choice(sample, params, plan) for sample in final.outputs],
+                    "usage": usage(len(ids), completion_tokens),
+                }
+            )
+
+        # Parsing tool calls, the logprobs objects and the encoding grow with the output: off the
+        # event loop.
+        return await self.engine.run_cpu(respond)
 
     def _sampling_params(
         self, body: ChatCompletionRequest, plan: ToolPlan | None, structured: StructuredOutputsParams | None

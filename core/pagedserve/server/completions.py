@@ -65,10 +65,13 @@ class CompletionsHandler(GenerationHandler):
         streams = self.start(request_id, [p.engine_prompt for p in prompts], params)
         if body.stream:
             merged = await self.first(request, streams)
-            echoed = [self.echo_text(p) for p in prompts] if body.echo else None
+            # Echoing decodes a prompt given as token ids: CPU work as long as the prompt.
+            echoed = (
+                await self.engine.run_cpu(lambda: [self.echo_text(p) for p in prompts]) if body.echo else None
+            )
             renderer = _TextRenderer(self, echoed, prompts, params, {})
             if echoed is not None and params.logprobs is not None:
-                merged = _noting_prompt_logprobs(merged, renderer.prompt_logprobs)
+                merged = _rendering_echoed_logprobs(merged, renderer)
             base = {
                 "id": request_id,
                 "object": "text_completion",
@@ -85,7 +88,11 @@ class CompletionsHandler(GenerationHandler):
             )
             return StreamingResponse(events, media_type="text/event-stream")
         finals = await self.collect(request, streams)
-        return JSONResponse(self._response(request_id, body, prompts, params, finals))
+        # The body grows with the prompts and outputs (logprobs objects, echoed prompts decoded
+        # token by token), and so does its encoding: both off the event loop.
+        return await self.engine.run_cpu(
+            lambda: JSONResponse(self._response(request_id, body, prompts, params, finals))
+        )
 
     def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[_Prompt]:
         if isinstance(prompt, str):
@@ -251,9 +258,22 @@ class _TextRenderer:
     echoed: list[str] | None  # each prompt's echoed text; None without echo
     prompts: list[_Prompt]
     params: SamplingParams
-    # prompt index -> its logprobs, filled by `_noting_prompt_logprobs` before a prompt's first
-    # output reaches `opening`; mutable, unlike the rest.
-    prompt_logprobs: dict[int, PromptLogprobs]
+    # prompt index -> its echoed logprobs object, rendered by `_rendering_echoed_logprobs` before
+    # a prompt's first output reaches `opening`; mutable, unlike the rest.
+    echoed_logprobs: dict[int, dict[str, Any]]
+
+    def echoed_logprobs_object(
+        self, prompt_index: int, prompt_logprobs: PromptLogprobs | None
+    ) -> dict[str, Any]:
+        """The logprobs object of a prompt's echoed chunk. CPU-bound for long prompts (it decodes
+        every prompt token): call it on the tokenizer thread."""
+        assert self.echoed is not None and self.params.logprobs is not None
+        return self.handler.prompt_logprobs_object(
+            self.prompts[prompt_index].engine_prompt,
+            self.echoed[prompt_index],
+            prompt_logprobs,
+            self.params.logprobs,
+        )
 
     def opening(self, delta: SampleDelta) -> list[dict[str, Any]]:
         if self.echoed is None:
@@ -261,12 +281,7 @@ class _TextRenderer:
         text = self.echoed[delta.prompt_index]
         logprobs = None
         if self.params.logprobs is not None:
-            logprobs = self.handler.prompt_logprobs_object(
-                self.prompts[delta.prompt_index].engine_prompt,
-                text,
-                self.prompt_logprobs.get(delta.prompt_index),
-                self.params.logprobs,
-            )
+            logprobs = self.echoed_logprobs[delta.prompt_index]
         return [_text_choice(delta.index, text, logprobs, None)]
 
     def chunk(self, delta: SampleDelta) -> list[dict[str, Any]]:
@@ -282,14 +297,17 @@ class _TextRenderer:
         return [_text_choice(delta.index, delta.text, logprobs, sample)]
 
 
-async def _noting_prompt_logprobs(merged: Merged, seen: dict[int, PromptLogprobs]) -> Merged:
-    """`merged` unchanged, noting each prompt's logprobs in `seen` as they first arrive (they come
-    with the prompt's first output, which is the one the echoed chunk is sent for). Closing it
-    closes `merged`, which aborts the requests still running."""
+async def _rendering_echoed_logprobs(merged: Merged, renderer: _TextRenderer) -> Merged:
+    """`merged` unchanged, rendering each prompt's echoed logprobs object into the renderer, on
+    the tokenizer thread, from the prompt's first output (which brings the prompt's logprobs, and
+    is the one the echoed chunk is sent for). Closing it closes `merged`, which aborts the
+    requests still running."""
     try:
         async for prompt_index, out in merged:
-            if out.prompt_logprobs is not None and prompt_index not in seen:
-                seen[prompt_index] = out.prompt_logprobs
+            if prompt_index not in renderer.echoed_logprobs:
+                renderer.echoed_logprobs[prompt_index] = await renderer.handler.engine.run_cpu(
+                    renderer.echoed_logprobs_object, prompt_index, out.prompt_logprobs
+                )
             yield prompt_index, out
     finally:
         await merged.aclose()

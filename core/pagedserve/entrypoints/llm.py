@@ -16,12 +16,13 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pydantic
 from tqdm.auto import tqdm
 
+from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.inputs import PromptType, is_single_prompt, to_engine_prompt
@@ -91,6 +92,64 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(self._or_default(sampling_params), len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (the forms `generate` takes), as vLLM's `LLM.beam_search`:
+        one `BeamSearchOutput` per prompt, in input order, each with `params.beam_width` sequences
+        best first (fewer when the vocabulary offers fewer). Each step runs every live beam of
+        every prompt as one `generate` batch; the prefix cache shares the beams' KV blocks."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = self.engine
+        wanted = 2 * params.beam_width
+        if wanted > engine.args.max_logprobs:
+            raise ValueError(
+                f"beam_width={params.beam_width} reads {wanted} logprobs per step, more than this "
+                f"engine's max_logprobs={engine.args.max_logprobs}: build the LLM with "
+                f"max_logprobs>={wanted} or lower beam_width"
+            )
+        token_prompts: list[list[int]] = []
+        for index, prompt in enumerate(_as_prompt_list(prompts)):
+            try:
+                ids = engine.tokenize(prompt)
+            except ValueError as exc:
+                raise ValueError(f"prompt {index}: {exc}") from None
+            if len(ids) + params.max_tokens > engine.max_model_len:
+                raise ValueError(
+                    f"prompt {index}: its {len(ids)} tokens plus max_tokens={params.max_tokens} exceed "
+                    f"max_model_len={engine.max_model_len}"
+                )
+            token_prompts.append(ids)
+        tokenizer = engine.tokenizer
+        decode: Callable[[list[int]], str] | None = None
+        if tokenizer is not None:
+
+            def decode(ids: list[int]) -> str:
+                return str(tokenizer.decode(ids))
+
+        steps = tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm)
+
+        def run_batch(batch: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
+            beams: list[PromptInput] = list(batch)
+            outputs = self._run(beams, [step] * len(beams), use_tqdm=False)
+            steps.update(1)
+            return outputs
+
+        try:
+            return run_beam_search(
+                token_prompts,
+                params,
+                run_batch,
+                engine.eos_token_ids,
+                decode,
+            )
+        finally:
+            steps.close()
 
     def chat(
         self,

@@ -16,6 +16,7 @@ What a user runs: the engine against its peers
   offline_scheduling.py     offline throughput per scheduling policy, with profiling windows
   gpu_fp8.py                what FP8 weights and an FP8 KV cache buy
   tp_gpu.py                 tensor parallelism: TP=N against TP=1, 8B and 70B shapes
+  serve_throughput.py       output tok/s through `pagedserve serve` (data parallelism against one engine)
   gpu_engine_check.py       greedy tokens on a GPU platform equal cpu_reference's
   cpu_generate.py           SmolLM2-135M on the CPU against HF transformers
   structured.py             structured outputs: the grammar bitmask's host cost and throughput

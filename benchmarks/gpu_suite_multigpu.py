@@ -12,6 +12,9 @@ On a host with N >= 2 GPUs it runs, each in a process of its own:
   dp          `pagedserve bench throughput --data-parallel-size N` on the 1,000-request workload,
               one replica per GPU, and the same command with one engine (both with 32 untimed
               warm-up requests)
+  dp_serve    the same workload through `pagedserve serve --data-parallel-size N`, loaded by
+              `pagedserve bench serve` with every request at once, and through a one-engine
+              server (`benchmarks/serve_throughput.py`)
 
 The GPU equality tests of tensor and data parallelism run in the suite's `tests` stage.
 """
@@ -91,6 +94,22 @@ def stage_multigpu(suite: Suite) -> dict[str, Any]:
         argv += ["--max-model-len", "4096", "--platform", "cuda", "--max-num-seqs", "256"]
         argv += ["--data-parallel-size", str(size), "--warmup-requests", str(DP_WARMUP_REQUESTS)]
         argv += ["--workload", THROUGHPUT_WORKLOAD, "--json", str(path)]
+        res = suite.run(f"multigpu_{name}", argv, timeout_s=1500)
+        out[name] = res | {"result": _read(path), "size": size}
+    # The same through the OpenAI-compatible server, data-parallel and with one engine.
+    for name, size in (("dp_serve", gpus), ("dp_serve_one_engine", 1)):
+        path = raw / f"{name}.json"
+        argv = [
+            suite.python,
+            "benchmarks/serve_throughput.py",
+            str(model_dir),
+            "--workload",
+            THROUGHPUT_WORKLOAD,
+        ]
+        argv += ["--json", str(path)]
+        server = ["--load-format=dummy", "--dtype=bfloat16", "--skip-tokenizer-init", "--max-model-len=4096"]
+        server += ["--platform=cuda", "--max-num-seqs=256", f"--data-parallel-size={size}"]
+        argv += [f"--server-arg={option}" for option in server]
         res = suite.run(f"multigpu_{name}", argv, timeout_s=1500)
         out[name] = res | {"result": _read(path), "size": size}
     return out
@@ -178,4 +197,19 @@ def multigpu_rows(stages: dict[str, Any]) -> list[Row]:
             judge(ratio, ">=", goal) if goal else "n/a",
         )
     )
+    size = dig(mg, "dp_serve", "size")
+    dp = dig(mg, "dp_serve", "result", "bench", "output_throughput")
+    one = dig(mg, "dp_serve_one_engine", "result", "bench", "output_throughput")
+    if dp is not None or one is not None:
+        ratio = dp / one if dp and one else None
+        goal = THROUGHPUT_RATIO_DP2 if size == 2 else None
+        rows.append(
+            Row(
+                f"8B DP={size} through `serve`, output tok/s, 1,000 requests",
+                f"{fmt(dp)} ({fmt(ratio, '.2f')}x one GPU)",
+                f"one-engine server {fmt(one)}",
+                f">= {goal}x one GPU" if goal else "",
+                judge(ratio, ">=", goal) if goal else "n/a",
+            )
+        )
     return rows

@@ -239,6 +239,25 @@ def test_multigpu_rows_judge_each_size_against_tp1_of_the_same_run() -> None:
     stages["multigpu"]["dp"]["result"]["result"]["output_tokens_per_s"] = 21000.0  # 1.75x
     rows = {r.benchmark: r for r in suite.scoreboard(stages)}
     assert rows["8B DP=2 output tok/s, 1,000 requests"].verdict == "missed"
+    assert not any("serve" in name for name in rows)  # no server run: no row
+
+
+def test_multigpu_rows_judge_data_parallel_serving_against_a_one_engine_server() -> None:
+    def served(tok_s: float, size: int) -> dict[str, object]:
+        return {"rc": 0, "size": size, "result": {"bench": {"output_throughput": tok_s}}}
+
+    stages = {
+        "multigpu": {"gpus": 2, "dp_serve": served(22000.0, 2), "dp_serve_one_engine": served(11000.0, 1)}
+    }
+    row = {r.benchmark: r for r in suite.scoreboard(stages)}[
+        "8B DP=2 through `serve`, output tok/s, 1,000 requests"
+    ]
+    assert row.verdict == "met" and row.peer == "one-engine server 11,000"  # 2.0x >= 1.9x
+    stages["multigpu"]["dp_serve"] = served(18000.0, 2)  # 1.64x
+    row = {r.benchmark: r for r in suite.scoreboard(stages)}[
+        "8B DP=2 through `serve`, output tok/s, 1,000 requests"
+    ]
+    assert row.verdict == "missed"
 
 
 def test_multigpu_rows_say_not_run_on_one_gpu() -> None:

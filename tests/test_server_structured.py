@@ -1,6 +1,6 @@
-"""Structured outputs and tool calling through the official `openai` client: response_format,
-the structured_outputs / guided_* extension fields, tools with every tool_choice (streamed and
-not), a tool round trip, /tokenize and /detokenize, and max_logprobs.
+"""Structured outputs and tool calling through the official `openai` client: response_format
+(structural tags included), the structured_outputs / guided_* extension fields, tools with every
+tool_choice (streamed and not), a tool round trip, /tokenize and /detokenize, and max_logprobs.
 
 One `pagedserve serve` (a tiny random Llama with SmolLM2's tokenizer, `--tool-call-parser hermes`)
 serves the module. A random model follows a constraint only because of the grammar mask, so
@@ -123,6 +123,70 @@ def test_regex_choice_grammar_and_json_object(client: openai.OpenAI, server: Ser
             assert isinstance(json.loads(c.message.content or ""), dict)
 
 
+def test_structural_tag_response_format(client: openai.OpenAI, server: ServerProcess) -> None:
+    # vLLM's legacy form. logit_bias pushes the random model to the trigger's tokens in the free
+    # text; what follows the trigger is the grammar's doing.
+    schema = PARAMETERS["get_weather"]
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<function=get_weather>", "schema": schema, "end": "</function>"}],
+        "triggers": ["<function="],
+    }
+    tokenized = httpx.post(
+        f"{server.base_url}/tokenize", json={"prompt": "<function=", "add_special_tokens": False}, timeout=30
+    )
+    tokens = tokenized.json()["tokens"]
+    resp = client.chat.completions.create(
+        model=server.model_name,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        n=3,
+        temperature=1.0,
+        max_tokens=300,
+        response_format=tag,  # type: ignore[arg-type]
+        logit_bias={str(t): 30 for t in tokens},
+        stop=["</function>"],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    for choice in resp.choices:
+        text = choice.message.content or ""
+        match = re.search(r"<function=get_weather>(.*)</function>$", text, re.DOTALL)
+        assert choice.finish_reason == "stop" and match is not None, text
+        jsonschema.validate(json.loads(match.group(1)), schema)
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "structural_tag"},
+        {"type": "structural_tag", "structures": [{"begin": "<f=a>", "end": "</f>"}], "triggers": ["<f="]},
+        {
+            "type": "structural_tag",
+            "structures": [{"begin": "<f=a>", "schema": {"type": "nope"}, "end": "</f>"}],
+            "triggers": ["<f="],
+        },
+        {  # the begin does not start with the trigger
+            "type": "structural_tag",
+            "structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}],
+            "triggers": ["<f"],
+        },
+        {"type": "structural_tag", "format": {"type": "nope"}},
+    ],
+)
+def test_malformed_structural_tag_is_400(
+    client: openai.OpenAI, server: ServerProcess, response_format: dict[str, Any]
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=server.model_name,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=4,
+            response_format=response_format,  # type: ignore[arg-type]
+        )
+    body = info.value.body
+    assert isinstance(body, dict) and body.get("param") == "response_format", body
+    assert str(body.get("message", "")).startswith("response_format: "), body
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -140,6 +204,7 @@ def test_regex_choice_grammar_and_json_object(client: openai.OpenAI, server: Ser
         ({"guided_json": "{not json"}, "guided_json"),
         ({"structured_outputs": {"grammar": "root ::= nothing_here"}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         (

@@ -36,10 +36,16 @@ class JsonSchemaFormat(_Lenient):
 
 
 class ResponseFormat(_Lenient):
-    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema; or vLLM's
+    structural tag, free text in which tags are enforced after a trigger (legacy `structures` and
+    `triggers`, or xgrammar's `format`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # Checked by the grammar backend, which names what is wrong inside them.
+    structures: list[Any] | None = None
+    triggers: list[Any] | None = None
+    format: dict[str, Any] | None = None
 
 
 class StructuredOutputsFields(_Lenient):
@@ -50,6 +56,7 @@ class StructuredOutputsFields(_Lenient):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: StrictBool | None = None
+    structural_tag: dict[str, Any] | str | None = None
     disable_any_whitespace: StrictBool = False
 
 

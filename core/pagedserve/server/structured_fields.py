@@ -6,9 +6,29 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.server.errors import APIError
-from pagedserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 from pagedserve.structured.checks import check_constraint
 from pagedserve.structured.params import StructuredOutputsParams
+
+
+def _structural_tag(fmt: ResponseFormat) -> dict[str, Any]:
+    """The structural tag of a response_format (its fields as vLLM forwards them to xgrammar)."""
+    legacy = fmt.structures is not None or fmt.triggers is not None
+    if legacy and fmt.format is not None:
+        raise APIError(
+            400,
+            "response_format: type 'structural_tag' takes either format or structures and triggers, not both",
+            param="response_format",
+        )
+    if fmt.format is not None:
+        return {"type": "structural_tag", "format": fmt.format}
+    if fmt.structures is None or fmt.triggers is None:
+        raise APIError(
+            400,
+            "response_format: type 'structural_tag' needs structures and triggers, or format",
+            param="response_format",
+        )
+    return {"type": "structural_tag", "structures": fmt.structures, "triggers": fmt.triggers}
 
 
 def _from_fields(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, StructuredOutputsParams]]:
@@ -25,6 +45,8 @@ def _from_fields(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[s
                 param="response_format",
             )
         found.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.json_schema)))
+    elif fmt is not None and fmt.type == "structural_tag":
+        found.append(("response_format", StructuredOutputsParams(structural_tag=_structural_tag(fmt))))
     so = req.structured_outputs
     if so is not None:
         try:
@@ -37,6 +59,7 @@ def _from_fields(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[s
                         choice=so.choice,
                         grammar=so.grammar,
                         json_object=so.json_object,
+                        structural_tag=so.structural_tag,
                         disable_any_whitespace=so.disable_any_whitespace,
                     ),
                 )

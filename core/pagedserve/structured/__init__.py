@@ -1,1 +1,2 @@
-"""Structured outputs: constrained decoding to a JSON schema, a regex, a choice or a grammar."""
+"""Structured outputs: constrained decoding to a JSON schema, a regex, a choice, a grammar or a
+structural tag."""

@@ -1,5 +1,6 @@
 """Checking a constraint before it reaches the engine core: a clear error for a malformed schema,
-regex or grammar, or for an engine that cannot constrain (no tokenizer, xgrammar missing)."""
+regex, grammar or structural tag, or for an engine that cannot constrain (no tokenizer, xgrammar
+missing)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """`StructuredOutputsParams`: what a request's output must match (vLLM's name and fields).
 
-Exactly one of `json`, `regex`, `choice`, `grammar` or `json_object` is set. The object is frozen
-and checked when built; whether a schema, regex or grammar is well formed is checked by the
-backend (`structured.backend.check_spec`), which the engine front end runs before a request
-reaches the core.
+Exactly one of `json`, `regex`, `choice`, `grammar`, `json_object` or `structural_tag` is set.
+The object is frozen and checked when built; whether a schema, regex, grammar or structural tag is
+well formed is checked by the backend (`structured.xgrammar_backend.check_spec`), which the engine
+front end runs before a request reaches the core.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-SpecKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+SpecKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
-_KINDS: tuple[SpecKind, ...] = ("json", "json_object", "regex", "choice", "grammar")
+_KINDS: tuple[SpecKind, ...] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,6 +27,10 @@ class StructuredOutputsParams:
     choice: Sequence[str] | None = None  # the output is exactly one of these strings; stored as a tuple
     grammar: str | None = None  # an EBNF / GBNF grammar whose start rule is `root`
     json_object: bool | None = None  # True: any JSON object
+    # Free text in which tags are enforced once a trigger appears, as xgrammar's structural tag
+    # (text or parsed): vLLM's legacy {"structures": [{"begin", "schema", "end"}], "triggers"} or
+    # {"type": "structural_tag", "format": {...}}; stored as text.
+    structural_tag: str | Mapping[str, Any] | None = None
     # True: compact JSON, separators ", " and ": " and no other whitespace (some models prefer it).
     disable_any_whitespace: bool = False
 
@@ -43,6 +47,13 @@ class StructuredOutputsParams:
                 )
             # Key order is kept: JSON output follows the schema's property order.
             object.__setattr__(self, "json", jsonlib.dumps(self.json))
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str):
+            if not isinstance(self.structural_tag, Mapping):
+                raise ValueError(
+                    "structured_outputs.structural_tag must be a JSON object (dict or str), got "
+                    f"{self.structural_tag!r}"
+                )
+            object.__setattr__(self, "structural_tag", jsonlib.dumps(self.structural_tag))
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError(f"structured_outputs.regex must be a str, got {self.regex!r}")
         if self.grammar is not None and not isinstance(self.grammar, str):
@@ -69,7 +80,8 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as one string (the schema, regex or grammar; choices as a JSON list)."""
+        """The constraint as one string (the schema, regex, grammar or structural tag; choices as
+        a JSON list)."""
         kind = self.kind
         if kind == "choice":
             return jsonlib.dumps(list(self.choice or ()))

@@ -2,7 +2,8 @@
 request, bitmasks filled for a batch in one call.
 
 `check_spec` needs no tokenizer: it turns a constraint into an xgrammar grammar (which parses the
-schema, regex or grammar) so bad input is refused with a clear message before it reaches the core.
+schema, regex, grammar or structural tag) so bad input is refused with a clear message before it
+reaches the core.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ model can never stall in whitespace until max_tokens (small models otherwise do)
 
 _MAX_FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
 
-# xgrammar prefixes its messages with a timestamp and its C++ source location.
-_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+# xgrammar prefixes its messages with a timestamp and its C++ source location, or with the name
+# of its exception class.
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*|^Invalid (structural tag|JSON) error:\s*")
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
@@ -40,17 +42,65 @@ def _schema(params: StructuredOutputsParams) -> Any:
         schema = json.loads(params.spec)
     except json.JSONDecodeError as exc:
         raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+    return _checked_schema(schema)
+
+
+def _checked_schema(schema: Any, where: str = "") -> Any:
+    """`schema` if it is a valid JSON schema; else ValueError naming `where` (a path in the
+    request) and what is wrong."""
+    prefix = f"{where}: " if where else ""
     if not isinstance(schema, dict | bool):
-        raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        raise ValueError(f"{prefix}a JSON schema must be an object, got {type(schema).__name__}")
     # jsonschema knows the meta-schema: it names what is wrong (a bad "type", a non-list "required").
     import jsonschema
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.path)
-        raise ValueError(f"invalid JSON schema{' at ' + where if where else ''}: {exc.message}") from None
+        at = "/".join(str(p) for p in exc.path)
+        raise ValueError(f"{prefix}invalid JSON schema{' at ' + at if at else ''}: {exc.message}") from None
     return schema
+
+
+def _structural_tag_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
+    """vLLM's two forms of a structural tag, both compiled by xgrammar: the legacy
+    {"structures": [{"begin", "schema", "end"}], "triggers": [...]} and xgrammar's own
+    {"type": "structural_tag", "format": {...}}."""
+    try:
+        tag = json.loads(params.spec)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid structural tag: not valid JSON: {exc}") from None
+    if not isinstance(tag, dict):
+        raise ValueError(f"invalid structural tag: a JSON object is needed, got {type(tag).__name__}")
+    if "structures" not in tag and "triggers" not in tag:
+        return xgr.Grammar.from_structural_tag(json.dumps(tag))
+    if "format" in tag:
+        raise ValueError("invalid structural tag: give either format or structures and triggers, not both")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("invalid structural tag: structures must be a non-empty list of objects")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("invalid structural tag: triggers must be a non-empty list of non-empty strings")
+    items: list[xgr.StructuralTagItem] = []
+    for i, item in enumerate(structures):
+        where = f"invalid structural tag: structures[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be an object with begin, schema and end")
+        for field in ("begin", "end"):
+            if not isinstance(item.get(field), str):
+                raise ValueError(f"{where}.{field} must be a string")
+        if "schema" not in item:
+            raise ValueError(f"{where}.schema is missing (a JSON schema)")
+        schema = _checked_schema(item["schema"], f"{where}.schema")
+        items.append(xgr.StructuralTagItem(begin=item["begin"], schema=json.dumps(schema), end=item["end"]))
+    structural = xgr.StructuralTag.from_legacy_structural_tag(items, triggers)
+    # Tagged JSON gets the same whitespace bound as a `json` constraint, so a model cannot stall
+    # inside a tag either.
+    for tagged in structural.format.tags:  # type: ignore[union-attr]  # legacy: triggered_tags
+        content = tagged.content
+        if isinstance(content, xgr.structural_tag.JSONSchemaFormat):
+            content.max_whitespace_cnt = MAX_WHITESPACE
+    return xgr.Grammar.from_structural_tag(structural)
 
 
 # xgrammar's character class for strings with a length bound admits raw control characters,
@@ -88,18 +138,25 @@ def to_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
             return xgr.Grammar.from_regex(params.spec)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_grammar(params.choice or ()))
+        if kind == "structural_tag":
+            return _structural_tag_grammar(params)
         return xgr.Grammar.from_ebnf(params.spec)
     except ValueError:
         raise
     except Exception as exc:  # xgrammar raises RuntimeError with the parser's message
-        what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
+        what = {
+            "json": "JSON schema",
+            "regex": "regex",
+            "grammar": "grammar",
+            "structural_tag": "structural tag",
+        }.get(kind, kind)
         text = str(exc).strip()
         first_line = _SOURCE_PREFIX.sub("", text.splitlines()[0]) if text else type(exc).__name__
         raise ValueError(f"invalid {what}: {first_line}") from None
 
 
 def check_spec(params: StructuredOutputsParams) -> None:
-    """Raise ValueError if the constraint's schema, regex or grammar is malformed."""
+    """Raise ValueError if the constraint's schema, regex, grammar or structural tag is malformed."""
     to_grammar(params)
 
 

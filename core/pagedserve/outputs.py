@@ -1,5 +1,6 @@
 """What `LLM.generate` returns: one `RequestOutput` per prompt, in input order, each holding one
-`CompletionOutput` per sample (`SamplingParams.n`). Shapes and names follow vLLM's.
+`CompletionOutput` per sample (`SamplingParams.n`); and what `LLM.encode` / `LLM.embed` return:
+one `PoolingRequestOutput` / `EmbeddingRequestOutput` per prompt. Shapes and names follow vLLM's.
 
 Logprobs are lists with one entry per token. Each entry maps token id -> `Logprob` and holds the
 chosen token (the sampled one, or the prompt's actual next token) plus the top-N requested tokens.
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why a sample ended: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens or the
@@ -72,3 +75,51 @@ class RequestOutput:
     finished: bool  # every sample has finished
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     metrics: RequestMetrics | None = None  # arrival, first-token and finish times
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingOutput:
+    """The pooled vector of one prompt (vLLM's name)."""
+
+    data: torch.Tensor  # [hidden_size] float32 on the CPU
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingRequestOutput:
+    """What `LLM.encode` returns per prompt: its pooled vector. A pooling request generates no
+    tokens and is finished once its prompt has been computed."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding as a list (vLLM's name)."""
+
+    embedding: list[float]  # [hidden_size]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(
+            output.request_id,
+            EmbeddingOutput(output.outputs.data.tolist()),
+            output.prompt_token_ids,
+            output.finished,
+        )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pagedserve.bench.compile_watch import watch_triton_compiles
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import RequestOutput
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def _timed_run(
     counts = _scheduler_counts(engine)
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
+            if isinstance(out, RequestOutput) and out.finished:
                 produced[out.request_id] = len(out.outputs[0].token_ids)
         if trace is not None:
             trace.append(StepRecord(time.perf_counter() - start, *counts()))

@@ -27,6 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `pagedserve platforms` does not pay for torch model code.
     from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.outputs import RequestOutput
     from pagedserve.sampling.sampling_params import SamplingParams
 
     try:
@@ -68,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     finish = None
     while engine.has_unfinished_requests():
         for output in engine.step():
+            if not isinstance(output, RequestOutput):
+                continue  # only pooling requests' outputs are not RequestOutputs, and none was added
             text = output.outputs[0].text
             sys.stdout.write(text[shown:])
             sys.stdout.flush()

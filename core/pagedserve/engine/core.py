@@ -76,6 +76,9 @@ class EngineCore:
             eos_token_ids=req.eos_token_ids,
             stop_token_ids=frozenset(params.stop_ids),
         )
+        if req.pooling_params is not None:
+            self._check_pooling(req)
+            stop = StopCriteria(max_tokens=1)  # never reached: the request samples nothing
         request = Request(
             req.req_id,
             req.prompt_token_ids,
@@ -83,6 +86,7 @@ class EngineCore:
             sampling_params=params,
             cache_salt=req.cache_salt,
             priority=req.priority,
+            pooling_params=req.pooling_params,
         )
         if params.structured_outputs is None:
             self.scheduler.add_request(request, fork_of=req.fork_of)
@@ -98,6 +102,16 @@ class EngineCore:
         check_admissible(request, sched.config, sched.num_blocks, sched.block_size)
         self.structured.submit(req.req_id, params.structured_outputs)
         self._awaiting_grammar.append((request, req.fork_of))
+
+    def _check_pooling(self, req: EngineCoreRequest) -> None:
+        """Refuse a pooling request this engine cannot serve, naming why. Does not mutate."""
+        if self.proposer is not None:
+            raise RequestRejected(
+                "pooling requests (LLM.embed) cannot run with speculative decoding: drafts would be "
+                "proposed past the prompt; build the engine with num_speculative_tokens=0"
+            )
+        if req.fork_of is not None or req.sampling_params.structured_outputs is not None:
+            raise RequestRejected("a pooling request has one sample and no structured output")
 
     def abort(self, req_ids: Iterable[RequestId]) -> None:
         """Abort sequences (unknown or finished ids are ignored); they are reported as finished
@@ -211,10 +225,11 @@ class EngineCore:
         """Append one output per update to `outputs`. Mutates outputs."""
         # One output per running sequence per step: locals, lookups only when logprobs exist, and
         # positional construction, EngineCoreOutput(req_id, new_token_ids, finish_reason,
-        # stop_token_id, logprobs, prompt_logprobs, num_cached_tokens).
+        # stop_token_id, logprobs, prompt_logprobs, num_cached_tokens, pooled).
         finish_reasons = _FINISH_REASONS
         logprobs_of = result.logprobs
         prompt_logprobs_of = result.prompt_logprobs
+        pooled_of = result.pooled
         append = outputs.append
         for update in updates:
             logprobs = None
@@ -231,5 +246,6 @@ class EngineCore:
                     logprobs,
                     prompt_logprobs_of.get(update.req_id) if prompt_logprobs_of else None,
                     update.num_cached_tokens,
+                    pooled_of.get(update.req_id) if pooled_of else None,
                 )
             )

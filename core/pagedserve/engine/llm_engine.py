@@ -7,17 +7,24 @@ and this front end's pieces (tokenizer, `OutputProcessor`) in the API process.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.protocol import EngineCoreRequest
+from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from pagedserve.engine.setup import EngineSetup, build_engine
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.admission import RequestRejected
+from pagedserve.types import RequestId
+
+# The worker's row of a pooling request: never sampled, but every row has sampling parameters.
+_POOLING_ROW = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
 
 class LLMEngine:
@@ -39,6 +46,7 @@ class LLMEngine:
         )
         eos = detokenizer_eos_token_id(self.tokenizer, self.eos_token_ids)
         self.processor = OutputProcessor(self.tokenizer, eos_token_id=eos, max_model_len=self.max_model_len)
+        self._pooling: dict[RequestId, list[int]] = {}  # pooling request id -> its prompt's token ids
 
     def require_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer; raises ValueError when the engine was built with skip_tokenizer_init."""
@@ -56,12 +64,17 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError naming the problem when it can never run (empty
-        prompt, token ids outside the vocabulary, prompt + max_tokens beyond max_model_len...)."""
+        """Queue a request: generation with `SamplingParams`, or pooling (its prompt's embedding;
+        `step` returns a `PoolingRequestOutput`) with `PoolingParams`. Raises ValueError naming
+        the problem when it can never run (empty prompt, token ids outside the vocabulary, prompt
+        + max_tokens beyond max_model_len...)."""
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, params, cache_salt)
+            return
         self.inputs.check_params(params)
         ids = self.inputs.prompt_ids(prompt, params)
         text = prompt if isinstance(prompt, str) and params.truncate_prompt_tokens is None else None
@@ -83,8 +96,34 @@ class LLMEngine:
             self.processor.abort(request_id)
             raise
 
+    def _add_pooling_request(
+        self, request_id: str, prompt: str | Sequence[int], params: PoolingParams, cache_salt: str | None
+    ) -> None:
+        if request_id in self._pooling or self.processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.inputs.tokenize(prompt)
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})"
+            )
+        self.core.add_request(
+            EngineCoreRequest(
+                req_id=RequestId(request_id),
+                prompt_token_ids=ids,
+                sampling_params=_POOLING_ROW,
+                eos_token_ids=self.eos_token_ids,
+                cache_salt=cache_salt,
+                pooling_params=params,
+            )
+        )
+        self._pooling[RequestId(request_id)] = ids
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort every sample of a request; returns its final output (None if unknown)."""
+        """Abort every sample of a request; returns its final output (None if unknown, and for a
+        pooling request, which has no partial output)."""
+        if self._pooling.pop(RequestId(request_id), None) is not None:
+            self.core.abort([RequestId(request_id)])
+            return None
         self.core.abort(self.processor.sequence_ids(request_id))
         return self.processor.abort(request_id)
 
@@ -97,9 +136,38 @@ class LLMEngine:
         many blocks were forgotten."""
         return self.core.reset_prefix_cache()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests it advanced (cumulative outputs)."""
-        outputs, to_stop = self.processor.process(self.core.step())
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """Run one engine step; return the requests it advanced (cumulative outputs), and the
+        pooling requests it finished."""
+        core_outputs = self.core.step()
+        pooled: list[PoolingRequestOutput] = []
+        if self._pooling:
+            core_outputs = self._take_pooled(core_outputs, pooled)
+        outputs, to_stop = self.processor.process(core_outputs)
         if to_stop:
             self.core.finish(to_stop)
-        return outputs
+        if pooled:
+            return [*outputs, *pooled]
+        # The generation-only step returns the processor's list itself (no copy per step).
+        return cast("list[RequestOutput | PoolingRequestOutput]", outputs)
+
+    def _take_pooled(
+        self, core_outputs: list[EngineCoreOutput], pooled: list[PoolingRequestOutput]
+    ) -> list[EngineCoreOutput]:
+        """Move the pooling requests' outputs out of `core_outputs` into `pooled` (finished ones
+        as `PoolingRequestOutput`s; an aborted one is dropped); return the others. Mutates
+        `pooled` and the pooling table."""
+        rest: list[EngineCoreOutput] = []
+        for out in core_outputs:
+            ids = self._pooling.get(out.req_id)
+            if ids is None:
+                rest.append(out)
+                continue
+            if out.finish_reason is None:
+                continue
+            del self._pooling[out.req_id]
+            if out.pooled is None:
+                continue  # aborted: nothing was pooled
+            vector = torch.tensor(out.pooled, dtype=torch.float32)
+            pooled.append(PoolingRequestOutput(out.req_id, PoolingOutput(vector), ids, True))
+        return rest

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.outputs import FinishReason, Logprob
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.types import RequestId
 
@@ -24,6 +25,9 @@ class EngineCoreRequest:
     fork_of: RequestId | None = None  # sample 0's id for samples 1..n-1
     cache_salt: str | None = None
     priority: int = 0  # larger = preempted first
+    # Set for a pooling request (`LLM.embed`): it generates nothing (sampling_params only fills
+    # the worker's row) and its output carries the pooled vector.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +41,4 @@ class EngineCoreOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     prompt_logprobs: list[TokenLogprobs] | None = None  # once, when the prompt is complete
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    pooled: list[float] | None = None  # a pooling request's vector [hidden_size], when it finishes

@@ -3,6 +3,7 @@
 from pagedserve import LLM, SamplingParams
 llm = LLM()  # the embedded SmolLM2-135M-Instruct on the best available platform
 outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
+vectors = llm.embed(["Hello, my name is"])  # outputs.embedding: the last token's, normalized
 
 With `data_parallel_size=N > 1` the engine is N engine-core processes, each on its own GPU (see
 `pagedserve.data_parallel`); a script that builds one must do so under `if __name__ ==
@@ -17,7 +18,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import pydantic
 from tqdm.auto import tqdm
@@ -26,7 +27,8 @@ from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.inputs import PromptType, is_single_prompt, to_engine_prompt
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams, PoolingTask
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -201,6 +203,71 @@ class LLM:
         params_list = _as_params_list(self._or_default(sampling_params), len(prompts))
         return self._run(prompts, params_list, use_tqdm)
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        pooling_task: str = "embed",
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt's final hidden states (after the model's final norm) into one vector
+        (`PoolingParams`: LAST token by default, L2-normalized); returns one `PoolingRequestOutput`
+        per prompt, in input order. Prompts take `generate`'s forms. Pooling requests generate
+        nothing and may share the engine with generation requests."""
+        if pooling_task not in get_args(PoolingTask):
+            raise ValueError(
+                f"pooling_task {pooling_task!r} is not supported: only 'embed' (a decoder's pooled "
+                "hidden states); 'classify', 'score' and token-level tasks are absent"
+            )
+        engine = self.engine
+        if not isinstance(engine, LLMEngine):
+            raise ValueError(
+                "pooling (LLM.embed / LLM.encode) needs data_parallel_size=1: the data-parallel "
+                "replicas' wire format carries generation requests only"
+            )
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_pooling_list(pooling_params, len(prompt_list))
+        order: dict[str, int] = {}
+        try:
+            for index, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True)):
+                request_id = f"pool-{next(self._ids)}"
+                try:
+                    engine.add_request(request_id, prompt, p)
+                except ValueError as exc:
+                    raise ValueError(f"prompt {index}: {exc}") from None
+                order[request_id] = index
+            results: list[PoolingRequestOutput | None] = [None] * len(order)
+            with tqdm(
+                total=len(order), desc="Embedding", unit="req", disable=not use_tqdm, dynamic_ncols=True
+            ) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if isinstance(output, PoolingRequestOutput) and output.request_id in order:
+                            results[order[output.request_id]] = output
+                            bar.update(1)
+        except BaseException:
+            for request_id in order:  # leave the engine clean for the next call
+                engine.abort_request(request_id)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        missing = [rid for rid, i in order.items() if results[i] is None]
+        if missing:
+            raise RuntimeError(f"the engine went idle without finishing requests {missing[:5]}")
+        return [r for r in results if r is not None]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (`encode` with pooling_task="embed"):
+        `output.outputs.embedding` is a list of hidden_size floats."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
     def _or_default(
         self, params: SamplingParams | Sequence[SamplingParams] | None
     ) -> SamplingParams | Sequence[SamplingParams]:
@@ -240,6 +307,8 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
+                    if not isinstance(output, RequestOutput):
+                        continue  # a pooling request added beside this call's (llm_engine)
                     if output.finished and output.request_id in order:
                         results[order[output.request_id]] = output
                         out_tokens += sum(len(o.token_ids) for o in output.outputs)
@@ -278,6 +347,22 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
     for i, p in enumerate(plist):
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return plist
+
+
+def _as_pooling_list(params: PoolingParams | Sequence[PoolingParams] | None, n: int) -> list[PoolingParams]:
+    if params is None:
+        return [PoolingParams()] * n
+    if isinstance(params, PoolingParams):
+        return [params] * n
+    if isinstance(params, SamplingParams):
+        raise ValueError("pooling_params must be a PoolingParams, got SamplingParams: use generate()")
+    plist = list(params)
+    if len(plist) != n:
+        raise ValueError(f"got {len(plist)} PoolingParams for {n} prompts: give one, or one per prompt")
+    for i, p in enumerate(plist):
+        if not isinstance(p, PoolingParams):
+            raise ValueError(f"pooling_params[{i}] must be a PoolingParams, got {type(p).__name__}")
     return plist
 
 

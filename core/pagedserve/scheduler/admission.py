@@ -23,7 +23,8 @@ def check_admissible(request: Request, config: SchedulerConfig, num_blocks: int,
             f"request {request.id!r} has token id {low if low < 0 else high} outside [0, 2**32): "
             "token ids must come from the model's vocabulary"
         )
-    longest = prompt_len + request.stop.max_tokens
+    # A pooling request generates nothing: its prompt alone must fit.
+    longest = prompt_len + (0 if request.pooling_params is not None else request.stop.max_tokens)
     if longest > config.max_model_len:
         raise RequestRejected(
             f"request {request.id!r}: prompt ({prompt_len} tokens) + max_tokens "

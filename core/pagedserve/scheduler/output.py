@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.scheduler.request import RequestStatus
 from pagedserve.types import BlockId, RequestId
 
@@ -36,6 +37,9 @@ class NewRequestData:
     block_ids: list[BlockId]  # the whole block table row
     num_computed_tokens: int  # tokens already in the cache (prefix hits, fork, swap-in)
     resumed_from_preemption: bool
+    # Set for a pooling request: the worker samples nothing for it and returns its pooled vector
+    # in the step that computes the end of its prompt.
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(NamedTuple):

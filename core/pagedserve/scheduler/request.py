@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.types import BlockHash, RequestId
 
 
@@ -78,6 +79,7 @@ class Request:
         "num_output_placeholders",
         "num_preemptions",
         "output_token_ids",
+        "pooling_params",
         "priority",
         "prompt_token_ids",
         "sampling_params",
@@ -96,12 +98,16 @@ class Request:
         sampling_params: object = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.stop = stop
         self.sampling_params = sampling_params  # opaque here; handed to the worker once
         self.cache_salt = cache_salt  # requests with different salts never share KV blocks
+        # Set for a pooling request (`LLM.embed`): it samples nothing and finishes once its prompt
+        # is computed, with the pooled vector the worker returns for it.
+        self.pooling_params = pooling_params
         # Larger value = less urgent: preempted first among running requests (ties: latest arrival).
         self.priority = priority
         self.output_token_ids: list[int] = []  # appended by the scheduler from sampled tokens

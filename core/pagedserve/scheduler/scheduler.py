@@ -223,6 +223,9 @@ class Scheduler:
                 i += 1  # its last output is being sampled: its update will finish it
                 continue
             num_new = len(request.all_token_ids) + pending - num_computed
+            if not num_new:
+                i += 1  # a pooling request whose prompt is computed: its update finishes it
+                continue
             samples = num_new <= tokens_left  # the chunk reaches the last known token
             if not samples:
                 num_new = tokens_left
@@ -235,7 +238,7 @@ class Scheduler:
                 if alloc is None:  # the request itself was preempted and left `running`
                     continue
             request.num_computed_tokens = num_computed + num_new
-            if samples:
+            if samples and request.pooling_params is None:
                 request.num_output_placeholders = pending + 1
             tokens_left -= num_new
             req_id = request.id
@@ -349,7 +352,11 @@ class Scheduler:
         swapped = self.kv.is_swapped_out(request.id)
         # Prompt logprobs need the logits of every prompt position, which cached blocks do not
         # keep: such a request computes its whole prompt and is no prefix-cache query.
-        reads_cache = getattr(request.sampling_params, "prompt_logprobs", None) is None
+        # Pooling over every prompt position needs their hidden states, just as uncached.
+        pooling = request.pooling_params
+        reads_cache = getattr(request.sampling_params, "prompt_logprobs", None) is None and (
+            pooling is None or not pooling.needs_every_position
+        )
         prefix = (
             [] if swapped or parent is not None or not reads_cache else self.kv.find_cached_prefix(request)
         )
@@ -377,7 +384,7 @@ class Scheduler:
             return False
         step.copies.extend(alloc.copies)
         request.num_computed_tokens = num_computed + num_new
-        if num_new == wanted:
+        if num_new == wanted and pooling is None:
             request.num_output_placeholders += 1
         budget.take(num_new)
         resumed = request.status is RequestStatus.PREEMPTED
@@ -396,6 +403,7 @@ class Scheduler:
                 block_ids=self.kv.block_ids(request.id),
                 num_computed_tokens=num_computed,
                 resumed_from_preemption=resumed,
+                pooling_params=pooling,
             )
         )
         return True
@@ -482,6 +490,10 @@ class Scheduler:
                 kv.defer_computed_blocks(request)
             known = request.all_token_ids
             if not tokens or request.num_computed_tokens < len(known):
+                if request.pooling_params is not None:
+                    if self._prompt_done(request, later):
+                        append_update(self._settle(request, self._pooled(request)))
+                    continue
                 self._check_no_token_due(request, tokens, later)
                 continue
             stop = request.stop
@@ -525,6 +537,18 @@ class Scheduler:
             f"request {request.id!r} got sampled tokens for a chunk that ended inside its "
             f"known tokens ({request.num_computed_tokens} of {num_known} computed)"
         )
+
+    @staticmethod
+    def _prompt_done(request: Request, later: Mapping[RequestId, int]) -> bool:
+        """Whether the steps applied so far computed all of `request`'s prompt (`later`: req_id ->
+        tokens of the steps still in flight). Does not mutate."""
+        return request.num_computed_tokens - later.get(request.id, 0) >= request.num_prompt_tokens
+
+    @staticmethod
+    def _pooled(request: Request) -> RequestUpdate:
+        """The update finishing a pooling request whose prompt is computed: no tokens; its vector
+        travels in the worker's output."""
+        return RequestUpdate(request.id, [], RequestStatus.FINISHED_STOPPED, None, request.num_cached_tokens)
 
     def _stopped_by(self, request: Request, tokens: list[int]) -> RequestUpdate:
         """The update finishing `request` on its one new token, a stop token (already appended)."""

@@ -31,6 +31,9 @@ class ModelRunnerOutput:
     logprobs: dict[RequestId, list[TokenLogprobs]] = field(default_factory=dict)
     # req_id -> logprobs of prompt tokens 1..P-1, once the whole prompt has been computed
     prompt_logprobs: dict[RequestId, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> pooled vector [hidden_size] (float32), once a pooling request's whole prompt has
+    # been computed; such a request samples nothing
+    pooled: dict[RequestId, list[float]] = field(default_factory=dict)
 
 
 class HostCopy:
@@ -88,6 +91,7 @@ class PendingOutput:
         copy_stream: torch.cuda.Stream | None = None,
         logprobs: LogprobRequests | None = None,
         prompt_logprobs: dict[RequestId, list[TokenLogprobs]] | None = None,
+        pooled: dict[RequestId, torch.Tensor] | None = None,  # req_id -> [hidden_size] on the device
     ) -> None:
         # req_ids: the requests that sampled, in position order; first_position[k]: index in
         # token_ids of req_ids[k]'s first sampled position; token_ids: [num_positions] on the
@@ -98,6 +102,7 @@ class PendingOutput:
         self.first_position = first_position
         self._logprobs = logprobs
         self._prompt_logprobs = prompt_logprobs or {}
+        self._pooled = pooled or {}
         copied: list[torch.Tensor] = [] if token_ids is None else [token_ids]
         if logprobs is not None:
             t = logprobs.tensors
@@ -153,7 +158,12 @@ class PendingOutput:
             dicts = logprobs_to_dicts(LogprobsTensors(token_ids, values, ranks), lp.num_logprobs)
             for req_id, start in lp.wanted:
                 logprobs[req_id] = dicts[start : start + len(sampled[req_id])]
-        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, prompt_logprobs=self._prompt_logprobs)
+        # Pooled vectors are read here, with the step's other results: only steps that finish a
+        # pooling request's prompt have any.
+        pooled = {req_id: vector.cpu().tolist() for req_id, vector in self._pooled.items()}
+        return ModelRunnerOutput(
+            sampled=sampled, logprobs=logprobs, prompt_logprobs=self._prompt_logprobs, pooled=pooled
+        )
 
 
 def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:

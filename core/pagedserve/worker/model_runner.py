@@ -6,7 +6,8 @@ One step, in order (the order `SchedulerOutput` documents):
   3. add rows for new requests, apply new tokens / blocks to the others;
   4. build inputs and `AttentionMetadata` once for all layers (numpy over the persistent rows);
   5. forward inside a `forward_context`, logits only where something is sampled (or prompt
-     logprobs are wanted), then the batched sampler.
+     logprobs are wanted), then the batched sampler; pooling requests (`LLM.embed`) sample
+     nothing: their prompt's final hidden states are pooled, chunk by chunk.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.logprobs import compute_prompt_logprobs, logprobs_to_dicts
 from pagedserve.sampling.metadata import SamplingMetadata
@@ -44,6 +46,17 @@ from pagedserve.worker.full_cuda_graphs import FullDecodeGraphs
 from pagedserve.worker.gpu_compile import GpuCompiledForward
 from pagedserve.worker.input_batch import InputBatch, RowState
 from pagedserve.worker.startup_times import StartupTimes
+
+
+@dataclass(slots=True)
+class _PoolState:
+    """A pooling request's vector so far, carried across the chunks of its prompt (and across a
+    swap-mode preemption, which resumes where it stopped)."""
+
+    params: PoolingParams
+    num_pooled: int = 0  # prompt positions seen so far
+    # MEAN: the float32 sum of the positions seen; CLS: the first position's; LAST: unused
+    partial: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +125,7 @@ class ModelRunner:
         # The last launched step's output: its device tokens are the next step's placeholder inputs.
         self._last: PendingOutput | None = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pools: dict[RequestId, _PoolState] = {}  # req_id -> pooling request mid-prompt
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool (one tensor per layer) used by swap-mode preemption."""
@@ -165,7 +179,8 @@ class ModelRunner:
             forward = compiled if compiled is not None and compiled.fits(input_ids.shape[0]) else self.model
             with forward_context(ctx):
                 hidden = forward(input_ids, positions)
-        out = self._sample(plan, hidden, grammar_bitmask)
+        pooled = self._pool(plan, hidden) if self._pools else None
+        out = self._sample(plan, hidden, grammar_bitmask, pooled)
         self._last = out
         return out
 
@@ -200,6 +215,9 @@ class ModelRunner:
         batch.wait_for_uploads()  # the previous step's copies read host buffers written below
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             batch.remove(req_id)
+        if self._pools:
+            for req_id in so.finished_req_ids:
+                self._pools.pop(req_id, None)
         if so.blocks_to_swap_out or so.blocks_to_swap_in:
             self._swap(so)
         if so.blocks_to_copy:
@@ -216,6 +234,8 @@ class ModelRunner:
                 sample_index=_sample_index(new.req_id),
             )
             batch.add(state, new.all_token_ids, new.num_computed_tokens, new.block_ids)
+            if new.pooling_params is not None:
+                self._start_pooling(new.req_id, new.pooling_params, new.num_computed_tokens)
         if so.scheduled_cached_reqs:
             self._apply_cached(so.scheduled_cached_reqs)
 
@@ -328,9 +348,65 @@ class ModelRunner:
         )
         return metadata, ids_dev, pos_dev
 
+    # ----------------------------------------------------------------------------- pooling
+    def _start_pooling(self, req_id: RequestId, params: PoolingParams, num_computed: int) -> None:
+        """Begin (or, after a swap-in, continue) pooling a request whose row was just added.
+        Mutates the runner's pooling states."""
+        state = self._pools.get(req_id)
+        if num_computed == 0 or state is None:
+            if num_computed and params.needs_every_position:
+                raise RuntimeError(
+                    f"pooling request {req_id!r} starts at prompt position {num_computed}: "
+                    f"{params.pooling_type} pooling needs every position's hidden state"
+                )
+            self._pools[req_id] = _PoolState(params)
+        elif params.needs_every_position and state.num_pooled != num_computed:
+            raise RuntimeError(
+                f"pooling request {req_id!r} resumes at position {num_computed} but pooled {state.num_pooled}"
+            )
+
+    def _pool(self, plan: _StepPlan, hidden: torch.Tensor) -> dict[RequestId, torch.Tensor]:
+        """Fold this step's chunk of every scheduled pooling request into its vector; return the
+        vectors of those whose prompt this step completes (req_id -> [hidden_size] float32, on
+        the device), forgetting their state. Mutates the pooling states."""
+        pools = self._pools
+        batch = self.batch
+        done: dict[RequestId, torch.Tensor] = {}
+        for i, req_id in enumerate(plan.req_ids):
+            state = pools.get(req_id)
+            if state is None:
+                continue
+            row = int(plan.rows[i])
+            start, n = int(plan.query_start[i]), int(plan.num_sched[i])
+            computed = int(batch.num_computed_tokens[row])
+            prompt_len = int(batch.num_prompt_tokens[row])
+            kind = state.params.pooling_type
+            if kind == "MEAN":
+                chunk_sum = hidden[start : start + n].float().sum(dim=0)
+                state.partial = chunk_sum if state.partial is None else state.partial + chunk_sum
+            elif kind == "CLS" and computed == 0:
+                state.partial = hidden[start].float()
+            state.num_pooled = computed + n
+            if computed + n < prompt_len:
+                continue
+            if kind == "LAST":
+                vector = hidden[start + n - 1].float()
+            else:
+                assert state.partial is not None  # the chunk holding position 0 set it
+                vector = state.partial / prompt_len if kind == "MEAN" else state.partial
+            if state.params.normalize:
+                vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
+            done[req_id] = vector
+            del pools[req_id]
+        return done
+
     # ----------------------------------------------------------------------------- sampling
     def _sample(
-        self, plan: _StepPlan, hidden: torch.Tensor, grammar_bitmask: GrammarBitmaskFn | None
+        self,
+        plan: _StepPlan,
+        hidden: torch.Tensor,
+        grammar_bitmask: GrammarBitmaskFn | None,
+        pooled: dict[RequestId, torch.Tensor] | None = None,
     ) -> PendingOutput:
         """Sample every request whose chunk reached its last known token: one position, plus one
         per draft scored. Per-row sampling inputs come from the persistent `SamplingRows`; the
@@ -341,11 +417,18 @@ class ModelRunner:
         # A chunked prefill that has not reached the end of its prompt samples nothing.
         known = batch.num_tokens[plan.rows] + plan.pending
         samples = batch.num_computed_tokens[plan.rows] + plan.num_sched - plan.num_drafts >= known
+        if pooled is not None:  # pooling requests sample nothing, not even at the end of their prompt
+            samples &= np.fromiter((r not in pooled for r in plan.req_ids), bool, count=len(plan.req_ids))
         per_req = np.where(samples, plan.num_drafts + 1, 0)  # sampled positions per request
         total = int(per_req.sum())
         if total == 0:
             return PendingOutput(
-                [], {}, None, first_position=np.zeros(0, dtype=np.int64), prompt_logprobs=prompt_lp
+                [],
+                {},
+                None,
+                first_position=np.zeros(0, dtype=np.int64),
+                prompt_logprobs=prompt_lp,
+                pooled=pooled,
             )
         first = np.cumsum(per_req) - per_req  # index of each request's first sampled position
         owner = np.repeat(np.arange(len(per_req)), per_req)  # scheduled request of each position
@@ -379,6 +462,7 @@ class ModelRunner:
             copy_stream=self._copy_stream,
             logprobs=logprobs,
             prompt_logprobs=prompt_lp,
+            pooled=pooled,
         )
 
     def _all_prompt_logprobs(

@@ -139,26 +139,34 @@ def test_a_step_is_applied_in_slices_with_the_loop_free_between(
             one = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
             two = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, n=2)
 
-            async def final(i: int) -> RequestOutput:
-                outs = [o async for o in engine.generate(f"story {i}", two if i % 4 == 0 else one, f"r{i}")]
+            async def final(request_id: str, params: SamplingParams) -> RequestOutput:
+                outs = [o async for o in engine.generate(f"story {request_id[1:]}", params, request_id)]
                 return outs[-1]
 
-            finals = await asyncio.gather(*(final(i) for i in range(count)))
+            # One sample each (cut by position), then some requests with two (cut by request).
+            singles = await asyncio.gather(*(final(f"s{i}", one) for i in range(count)))
+            steps_of_singles = step
+            mixed = await asyncio.gather(*(final(f"m{i}", two if i % 4 == 0 else one) for i in range(count)))
             alone = [o async for o in engine.generate("story 1", one, "alone")][-1]
         finally:
             stopped = True
             await tick_task
             await engine.shutdown()
-        for i, out in enumerate(finals):
+        for out in singles:
+            assert out.finished and len(out.outputs[0].token_ids) == 6
+        for i, out in enumerate(mixed):
             assert out.finished and [len(s.token_ids) for s in out.outputs] == [6] * (2 if i % 4 == 0 else 1)
         # Detokenized in a slice of a big step or alone, the same text.
-        assert finals[1].outputs[0].text == alone.outputs[0].text
+        assert singles[1].outputs[0].text == mixed[1].outputs[0].text == alone.outputs[0].text
 
         by_step: dict[int, list[tuple[int, list[str]]]] = {}
         for s, t, seq_ids in calls:
             by_step.setdefault(s, []).append((t, seq_ids))
-        split = [parts for parts in by_step.values() if len(parts) > 1]
-        assert split, "no step was applied in slices"
+        split = [s for s, parts in by_step.items() if len(parts) > 1]
+        assert any(s <= steps_of_singles for s in split), "no step of single samples was applied in slices"
+        assert any(s > steps_of_singles for s in split), (
+            "no step with two-sample requests was applied in slices"
+        )
         for parts in by_step.values():
             owners = [{seq.split("#")[0] for seq in seq_ids} for _, seq_ids in parts]
             assert all(len(requests) <= OUTPUT_SLICE for requests in owners)

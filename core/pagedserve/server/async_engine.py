@@ -500,6 +500,8 @@ class AsyncLLMEngine:
         requests in the order of their first output. Does not mutate."""
         if len(outputs) <= OUTPUT_SLICE:
             return [outputs]
+        if len(self._seq_owner) == len(self._seqs):  # one sample each: one output per request
+            return [outputs[i : i + OUTPUT_SLICE] for i in range(0, len(outputs), OUTPUT_SLICE)]
         by_request: dict[str, list[EngineCoreOutput]] = {}
         owners = self._seq_owner
         for out in outputs:

@@ -56,6 +56,7 @@ from pagedserve.server import serialization as wire
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.types import RequestId
+from pagedserve.worker.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +202,11 @@ class AsyncLLMEngine:
             assert core.handle is not None
             loop.add_reader(core.handle.sentinel, self._on_core_exit, core)
             core.reader = asyncio.create_task(self._read_outputs(core))
+        if self.args.freeze_startup_heap:
+            # This process holds ~345,000 objects once torch, transformers and the tokenizer are
+            # loaded; a full collection walks them all, ~0.35 s on a 2-CPU host, and whichever
+            # thread runs it holds the GIL: the event loop would stop for that long mid-serving.
+            freeze_startup_heap()
 
     async def _await_ready(self, core: _Core, timeout_s: float) -> CoreInfo:
         """Wait for one core's READY. Raises EngineDeadError naming what went wrong."""

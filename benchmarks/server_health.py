@@ -15,9 +15,10 @@ GET /health takes to answer in four situations:
 
 The probe is a process of its own (so the load's client never delays it): one GET /health over a
 kept-alive connection, `--interval-ms` of sleep after each answer, `--probes` answers per
-situation. Reported per situation: p50, p99 and max of the answers' latency, how many CPUs the
-API process and the engine core kept busy meanwhile, and what the load did (requests finished;
-for streams, chunks received per second). The targets: /health within 50 ms (max) while a 1 MB
+situation. Reported per situation: p50, p99 and max of the answers' latency, how late the
+probe's own sleeps woke (a process of the host waiting for a CPU), how many CPUs the API process
+and the engine core kept busy meanwhile, and what the load did (requests finished; for streams,
+chunks received per second). The targets: /health within 50 ms (max) while a 1 MB
 prompt is tokenized, within 100 ms at p99 under the streams.
 
     .venv/bin/python benchmarks/server_health.py [--probes 200] [--interval-ms 10] [--streams 32]
@@ -124,20 +125,24 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def _probe_main(conn: Connection, base_url: str, probes: int, interval_s: float) -> None:
-    """In a process of its own: wait for "go", then `probes` GET /health; send the latencies (s)."""
+    """In a process of its own: wait for "go", then `probes` GET /health; send the latencies and
+    how late each sleep between them woke up (s): the second says how long a process of this host
+    waited for a CPU, which a server's answer may wait too."""
     with httpx.Client(base_url=base_url, timeout=30) as client:
         client.get("/health")  # the connection is open before the first timed probe
         conn.send("ready")
         conn.recv()
-        latencies = []
+        latencies, late = [], []
         for _ in range(probes):
             start = time.perf_counter()
             status = client.get("/health").status_code
             latencies.append(time.perf_counter() - start)
             if status != 200:
                 raise RuntimeError(f"/health answered {status}")
+            start = time.perf_counter()
             time.sleep(interval_s)
-    conn.send(latencies)
+            late.append(time.perf_counter() - start - interval_s)
+    conn.send((latencies, late))
 
 
 class Probe:
@@ -151,12 +156,12 @@ class Probe:
         if self._conn.recv() != "ready":
             raise RuntimeError("the probe did not start")
 
-    def run(self) -> list[float]:
-        """Start probing and return the latencies once every probe answered (blocks)."""
+    def run(self) -> tuple[list[float], list[float]]:
+        """Start probing; once every probe answered, the latencies and the sleeps' lateness (s)."""
         self._conn.send("go")
-        latencies: list[float] = self._conn.recv()
+        latencies, late = self._conn.recv()
         self._proc.join(30)
-        return latencies
+        return latencies, late
 
 
 # ---- the load --------------------------------------------------------------------------------------
@@ -219,7 +224,7 @@ def measure(
     stats = LoadStats()
     window: dict[str, float] = {}
 
-    async def main() -> list[float]:
+    async def main() -> tuple[list[float], list[float]]:
         limits = httpx.Limits(max_connections=args.streams + 8)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=600, limits=limits) as client:
             stop = asyncio.Event()
@@ -233,6 +238,7 @@ def measure(
             requests_before, chunks_before = stats.requests, stats.chunks
             cpu_before = [cpu_seconds(server.proc.pid), cpu_seconds(server.core_pid)]
             window["start"] = time.perf_counter()
+            window["load_average"] = os.getloadavg()[0]
             latencies = await asyncio.to_thread(probe.run)
             window["end"] = time.perf_counter()
             cpu_after = [cpu_seconds(server.proc.pid), cpu_seconds(server.core_pid)]
@@ -250,8 +256,9 @@ def measure(
                     raise task.exception()  # type: ignore[misc]
             return latencies
 
-    latencies = asyncio.run(main())
+    latencies, late = asyncio.run(main())
     ms = sorted(x * 1e3 for x in latencies)
+    late_ms = sorted(x * 1e3 for x in late)
     seconds = window["end"] - window["start"]
     result: dict[str, Any] = {
         "probes": len(ms),
@@ -262,6 +269,10 @@ def measure(
         "mean_ms": round(statistics.fmean(ms), 2),
         "over_50_ms": sum(1 for x in ms if x > 50),
         "over_100_ms": sum(1 for x in ms if x > 100),
+        # How late the probe's own sleeps woke: waiting for a CPU, not for the server.
+        "probe_wake_late_p99_ms": round(_percentile(late_ms, 0.99), 2),
+        "probe_wake_late_max_ms": round(late_ms[-1], 2),
+        "load_average_1min": round(window["load_average"], 2),
         # CPUs the API server process and the engine core kept busy during the window (CPU
         # seconds / window seconds; the probes' own /health work is in the API's share).
         "api_cpus": round(window["api_cpu_s"] / seconds, 2) if "api_cpu_s" in window else None,
@@ -365,6 +376,12 @@ def main() -> None:
             r = results[name]
             summary = f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  max {r['max_ms']:7.2f} ms"
             print(f"{name:15s} {summary}  {r['verdict']}", flush=True)
+            host = (
+                f"probe woke up to {r['probe_wake_late_max_ms']:.1f} ms late, load {r['load_average_1min']}"
+            )
+            print(
+                f"{'':15s} {host}; CPUs busy: API {r['api_cpus']}, engine core {r['core_cpus']}", flush=True
+            )
             if "load" in r:
                 print(f"{'':15s} load: {json.dumps(r['load'])}", flush=True)
     finally:

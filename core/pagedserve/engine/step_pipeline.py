@@ -13,9 +13,10 @@ The outcome goes back to the caller only after step N+2 is queued, so the caller
 (detokenizing, building outputs, sending them to the front end) never delays a launch: what
 must fit in a device step is the update, the scheduling and the launch, not the reporting.
 
-The scheduler schedules step N+2 before step N+1's sampled tokens are known: each request step
-N+1 samples for has an output placeholder (`Request.num_output_placeholders`), which step N+2
-computes, its input id read on the device from step N+1's sampled ids (`ModelRunner.launch`).
+The scheduler schedules step N+2 before step N+1's sampled tokens are known. Every request that
+step N+1 samples a token for holds an output placeholder (`Request.num_output_placeholders`) for
+that token; step N+2 computes it, reading its input id on the device from step N+1's sampled ids
+(`ModelRunner.launch`).
 Tokens sampled by step N+2 for a request that step N+1 finished (EOS, max_tokens) are dropped by
 the update; so are those of requests finished by the front end (stop strings) or aborted in
 between. Requests that step N+2 preempted still get step N+1's token.

@@ -187,10 +187,8 @@ class ParallelExecutor(ABC):
     def _read_one(self) -> None:
         call, step = self._owed.popleft()
         answer = self._answer_of(call)
-        if step is None:
-            return
-        assert isinstance(answer, ModelRunnerOutput), "rank 0 answered no output for a launched step"
-        step.output = answer
+        if step is not None:
+            _deliver(step, answer)
 
     def _complete(self, step: RankStep) -> None:
         """Read answers until `step` has its output: the launch sent after it, else a flush."""
@@ -205,9 +203,13 @@ class ParallelExecutor(ABC):
         step, self._in_flight = self._in_flight, None
         if step is None or step.output is not None:
             return
-        answer = self._answer_of(self.start_call("flush"))
-        assert isinstance(answer, ModelRunnerOutput), "rank 0 answered no output for a launched step"
-        step.output = answer
+        _deliver(step, self._answer_of(self.start_call("flush")))
+
+
+def _deliver(step: RankStep, answer: Any) -> None:
+    """Give `step` its output: rank 0's answer to the call that carries it. Mutates `step`."""
+    assert isinstance(answer, ModelRunnerOutput), "rank 0 answered no output for a launched step"
+    step.output = answer
 
 
 class RankStep:

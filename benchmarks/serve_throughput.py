@@ -18,7 +18,7 @@ vocabulary is smaller than the workload's ids). `--workload random` loads the se
 `bench serve`'s random prompts instead (their lengths through `--bench-arg`), e.g. a quick check
 on a CPU with the embedded model:
 
-    python benchmarks/serve_throughput.py --workload random --num-prompts 8 --json out.json \
+    python benchmarks/serve_throughput.py --workload random --num-prompts 8 --json out.json \\
         --bench-arg=--random-input-len=32 --bench-arg=--random-output-len=16
 
 A SIGTERM or Ctrl-C stops the server too.

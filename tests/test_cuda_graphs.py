@@ -18,6 +18,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.layer import attend, paged_attention
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.config import EngineArgs
 from pagedserve.models.loader import load_model
 from pagedserve.platforms.api import CacheOps
 from pagedserve.worker.cuda_graphs import (
@@ -52,13 +53,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ----------------------------------------------------------------------------- ladder and padding
-def test_default_ladder_is_fine_then_coarse_and_capped_at_512() -> None:
+def test_default_ladder_is_fine_then_coarse_and_capped_at_2048() -> None:
     sizes = default_graph_sizes(8192)
     assert sizes[:8] == (1, 2, 4, 8, 16, 24, 32, 40)
     assert list(sizes) == sorted(set(sizes))
-    assert sizes[-1] == 512
+    assert sizes[-1] == 2048 == EngineArgs.model_fields["cuda_graph_max_tokens"].default
     steps = [b - a for a, b in itertools.pairwise(sizes)]
-    assert max(steps[:10]) <= 8 and max(steps) == 32  # padding is at most 8 tokens below 64
+    assert max(steps[:10]) <= 8  # padding is at most 8 tokens below 64
+    assert max(b - a for a, b in itertools.pairwise(default_graph_sizes(8192, 512))) == 32
 
 
 def test_ladder_ends_exactly_at_a_small_token_budget() -> None:
@@ -71,7 +73,7 @@ def test_ladder_ends_exactly_at_a_small_token_budget() -> None:
 
 def test_a_cap_above_512_continues_the_ladder_an_eighth_at_a_time() -> None:
     sizes = default_graph_sizes(8192, max_graph_tokens=2048)
-    assert sizes[:31] == default_graph_sizes(8192)  # the default ladder, unchanged
+    assert sizes[:31] == default_graph_sizes(8192, max_graph_tokens=512)  # below 512, unchanged
     assert sizes[31:] == (576, 640, 704, 768, 832, 896, 960, 1024, *range(1152, 2049, 128))
     # A step past 512 tokens pads by less than an eighth of its size, so large steps lose little.
     assert all(padded_size(sizes, n) - n < n / 8 for n in range(513, 2049))  # type: ignore[operator]

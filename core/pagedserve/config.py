@@ -168,7 +168,7 @@ class EngineArgs(_Config):
         "compiler; the first start compiles for about a minute, later starts read inductor's disk cache)",
     )
     cuda_graph_max_tokens: int = Field(
-        512, ge=1, description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly"
+        2048, ge=1, description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly"
     )
     num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram (prompt lookup) drafts per step")
     tensor_parallel_size: int = Field(

@@ -52,9 +52,13 @@ from pagedserve.platforms.api import AttentionBackend, CacheOps
 
 logger = logging.getLogger(__name__)
 
-# Past a few hundred tokens a step's GPU work (weight reads, then matmuls) dwarfs its launch
-# overhead, so bigger graphs would buy nothing and cost capture time and pool memory.
-DEFAULT_MAX_GRAPH_TOKENS = 512
+# Steps of 513-2,048 tokens (an offline batch's admission phase) are not large enough for their
+# GPU work to hide a layer-by-layer eager launch: on an H200 (8B, 1,000 ShareGPT-like requests)
+# they took 42 ms per launch eagerly and 14 ms replayed; output tok/s rose 13% at one GPU, and two
+# GPUs gave 1.44x one where they had given 1.11-1.23x (`benchmarks/tp_gpu.py
+# --cuda-graph-max-tokens`), for ~1 s more capture. Past 2,048 a step is bound by its matmuls.
+# Equal to the default of `EngineArgs.cuda_graph_max_tokens`.
+DEFAULT_MAX_GRAPH_TOKENS = 2048
 
 
 def default_graph_sizes(

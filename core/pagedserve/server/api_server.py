@@ -56,8 +56,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat_handler(body, request)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(body: TokenizeRequest) -> Response:
         return await tokenization.tokenize(body)
 
     @app.post("/detokenize")

@@ -1,4 +1,4 @@
-"""Requests of OpenAI's completions and chat completions APIs, as pydantic models.
+"""Requests of OpenAI's completions, chat completions and embeddings APIs, as pydantic models.
 
 Every field real clients send is accepted; unknown fields are ignored (clients add their own), and
 a wrongly typed field fails validation naming it. Booleans are strict (`"stream": "yes"` is an
@@ -13,7 +13,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
@@ -208,6 +218,28 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: StrictBool = True
+
+
+class EmbeddingRequest(RequestBody):
+    """POST /v1/embeddings. Token ids are strict integers: `true` or `1.5` is not a token."""
+
+    model: str | None = None
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # accepted as OpenAI's field; refused by the handler when set
+    user: str | None = None
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _input_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # A union's own error names whichever of its four forms it tried first; say all four.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                "input must be a string, a list of strings, a list of token ids (integers) or a "
+                "list of token-id lists, not a mix of them"
+            ) from None
 
 
 def logit_bias_by_id(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

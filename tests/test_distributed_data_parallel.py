@@ -1,8 +1,8 @@
 """Data parallelism on cpu_reference: two engine-core processes behind one offline `LLM` and behind
 one `AsyncLLMEngine` give every request the tokens one engine gives (greedy, and seeded sampling
-with n > 1), in input order, with aborts, stop strings and prefix-cache resets; both replicas get
-work; the throughput benchmark's loop runs over the replicas; a killed replica fails the engine
-with an error naming it and leaves no process behind.
+with n > 1) and every pooling request its vector, in input order, with aborts, stop strings and
+prefix-cache resets; both replicas get work; the throughput benchmark's loop runs over the
+replicas; a killed replica fails the engine with an error naming it and leaves no process behind.
 
 Each engine spawns one process per replica (seconds to start), so each of the two end-to-end
 tests makes one and runs every check through it; placement and GPU assignment are tested pure.
@@ -18,11 +18,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import torch
 from models_harness import save_checkpoint, tiny_hf_model
 from server_support import build_tiny_model, pid_alive
 from test_distributed_engine import CONFIGS, GREEDY, PROMPTS
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, PoolingParams, SamplingParams
 from pagedserve.bench.datasets import random_requests
 from pagedserve.bench.throughput import StepRecord, run_throughput
 from pagedserve.config import EngineArgs
@@ -123,6 +124,7 @@ def test_server_dp2_serves_places_and_reports_a_dead_replica(tmp_path: Path) -> 
     prompts = ["Hello", "The capital of France is", "1, 2, 3,", "Once upon a time", "x y z", "def f():"]
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
     expected = one.generate(prompts, params, use_tqdm=False)
+    embeddings = one.embed(prompts, use_tqdm=False)
     text = expected[1].outputs[0].text
     stop = text[len(text) // 2 :][:3]  # cut where one engine's greedy text has it
     args = EngineArgs.model_validate({**SERVER, "model": model, "data_parallel_size": 2})
@@ -137,6 +139,16 @@ def test_server_dp2_serves_places_and_reports_a_dead_replica(tmp_path: Path) -> 
             )
             assert [o.outputs[0].token_ids for o in finals] == [o.outputs[0].token_ids for o in expected]
             assert all(n > 0 for n in engine.requests_placed), engine.requests_placed
+
+            # Pooling requests are spread over the replicas too, and give one engine's vectors.
+            placed = engine.requests_placed
+            pooled = await asyncio.gather(
+                *(engine.encode(p, PoolingParams(), f"e{i}") for i, p in enumerate(prompts))
+            )
+            for got, want in zip(pooled, embeddings, strict=True):
+                assert got.prompt_token_ids == want.prompt_token_ids
+                torch.testing.assert_close(got.outputs.data, torch.tensor(want.outputs.embedding))
+            assert all(now > before for now, before in zip(engine.requests_placed, placed, strict=True))
 
             # A stop string is matched here; its replica is told to stop and frees the blocks.
             stopped = await _last(engine.generate(prompts[1], _with_stop(params, stop), "s"))

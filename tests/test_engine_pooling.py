@@ -207,9 +207,49 @@ def test_tensor_parallel_pooling_equals_transformers(checkpoint: Path, hidden: l
         _check(llm.embed(PROMPTS, params, use_tqdm=False), hidden, params)
 
 
-def test_data_parallel_engines_refuse_pooling() -> None:
-    # Checked before any request is sent, so an LLM whose engine is not the in-process one suffices.
-    llm = object.__new__(LLM)
-    llm.engine = object()  # type: ignore[assignment]
-    with pytest.raises(ValueError, match="data_parallel_size=1"):
-        llm.embed(PROMPTS, use_tqdm=False)
+def test_data_parallel_pooling_equals_one_engine(checkpoint: Path, hidden: list[torch.Tensor]) -> None:
+    """Two replicas (engine-core processes) give the vectors one engine gives, in input order, with
+    generation beside them; both replicas get work; an aborted pooling request leaves nothing."""
+    from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
+
+    params = PoolingParams(pooling_type="MEAN")
+    one = _llm(checkpoint).embed(PROMPTS, params, use_tqdm=False)
+    llm = _llm(checkpoint, data_parallel_size=2, platform="cpu_reference")
+    engine = llm.engine
+    assert isinstance(engine, DataParallelLLMEngine)
+    try:
+        got = llm.embed(PROMPTS, params, use_tqdm=False)
+        _check(got, hidden, params)
+        for mine, theirs in zip(got, one, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(mine.outputs.embedding), torch.tensor(theirs.outputs.embedding)
+            )
+        assert all(n > 0 for n in engine.balancer.placed), engine.balancer.placed
+        _check(llm.embed(PROMPTS, use_tqdm=False), hidden, PoolingParams())
+
+        # Generation and pooling side by side on the replicas, then an abort of a pooling request.
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, detokenize=False)
+        engine.add_request("gen", PROMPTS[0], greedy)
+        engine.add_request("pool", PROMPTS[1], PoolingParams())
+        engine.add_request("dropped", PROMPTS[2], PoolingParams())
+        assert engine.abort_request("dropped") is None
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert set(finished) == {"gen", "pool"}
+        pool = finished["pool"]
+        assert isinstance(pool, PoolingRequestOutput) and pool.prompt_token_ids == PROMPTS[1]
+        gen = finished["gen"]
+        assert isinstance(gen, RequestOutput) and len(gen.outputs[0].token_ids) == 6
+        assert engine.scheduler_counts() == (0, 0)
+
+        with pytest.raises(ValueError, match=r"prompt 0: .*more than max_model_len"):
+            llm.embed([[1] * 65], use_tqdm=False)
+        engine.add_request("twice", PROMPTS[0], PoolingParams())
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("twice", PROMPTS[0], PoolingParams())
+        engine.abort_request("twice")
+        while engine.has_unfinished_requests():
+            assert not [o for o in engine.step() if isinstance(o, PoolingRequestOutput)]
+    finally:
+        engine.shutdown()

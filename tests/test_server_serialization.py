@@ -8,6 +8,7 @@ import pytest
 
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from pagedserve.outputs import Logprob
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server import serialization as wire
 from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType, WireError
@@ -62,12 +63,24 @@ def test_outputs_round_trip_with_logprobs_and_stats() -> None:
         ),
         EngineCoreOutput(RequestId("b"), [], "abort"),
         EngineCoreOutput(RequestId("c"), [2], "stop", stop_token_id=2),
+        EngineCoreOutput(RequestId("d"), [], "stop", pooled=[0.25, -1.5, 3e-8]),
     ]
     stats = CoreStats(1, 2, 3, 64, 10, 100, 40)
     msg = wire.decode(wire.encode_outputs(outputs, stats))
     assert msg.outputs == outputs
     assert msg.stats == stats
     assert stats.kv_cache_usage == pytest.approx(10 / 64)
+
+
+def test_pooling_request_round_trip() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    for pooling in (PoolingParams(), PoolingParams(pooling_type="MEAN", normalize=False)):
+        req = EngineCoreRequest(RequestId("p"), [4, 5], params, frozenset({2}), pooling_params=pooling)
+        assert wire.decode(wire.encode_add(req)).request == req
+    raw = msgspec.msgpack.decode(wire.encode_add(req))
+    raw[1][7]["pooling_type"] = "MAX"
+    with pytest.raises(WireError, match="pooling_type"):
+        wire.decode(msgspec.msgpack.encode(raw))
 
 
 def test_control_messages_round_trip() -> None:
@@ -112,7 +125,9 @@ def test_data_parallel_messages_round_trip() -> None:
         b"\xc1",  # not msgpack
         msgspec.msgpack.encode([99]),  # unknown message type
         msgspec.msgpack.encode([MessageType.ADD]),  # missing payload
-        msgspec.msgpack.encode([MessageType.OUTPUTS, [["a", [], "exploded", None, None, None, 0]], [0] * 7]),
+        msgspec.msgpack.encode(
+            [MessageType.OUTPUTS, [["a", [], "exploded", None, None, None, 0, None]], [0] * 7]
+        ),
     ],
 )
 def test_malformed_messages_raise_wire_error(raw: bytes) -> None:

@@ -95,6 +95,88 @@ def beam_search_score(
     return cum_logprob / (max(length, 1) ** length_penalty)
 
 
+class BeamSearch:
+    """The search itself, apart from how a step's batch runs: `batch()` gives the token-id prompts
+    of the next step (empty once done) and `step_params` their parameters; `advance` takes their
+    outputs, in order; `results()` ranks what was found. The offline `LLM` and the server drive it
+    the same way, one synchronously, one on the event loop. Mutated by `advance`."""
+
+    def __init__(
+        self, prompts: Sequence[list[int]], params: BeamSearchParams, eos_token_ids: Collection[int]
+    ) -> None:
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        width = params.beam_width
+        self.step_params = SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            max_tokens=1,
+            logprobs=2 * width,  # enough that width non-EOS candidates remain after EOS ones leave
+            ignore_eos=True,  # the step's one token is all we read; EOS is judged here
+            detokenize=False,  # per-step text is never read: the sequences are decoded once at the end
+        )
+        self._live: list[list[BeamSearchSequence]] = [[BeamSearchSequence(tokens=list(p))] for p in prompts]
+        self._completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self._steps = 0
+
+    def _score(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(
+            beam.tokens, beam.cum_logprob, self.eos_token_ids, self.params.length_penalty
+        )
+
+    def batch(self) -> list[list[int]]:
+        """Every live beam's tokens, prompt by prompt; empty once `max_tokens` steps ran or no
+        beam is live."""
+        if self._steps >= self.params.max_tokens:
+            return []
+        return [beam.tokens for beams in self._live for beam in beams]
+
+    def advance(self, outputs: Sequence[RequestOutput]) -> None:
+        """Extend the beams by one step: `outputs` are the engine's, one per `batch()` prompt."""
+        params = self.params
+        batch_outputs = iter(outputs)
+        for i, beams in enumerate(self._live):
+            candidates: list[BeamSearchSequence] = []
+            for beam in beams:
+                logprobs = next(batch_outputs).outputs[0].logprobs
+                assert logprobs, "the engine returned no logprobs for a beam step"
+                top = logprobs[0]
+                for token, logprob in top.items():
+                    new = BeamSearchSequence(
+                        tokens=[*beam.tokens, token],
+                        logprobs=[*beam.logprobs, top],
+                        cum_logprob=beam.cum_logprob + logprob.logprob,
+                    )
+                    if token in self.eos_token_ids and not params.ignore_eos:
+                        new.finish_reason = "stop"
+                        self._completed[i].append(new)
+                    else:
+                        candidates.append(new)
+            self._live[i] = sorted(candidates, key=self._score, reverse=True)[: params.beam_width]
+        self._steps += 1
+
+    def results(self, decode: Decode | None) -> list[BeamSearchOutput]:
+        """Each prompt's best `beam_width` sequences, completed and live ranked together, best
+        first; `text` decoded when `decode` is given (CPU work as long as the sequences)."""
+        params = self.params
+        results = []
+        for done, beams in zip(self._completed, self._live, strict=True):
+            for beam in beams:
+                beam.finish_reason = "length"
+            best = sorted([*done, *beams], key=self._score, reverse=True)[: params.beam_width]
+            if decode is not None:
+                for beam in best:
+                    ends_in_eos = beam.finish_reason == "stop"
+                    keep = (
+                        beam.tokens
+                        if params.include_stop_str_in_output or not ends_in_eos
+                        else beam.tokens[:-1]
+                    )
+                    beam.text = decode(keep)
+            results.append(BeamSearchOutput(sequences=best))
+        return results
+
+
 def run_beam_search(
     prompts: Sequence[list[int]],
     params: BeamSearchParams,
@@ -104,55 +186,7 @@ def run_beam_search(
 ) -> list[BeamSearchOutput]:
     """Beam search for each token-id prompt, one `run_batch` call per step for all live beams;
     one `BeamSearchOutput` per prompt, in input order."""
-
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, eos_token_ids, params.length_penalty)
-
-    width = params.beam_width
-    step_params = SamplingParams(
-        n=1,
-        temperature=params.temperature,
-        max_tokens=1,
-        logprobs=2 * width,  # enough that width non-EOS candidates remain after EOS ones leave
-        ignore_eos=True,  # the step's one token is all we read; EOS is judged here
-        detokenize=False,  # per-step text is never read: the sequences are decoded once at the end
-    )
-    live: list[list[BeamSearchSequence]] = [[BeamSearchSequence(tokens=list(p))] for p in prompts]
-    completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        batch = [beam for beams in live for beam in beams]
-        if not batch:
-            break
-        outputs = iter(run_batch([beam.tokens for beam in batch], step_params))
-        for i, beams in enumerate(live):
-            candidates: list[BeamSearchSequence] = []
-            for beam in beams:
-                logprobs = next(outputs).outputs[0].logprobs
-                assert logprobs, "the engine returned no logprobs for a beam step"
-                top = logprobs[0]
-                for token, logprob in top.items():
-                    new = BeamSearchSequence(
-                        tokens=[*beam.tokens, token],
-                        logprobs=[*beam.logprobs, top],
-                        cum_logprob=beam.cum_logprob + logprob.logprob,
-                    )
-                    if token in eos_token_ids and not params.ignore_eos:
-                        new.finish_reason = "stop"
-                        completed[i].append(new)
-                    else:
-                        candidates.append(new)
-            live[i] = sorted(candidates, key=score, reverse=True)[:width]
-    results = []
-    for done, beams in zip(completed, live, strict=True):
-        for beam in beams:
-            beam.finish_reason = "length"
-        best = sorted([*done, *beams], key=score, reverse=True)[:width]
-        if decode is not None:
-            for beam in best:
-                ends_in_eos = beam.finish_reason == "stop"
-                keep = (
-                    beam.tokens if params.include_stop_str_in_output or not ends_in_eos else beam.tokens[:-1]
-                )
-                beam.text = decode(keep)
-        results.append(BeamSearchOutput(sequences=best))
-    return results
+    search = BeamSearch(prompts, params, eos_token_ids)
+    while batch := search.batch():
+        search.advance(run_batch(batch, search.step_params))
+    return search.results(decode)

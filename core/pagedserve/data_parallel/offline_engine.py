@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 import zmq
 from transformers import PreTrainedTokenizerBase
 
@@ -37,8 +38,9 @@ from pagedserve.data_parallel.replica_handle import (
 from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.protocol import EngineCoreRequest
-from pagedserve.outputs import RequestOutput
+from pagedserve.engine.protocol import POOLING_ROW, EngineCoreOutput, EngineCoreRequest
+from pagedserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server import serialization as wire
 from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
@@ -97,6 +99,7 @@ class DataParallelLLMEngine:
         self._replicas: list[_Replica] = []
         self._stash: list[tuple[_Replica, wire.Message]] = []  # received while waiting for replies
         self._owner: dict[RequestId, str] = {}  # unfinished sequence id -> its request id
+        self._pooling: dict[RequestId, list[int]] = {}  # pooling request id -> its prompt's token ids
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         handles: list[ReplicaHandle] = []
         to_cores: list[zmq.Socket[bytes]] = []
@@ -199,13 +202,18 @@ class DataParallelLLMEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request on the least loaded replica (all its samples on the same one). Raises
-        ValueError naming the problem when it can never run, as `LLMEngine.add_request` does."""
+        """Queue a request on the least loaded replica (all its samples on the same one):
+        generation with `SamplingParams`, or pooling with `PoolingParams` (`step` returns its
+        `PoolingRequestOutput`). Raises ValueError naming the problem when it can never run, as
+        `LLMEngine.add_request` does."""
         self._check_usable()
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, params, cache_salt)
+            return
         self.inputs.check_params(params)
         ids = self.inputs.prompt_ids(prompt, params)
         limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
@@ -227,10 +235,45 @@ class DataParallelLLMEngine:
                 )
             )
 
+    def _add_pooling_request(
+        self, request_id: str, prompt: str | Sequence[int], params: PoolingParams, cache_salt: str | None
+    ) -> None:
+        seq_id = RequestId(request_id)
+        if seq_id in self._pooling or seq_id in self._owner or self.processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.inputs.tokenize(prompt)
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})"
+            )
+        # A pooling request computes its prompt and generates nothing.
+        _check_admissible(request_id, len(ids), 0, self.info)
+        replica = self._replicas[self.balancer.place([seq_id], len(ids), 0)]
+        self._pooling[seq_id] = ids
+        replica.pending.append(
+            EngineCoreRequest(
+                req_id=seq_id,
+                prompt_token_ids=ids,
+                sampling_params=POOLING_ROW,
+                eos_token_ids=self.eos_token_ids,
+                cache_salt=cache_salt,
+                pooling_params=params,
+            )
+        )
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort every sample of a request; returns its final output (None if unknown). Its
-        replica reports the abort at a later `step`, which frees its KV blocks."""
+        """Abort every sample of a request; returns its final output (None if unknown, and for a
+        pooling request, which has no partial output). Its replica reports the abort at a later
+        `step`, which frees its KV blocks."""
+        if self._pooling.pop(RequestId(request_id), None) is not None:
+            self._send_abort([RequestId(request_id)])
+            return None
         seq_ids = self.processor.sequence_ids(request_id)
+        self._send_abort(seq_ids)
+        return self.processor.abort(request_id)
+
+    def _send_abort(self, seq_ids: list[RequestId]) -> None:
+        """Tell the replicas running these sequences to abort them."""
         if self._failure is None and self._finalizer.alive:
             replicas = {self.balancer.replica_of(s) for s in seq_ids} - {None}
             if replicas:
@@ -238,7 +281,6 @@ class DataParallelLLMEngine:
             for index in replicas:
                 assert index is not None
                 self._replicas[index].to_core.send(wire.encode_ids(MessageType.ABORT, seq_ids))
-        return self.processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any replica still owes this front end an output. False once the engine failed."""
@@ -260,10 +302,11 @@ class DataParallelLLMEngine:
                     self._stash.append((replica, msg))
         return sum(counts.values())
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Send the requests added since the last call, wait until any replica reports, and
-        return the requests advanced (cumulative outputs). Raises `ReplicaFailedError` when a
-        replica died or failed, ValueError when a replica rejected a request (after dropping it)."""
+        return the requests advanced (cumulative outputs) and the pooling requests finished.
+        Raises `ReplicaFailedError` when a replica died or failed, ValueError when a replica
+        rejected a request (after dropping it)."""
         self._check_usable()
         self._flush()
         if not self.balancer.has_unfinished() and not self._stash:
@@ -271,7 +314,7 @@ class DataParallelLLMEngine:
         messages, self._stash = self._stash, []
         if not messages:
             messages = self._receive()
-        results: list[RequestOutput] = []
+        results: list[RequestOutput | PoolingRequestOutput] = []
         rejected: list[str] = []
         for replica, msg in messages:
             if msg.kind is MessageType.OUTPUTS:
@@ -288,8 +331,9 @@ class DataParallelLLMEngine:
         return results
 
     # ---- internals -----------------------------------------------------------------------------
-    def _apply(self, replica: _Replica, msg: wire.Message) -> list[RequestOutput]:
-        """Apply one replica step's outputs: load accounting, detokenizing, stop strings."""
+    def _apply(self, replica: _Replica, msg: wire.Message) -> list[RequestOutput | PoolingRequestOutput]:
+        """Apply one replica step's outputs: load accounting, pooled vectors, detokenizing, stop
+        strings."""
         assert msg.outputs is not None
         balancer, owner = self.balancer, self._owner
         for out in msg.outputs:
@@ -297,7 +341,12 @@ class DataParallelLLMEngine:
             balancer.on_output(out.req_id, len(out.new_token_ids), finished)
             if finished:
                 owner.pop(out.req_id, None)
-        results, to_stop = self.processor.process(msg.outputs)
+        outputs = msg.outputs
+        pooled: list[PoolingRequestOutput] = []
+        if self._pooling:
+            outputs = self._take_pooled(outputs, pooled)
+        generated, to_stop = self.processor.process(outputs)
+        results: list[RequestOutput | PoolingRequestOutput] = [*generated, *pooled]
         if to_stop:  # stop strings matched here: the replica must stop computing them
             replica.to_core.send(wire.encode_ids(MessageType.FINISH, to_stop))
             for seq_id in to_stop:  # a finished sequence is not reported back
@@ -305,9 +354,32 @@ class DataParallelLLMEngine:
                 owner.pop(seq_id, None)
         return results
 
+    def _take_pooled(
+        self, outputs: list[EngineCoreOutput], pooled: list[PoolingRequestOutput]
+    ) -> list[EngineCoreOutput]:
+        """Move the pooling requests' outputs out of `outputs` into `pooled` (finished ones as
+        `PoolingRequestOutput`s; an aborted one is dropped); return the others. Mutates `pooled`
+        and the pooling table."""
+        rest: list[EngineCoreOutput] = []
+        for out in outputs:
+            ids = self._pooling.get(out.req_id)
+            if ids is None:
+                rest.append(out)
+                continue
+            if out.finish_reason is None:
+                continue  # a chunk of its prompt was computed
+            del self._pooling[out.req_id]
+            if out.pooled is None:
+                continue  # aborted: nothing was pooled
+            vector = torch.tensor(out.pooled, dtype=torch.float32)
+            pooled.append(PoolingRequestOutput(out.req_id, PoolingOutput(vector), ids, True))
+        return rest
+
     def _reject(self, replica: _Replica, seq_id: RequestId, text: str) -> list[str]:
         """Drop the request of a sequence its replica refused; returns the message to raise."""
         self.balancer.forget(seq_id)
+        if self._pooling.pop(seq_id, None) is not None:
+            return [f"request {seq_id!r} was rejected by {replica.label}: {text}"]
         request_id = self._owner.pop(seq_id, None)
         if request_id is None or not self.processor.has_request(request_id):
             return []  # a sibling of a request already dropped

@@ -15,16 +15,13 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.config import EngineArgs
 from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from pagedserve.engine.protocol import POOLING_ROW, EngineCoreOutput, EngineCoreRequest
 from pagedserve.engine.setup import EngineSetup, build_engine
 from pagedserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.admission import RequestRejected
 from pagedserve.types import RequestId
-
-# The worker's row of a pooling request: never sampled, but every row has sampling parameters.
-_POOLING_ROW = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
 
 
 class LLMEngine:
@@ -110,7 +107,7 @@ class LLMEngine:
             EngineCoreRequest(
                 req_id=RequestId(request_id),
                 prompt_token_ids=ids,
-                sampling_params=_POOLING_ROW,
+                sampling_params=POOLING_ROW,
                 eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt,
                 pooling_params=params,

@@ -12,6 +12,10 @@ from pagedserve.types import RequestId
 
 TokenLogprobs = dict[int, Logprob]  # token id -> logprob at one position
 
+POOLING_ROW = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+"""The `sampling_params` of a pooling request: it is never sampled, but the worker gives every
+row sampling parameters."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineCoreRequest:

@@ -214,18 +214,14 @@ class LLM:
         """Pool every prompt's final hidden states (after the model's final norm) into one vector
         (`PoolingParams`: LAST token by default, L2-normalized); returns one `PoolingRequestOutput`
         per prompt, in input order. Prompts take `generate`'s forms. Pooling requests generate
-        nothing and may share the engine with generation requests."""
+        nothing and may share the engine with generation requests; with data parallelism they are
+        spread over the replicas as generation requests are."""
         if pooling_task not in get_args(PoolingTask):
             raise ValueError(
                 f"pooling_task {pooling_task!r} is not supported: only 'embed' (a decoder's pooled "
                 "hidden states); 'classify', 'score' and token-level tasks are absent"
             )
         engine = self.engine
-        if not isinstance(engine, LLMEngine):
-            raise ValueError(
-                "pooling (LLM.embed / LLM.encode) needs data_parallel_size=1: the data-parallel "
-                "replicas' wire format carries generation requests only"
-            )
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_pooling_list(pooling_params, len(prompt_list))
         order: dict[str, int] = {}

@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP API (FastAPI) in front of an `AsyncLLMEngine`.
 
 Routes: POST /v1/completions (`completions.py`), POST /v1/chat/completions (`chat.py`), both
-streaming as server-sent events ending with `data: [DONE]`; GET /v1/models, /v1/models/{id},
-/health, /version, /metrics; POST /tokenize and /detokenize (`tokenization.py`). Every error is
-OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: bad input is 400 naming the
-field, an unknown model 404, a wrong API key 401, a body over the limit 413 (`guards.py`), a dead
-engine 503. Bad input never reaches a 500. CPU work (tokenizing, chat templates, grammars) runs
-off the event loop, so /health answers while it runs.
+streaming as server-sent events ending with `data: [DONE]`; POST /v1/embeddings (`embeddings.py`);
+GET /v1/models, /v1/models/{id}, /health, /version, /metrics; POST /tokenize and /detokenize
+(`tokenization.py`). Every error is OpenAI's JSON shape `{"error": {"message", "type", "param",
+"code"}}`: bad input is 400 naming the field, an unknown model 404, a wrong API key 401, a body over
+the limit 413 (`guards.py`), a dead engine 503. Bad input never reaches a 500. CPU work
+(tokenizing, chat templates, grammars) runs off the event loop, so /health answers while it runs.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ import pagedserve
 from pagedserve.server.async_engine import AsyncLLMEngine
 from pagedserve.server.chat import ChatHandler
 from pagedserve.server.completions import CompletionsHandler
+from pagedserve.server.embeddings import EmbeddingsHandler
 from pagedserve.server.errors import APIError, error_response, validation_api_error
 from pagedserve.server.guards import ApiKeyGuard, BodyLimit
 from pagedserve.server.handlers import ServerConfig
 from pagedserve.server.metrics import CONTENT_TYPE
-from pagedserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from pagedserve.server.tokenization import DetokenizeRequest, TokenizationHandler, TokenizeRequest
 
 __all__ = ["APIError", "ServerConfig", "build_app"]
@@ -40,6 +41,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     created = int(time.time())
     completions_handler = CompletionsHandler(engine, config, created)
     chat_handler = ChatHandler(engine, config, created)
+    embeddings_handler = EmbeddingsHandler(engine, config, created)
     tokenization = TokenizationHandler(chat_handler)
     _add_error_handlers(app)
     # The last added runs first: the key is checked before any body byte is counted.
@@ -55,6 +57,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat_handler(body, request)
+
+    @app.post("/v1/embeddings", response_model=None)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings_handler(body, request)
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(body: TokenizeRequest) -> Response:

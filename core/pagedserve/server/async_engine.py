@@ -3,6 +3,7 @@
     engine = await AsyncLLMEngine.launch(EngineArgs(model=...))
     async for output in engine.generate("Hello", SamplingParams(max_tokens=16), "req-1"):
         print(output.outputs[0].text)  # cumulative, like LLMEngine.step()'s outputs
+    pooled = await engine.encode("Hello", PoolingParams(), "req-2")  # pooled.outputs.data: a vector
     await engine.shutdown()
 
 This process tokenizes (`InputProcessor`), detokenizes and matches stop strings (`OutputProcessor`);
@@ -34,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
 import zmq
 import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
@@ -49,8 +51,9 @@ from pagedserve.data_parallel.replica_handle import (
 )
 from pagedserve.engine.input_processor import InputProcessor, ParamError, detokenizer_eos_token_id
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
-from pagedserve.outputs import RequestOutput
+from pagedserve.engine.protocol import POOLING_ROW, EngineCoreOutput, EngineCoreRequest
+from pagedserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server import serialization as wire
 from pagedserve.server.metrics import ServerMetrics
@@ -136,6 +139,8 @@ class AsyncLLMEngine:
         self._balancer = LoadBalancer(size)
         self._replica_of: dict[str, int] = {}  # request id -> the replica running it
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # request id -> queue
+        # pooling request id -> (what its `encode` awaits, its prompt's token ids)
+        self._pooling: dict[str, tuple[asyncio.Future[PoolingRequestOutput], list[int]]] = {}
         self._seq_owner: dict[RequestId, str] = {}  # core sequence id -> request id
         self._seqs: dict[str, list[RequestId]] = {}  # request id -> its core sequence ids
         self._dead: str | None = None  # why the core is gone; None while it is alive
@@ -238,7 +243,7 @@ class AsyncLLMEngine:
         if self._closed:
             return
         self._closed = True
-        for request_id in list(self._queues):
+        for request_id in self._in_flight():
             self._fail(request_id, EngineDeadError("the server is shutting down"))
         loop = asyncio.get_running_loop()
         handles = [core.handle for core in self._cores if core.handle is not None]
@@ -268,7 +273,7 @@ class AsyncLLMEngine:
         error event, each waiting response becomes a 503) and abort it in the core; new requests
         are still taken. Returns how many there were. Used when a graceful shutdown runs out of
         time."""
-        request_ids = list(self._queues)
+        request_ids = self._in_flight()
         for request_id in request_ids:
             replica = self._replica_of.get(request_id)
             seq_ids = list(self._seqs.get(request_id, []))
@@ -309,7 +314,11 @@ class AsyncLLMEngine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._queues)
+        return len(self._queues) + len(self._pooling)
+
+    def _in_flight(self) -> list[str]:
+        """The ids of every unfinished request, generation and pooling."""
+        return [*self._queues, *self._pooling]
 
     def _require_info(self) -> CoreInfo:
         if self.info is None:
@@ -335,7 +344,7 @@ class AsyncLLMEngine:
             for core in self._cores:
                 if core.handle is not None:
                     request_shutdown(core.handle, core.to_core)
-        for request_id in list(self._queues):
+        for request_id in self._in_flight():
             self._fail(request_id, EngineDeadError(reason))
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -375,6 +384,65 @@ class AsyncLLMEngine:
         finally:
             if request_id in self._queues:  # left early: cancelled, disconnected or closed
                 self.abort(request_id, "the client disconnected or its request was cancelled")
+
+    async def encode(
+        self, prompt: str | Sequence[int], params: PoolingParams, request_id: str
+    ) -> PoolingRequestOutput:
+        """Add a pooling request and return its pooled vector once computed (what `LLM.encode`
+        returns for the prompt). Raises `InvalidRequest` for a prompt that can never run (empty,
+        ids outside the vocabulary, longer than the context), `EngineDeadError` when a core is
+        gone. Cancelling the wait aborts the request. The prompt is tokenized on the tokenizer
+        thread (`run_cpu`), not on the event loop."""
+        self._check_open()
+        ids = await self.run_cpu(self._checked_pooling_ids, prompt)
+        future = self._add_pooling(ids, params, request_id)
+        try:
+            return await future
+        finally:
+            if request_id in self._pooling:  # cancelled: the client went away
+                self.abort(request_id, "the client disconnected or its request was cancelled")
+
+    def _checked_pooling_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A pooling prompt's token ids once it is known to fit the context (it generates
+        nothing, so the whole context is its). Raises InvalidRequest. CPU-bound."""
+        info = self._require_info()
+        assert self._inputs is not None
+        try:
+            ids = self._inputs.tokenize(prompt)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), "prompt") from None
+        if len(ids) > info.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens, more than the model's context length of "
+                f"{info.max_model_len} tokens: shorten it",
+                "prompt",
+            )
+        return ids
+
+    def _add_pooling(
+        self, ids: list[int], params: PoolingParams, request_id: str
+    ) -> asyncio.Future[PoolingRequestOutput]:
+        self._check_open()  # again: the core may have died while the prompt was tokenized
+        info = self._require_info()
+        seq_id = RequestId(request_id)
+        if request_id in self._queues or request_id in self._pooling or seq_id in self._seq_owner:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        future: asyncio.Future[PoolingRequestOutput] = asyncio.get_running_loop().create_future()
+        self._pooling[request_id] = (future, ids)
+        self.metrics.on_added(request_id, len(ids))
+        self._seqs[request_id] = [seq_id]
+        self._seq_owner[seq_id] = request_id
+        replica = self._balancer.place([seq_id], len(ids), 0)  # it computes its prompt, no more
+        self._replica_of[request_id] = replica
+        core_request = EngineCoreRequest(
+            req_id=seq_id,
+            prompt_token_ids=ids,
+            sampling_params=POOLING_ROW,
+            eos_token_ids=info.eos_token_ids,
+            pooling_params=params,
+        )
+        self._cores[replica].to_core.send(wire.encode_add(core_request))
+        return future
 
     def _check_open(self) -> None:
         if self._dead is not None:
@@ -432,22 +500,40 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str, cause: str = "its consumer stopped reading") -> None:
         """Abort a request (unknown or finished ids are ignored). Its `generate` loop, if any,
-        gets a last output with finish_reason "abort"; the core frees its KV blocks. `cause`
-        goes to the log."""
+        gets a last output with finish_reason "abort", its `encode` wait a CancelledError; the
+        core frees its KV blocks. `cause` goes to the log."""
+        if request_id in self._pooling:
+            logger.info("aborted request %s: %s", request_id, cause)
+            future, _ = self._pooling.pop(request_id)
+            self._send_abort(request_id)
+            self.metrics.on_aborted(request_id)
+            future.cancel()
+            return
         if request_id not in self._queues or self._processor is None:
             return
         logger.info("aborted request %s: %s", request_id, cause)
         queue = self._queues.pop(request_id)
-        replica = self._replica_of.get(request_id)
-        seq_ids = self._forget_sequences(request_id)
-        if self._dead is None and not self._closed and replica is not None:
-            self._cores[replica].to_core.send(wire.encode_ids(MessageType.ABORT, seq_ids))
+        self._send_abort(request_id)
         final = self._processor.abort(request_id)
         self.metrics.on_aborted(request_id)
         if final is not None:
             queue.put_nowait(final)
 
+    def _send_abort(self, request_id: str) -> None:
+        """Tell a request's core to abort its sequences, and forget them here."""
+        replica = self._replica_of.get(request_id)
+        seq_ids = self._forget_sequences(request_id)
+        if self._dead is None and not self._closed and replica is not None:
+            self._cores[replica].to_core.send(wire.encode_ids(MessageType.ABORT, seq_ids))
+
     def _fail(self, request_id: str, error: BaseException) -> None:
+        pooling = self._pooling.pop(request_id, None)
+        if pooling is not None:
+            self._forget_sequences(request_id)
+            self.metrics.on_failed(request_id)
+            if not pooling[0].done():
+                pooling[0].set_exception(error)
+            return
         queue = self._queues.pop(request_id, None)
         if queue is None:
             return
@@ -525,6 +611,8 @@ class AsyncLLMEngine:
         balancer = self._balancer
         for out in outputs:
             balancer.on_output(out.req_id, len(out.new_token_ids), out.finish_reason is not None)
+        if self._pooling:
+            outputs = self._deliver_pooled(outputs)
         results, to_stop = self._processor.process(outputs)
         if to_stop:  # stop strings matched here: the core must stop computing them
             core.to_core.send(wire.encode_ids(MessageType.FINISH, to_stop))
@@ -539,6 +627,30 @@ class AsyncLLMEngine:
             if result.finished:
                 del self._queues[result.request_id]
                 self._forget_sequences(result.request_id)
+
+    def _deliver_pooled(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Hand each pooling request that finished in `outputs` its vector; return the other
+        requests' outputs. Mutates the request tables."""
+        rest: list[EngineCoreOutput] = []
+        for out in outputs:
+            request_id = self._seq_owner.get(out.req_id)
+            waiting = self._pooling.get(request_id) if request_id is not None else None
+            if request_id is None or waiting is None:
+                rest.append(out)
+                continue
+            if out.finish_reason is None:
+                continue  # a chunk of its prompt was computed
+            if out.pooled is None:  # the core ended it without a vector
+                self._fail(request_id, RuntimeError(f"the engine core aborted pooling request {request_id}"))
+                continue
+            del self._pooling[request_id]
+            self._forget_sequences(request_id)
+            self.metrics.on_pooled(request_id)
+            future, ids = waiting
+            if not future.done():
+                vector = torch.tensor(out.pooled, dtype=torch.float32)
+                future.set_result(PoolingRequestOutput(request_id, PoolingOutput(vector), ids, True))
+        return rest
 
     def _route(self, core: _Core, msg: wire.Message) -> None:
         """Apply one message from a core other than OUTPUTS. Mutates the request tables and queues."""

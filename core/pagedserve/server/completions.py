@@ -4,6 +4,12 @@ With `echo` and `logprobs`, as in OpenAI's legacy completions API, the logprobs 
 prompt's tokens first (the first one has no context, so its logprob and alternatives are null)
 and then the generated ones; in a stream the echoed prompt's chunk carries the prompt's part.
 `text_offset` indexes the choice's whole text, echoed prompt included.
+
+With `use_beam_search` (vLLM's extension) the choices are each prompt's n best of best_of (default
+n) beams, best first, found by `LLM.beam_search`'s search (`beam_search.BeamSearch`) with each
+step's beams run as requests on the async engine; `length_penalty`, `ignore_eos`, `temperature`
+(default 0), `include_stop_str_in_output`, `echo` and `skip_special_tokens` apply, sampling
+fields are refused naming them, and the response is not streamed.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.detokenizer import IncrementalDetokenizer, decode_text
 from pagedserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
@@ -23,6 +30,33 @@ from pagedserve.server.errors import APIError, invalid
 from pagedserve.server.handlers import GenerationHandler, Merged, SampleDelta, stream_choices, usage
 from pagedserve.server.openai_protocol import CompletionRequest, to_sampling_params
 from pagedserve.server.structured_fields import structured_outputs_of
+
+_NOT_WITH_BEAMS = (
+    "stream",
+    "logprobs",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "truncate_prompt_tokens",
+    "allowed_token_ids",
+    "bad_words",
+)
+"""Fields that shape sampling, which a beam search does not do: with use_beam_search a value other
+than the default is refused naming the field rather than ignored."""
 
 
 @dataclass(slots=True)
@@ -37,6 +71,15 @@ class CompletionsHandler(GenerationHandler):
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         self.check_alive()
+        if body.use_beam_search:
+            return await self._beam_search(body, request)
+        if body.best_of is not None and body.best_of > 1:
+            raise APIError(
+                400,
+                f"best_of={body.best_of} needs use_beam_search=true: without it this server returns "
+                "every sample it generates; ask for n samples instead",
+                param="best_of",
+            )
         self.check_n(body.n)
         # Tokenizing and checking a schema are CPU work: on the tokenizer thread, off the loop.
         prompts = await self.engine.run_cpu(self._prompts, body.prompt)
@@ -93,6 +136,125 @@ class CompletionsHandler(GenerationHandler):
         return await self.engine.run_cpu(
             lambda: JSONResponse(self._response(request_id, body, prompts, params, finals))
         )
+
+    async def _beam_search(self, body: CompletionRequest, request: Request) -> Response:
+        """The n best of best_of (default n) beams per prompt, `LLM.beam_search`'s search run on
+        the async engine: each step sends every live beam as a one-token request with logprobs."""
+        for name in _NOT_WITH_BEAMS:
+            if getattr(body, name) != CompletionRequest.model_fields[name].default:
+                raise APIError(
+                    400,
+                    f"{name} cannot be combined with use_beam_search: beams are ranked by their "
+                    f"logprobs, not sampled; leave {name} out",
+                    param=name,
+                )
+        width_field = "best_of" if body.best_of is not None else "n"
+        width = body.best_of if body.best_of is not None else body.n
+        if body.n < 1 or width < body.n:
+            raise APIError(
+                400,
+                f"n must be between 1 and best_of ({width}) with use_beam_search: the n best of "
+                "best_of beams are returned",
+                param="n",
+            )
+        if width > self.config.max_n:
+            raise APIError(
+                400,
+                f"{width_field} must be at most {self.config.max_n} on this server (--max-n), got {width}",
+                param=width_field,
+            )
+        max_logprobs = self.engine.args.max_logprobs
+        if 2 * width > max_logprobs:
+            raise APIError(
+                400,
+                f"a beam width of {width} reads {2 * width} logprobs per step, more than this "
+                f"server's --max-logprobs={max_logprobs}: lower {width_field} or start the server "
+                f"with --max-logprobs {2 * width}",
+                param=width_field,
+            )
+        if body.max_tokens is None:
+            raise APIError(
+                400,
+                "use_beam_search needs max_tokens: how many tokens each beam may generate",
+                param="max_tokens",
+            )
+        try:
+            params = BeamSearchParams(
+                beam_width=width,
+                max_tokens=body.max_tokens,
+                ignore_eos=body.ignore_eos,
+                temperature=0.0 if body.temperature is None else body.temperature,
+                length_penalty=body.length_penalty,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+        prompts = await self.engine.run_cpu(self._prompts, body.prompt)
+        max_model_len = self.engine.max_model_len
+        for p in prompts:
+            if len(p.engine_prompt) + params.max_tokens > max_model_len:
+                raise APIError(
+                    400,
+                    f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+                    f"has {len(p.engine_prompt)} tokens and max_tokens is {params.max_tokens}: "
+                    "shorten the prompt or lower max_tokens",
+                    param="max_tokens",
+                )
+        assert self.engine.info is not None
+        search = BeamSearch([p.engine_prompt for p in prompts], params, self.engine.info.eos_token_ids)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        step = 0
+        while batch := search.batch():
+            streams = [
+                self.engine.generate(tokens, search.step_params, f"{request_id}-{step}-{k}")
+                for k, tokens in enumerate(batch)
+            ]
+            # Leaving early (a disconnect) closes every stream, which aborts the step's requests.
+            search.advance(await self.collect(request, streams))
+            step += 1
+        found = search.results(None)
+        return await self.engine.run_cpu(
+            lambda: JSONResponse(self._beam_response(request_id, body, prompts, found))
+        )
+
+    def _beam_response(
+        self, request_id: str, body: CompletionRequest, prompts: list[_Prompt], found: list[BeamSearchOutput]
+    ) -> dict[str, Any]:
+        """The completion body of a beam search: prompt i's j-th best beam is choice i * n + j.
+        CPU-bound (decodes every beam): call it on the tokenizer thread."""
+        choices = []
+        completion_tokens = 0
+        for i, (prompt, output) in enumerate(zip(prompts, found, strict=True)):
+            prefix = self.echo_text(prompt) if body.echo else ""
+            start = len(prompt.engine_prompt)
+            for j, beam in enumerate(output.sequences[: body.n]):
+                generated = beam.tokens[start:]
+                completion_tokens += len(generated)
+                ends_in_eos = beam.finish_reason == "stop"
+                shown = generated[:-1] if ends_in_eos and not body.include_stop_str_in_output else generated
+                choices.append(
+                    {
+                        "index": i * body.n + j,
+                        "text": prefix + self._text(shown, body.skip_special_tokens),
+                        "logprobs": None,
+                        "finish_reason": beam.finish_reason,
+                        "stop_reason": None,
+                    }
+                )
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.config.served_model_name,
+            "choices": choices,
+            "usage": usage(sum(len(p.engine_prompt) for p in prompts), completion_tokens),
+        }
+
+    def _text(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return ""
+        return str(tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[_Prompt]:
         if isinstance(prompt, str):

@@ -42,6 +42,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # parses tool calls from free text (tool_choice="auto")
     max_request_body_bytes: int = 8 * 2**20  # larger bodies get 413 before they are parsed
     max_n: int = 128  # the most samples one request may ask for (OpenAI's cap)
+    max_embedding_inputs: int = 2048  # the most inputs one embeddings request may hold (OpenAI's cap)
     trust_request_chat_template: bool = False  # run chat templates sent in requests
     chat_template_timeout_s: float = 5.0  # a chat template's rendering budget
 

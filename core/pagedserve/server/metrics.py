@@ -222,6 +222,10 @@ class ServerMetrics:
             reasons = [o.finish_reason for o in output.outputs]
             self._finish(output.request_id, "abort" if "abort" in reasons else str(reasons[0]), now)
 
+    def on_pooled(self, request_id: str) -> None:
+        """A pooling request got its vector: a request finished by "stop" that generated nothing."""
+        self._finish(request_id, "stop", time.monotonic())
+
     def on_aborted(self, request_id: str) -> None:
         self._finish(request_id, "abort", time.monotonic())
 

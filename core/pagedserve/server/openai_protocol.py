@@ -1,19 +1,29 @@
-"""Requests of OpenAI's completions and chat completions APIs, as pydantic models.
+"""Requests of OpenAI's completions, chat completions and embeddings APIs, as pydantic models.
 
 Every field real clients send is accepted; unknown fields are ignored (clients add their own), and
 a wrongly typed field fails validation naming it. Booleans are strict (`"stream": "yes"` is an
 error, not true), a string holding a lone UTF-16 surrogate (`"\\ud800"`, which no UTF-8 text can
 hold) is refused naming where it is, and OpenAI fields this server does not implement with a value
-that would change the result (`best_of` > 1) are refused rather than ignored. Value ranges are not
-repeated here: `to_sampling_params` hands the values to `SamplingParams`, whose ValueError names
-the field.
+that would change the result (`best_of` > 1 without beam search) are refused rather than ignored.
+Value ranges are not repeated here: `to_sampling_params` hands the values to `SamplingParams`,
+whose ValueError names the field.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
@@ -100,7 +110,7 @@ class _SamplingFields(RequestBody):
 
     model: str | None = None
     n: int = 1
-    best_of: int | None = None  # accepted as OpenAI's field; only 1 (or n) is implemented
+    best_of: int | None = None  # the beam width with use_beam_search; otherwise only 1 is accepted
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
     top_k: int | None = None  # an extension, as in vLLM; -1 and 0 disable it
@@ -130,16 +140,6 @@ class _SamplingFields(RequestBody):
     allowed_token_ids: list[int] | None = None  # vLLM's extension: sample only these token ids
     bad_words: list[str] | None = None  # vLLM's extension: words never generated ([]: none)
 
-    @field_validator("best_of")
-    @classmethod
-    def _one_best_of(cls, value: int | None) -> int | None:
-        if value is not None and value > 1:
-            raise ValueError(
-                f"best_of={value} is not supported: this server returns every sample it generates; "
-                "ask for n samples instead"
-            )
-        return value
-
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
@@ -148,6 +148,9 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # the top-N alternatives per token (0: only the chosen token)
     echo: StrictBool = False
+    # vLLM's extension: the n best of best_of (default n) beams instead of n samples.
+    use_beam_search: StrictBool = False
+    length_penalty: float = 1.0  # beam score = cumulative logprob / length ** length_penalty
 
 
 class ContentPart(_Lenient):
@@ -208,6 +211,38 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: StrictBool = True
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best_of(cls, value: int | None) -> int | None:
+        if value is not None and value > 1:
+            raise ValueError(
+                f"best_of={value} is not supported: this server returns every sample it generates; "
+                "ask for n samples instead"
+            )
+        return value
+
+
+class EmbeddingRequest(RequestBody):
+    """POST /v1/embeddings. Token ids are strict integers: `true` or `1.5` is not a token."""
+
+    model: str | None = None
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # accepted as OpenAI's field; refused by the handler when set
+    user: str | None = None
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _input_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # A union's own error names whichever of its four forms it tried first; say all four.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                "input must be a string, a list of strings, a list of token ids (integers) or a "
+                "list of token-id lists, not a mix of them"
+            ) from None
 
 
 def logit_bias_by_id(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

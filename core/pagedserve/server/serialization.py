@@ -25,6 +25,7 @@ import msgspec
 
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from pagedserve.outputs import FinishReason, Logprob
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import SchedulerStats
 from pagedserve.structured.params import StructuredOutputsParams
@@ -165,11 +166,12 @@ def _request_to_wire(req: EngineCoreRequest) -> list[Any]:
         req.fork_of,
         req.cache_salt,
         req.priority,
+        _pooling_to_wire(req.pooling_params),
     ]
 
 
 def _request_from_wire(wire: list[Any]) -> EngineCoreRequest:
-    req_id, prompt, params, eos, fork_of, cache_salt, priority = wire
+    req_id, prompt, params, eos, fork_of, cache_salt, priority, pooling = wire
     return EngineCoreRequest(
         req_id=RequestId(req_id),
         prompt_token_ids=list(prompt),
@@ -178,7 +180,19 @@ def _request_from_wire(wire: list[Any]) -> EngineCoreRequest:
         fork_of=RequestId(fork_of) if fork_of is not None else None,
         cache_salt=cache_salt,
         priority=priority,
+        pooling_params=_pooling_from_wire(pooling),
     )
+
+
+def _pooling_to_wire(params: PoolingParams | None) -> dict[str, Any] | None:
+    if params is None:
+        return None
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+def _pooling_from_wire(wire: dict[str, Any] | None) -> PoolingParams | None:
+    # PoolingParams validates again: a malformed message fails here, naming the field.
+    return PoolingParams(**wire) if wire is not None else None
 
 
 def _output_to_wire(out: EngineCoreOutput) -> list[Any]:
@@ -190,11 +204,12 @@ def _output_to_wire(out: EngineCoreOutput) -> list[Any]:
         _logprobs_to_wire(out.logprobs),
         _logprobs_to_wire(out.prompt_logprobs),
         out.num_cached_tokens,
+        out.pooled,
     ]
 
 
 def _output_from_wire(wire: list[Any]) -> EngineCoreOutput:
-    req_id, new_ids, finish, stop_id, logprobs, prompt_logprobs, cached = wire
+    req_id, new_ids, finish, stop_id, logprobs, prompt_logprobs, cached, pooled = wire
     if finish is not None and finish not in _FINISH_REASONS:
         raise WireError(f"unknown finish reason {finish!r}")
     return EngineCoreOutput(
@@ -205,6 +220,7 @@ def _output_from_wire(wire: list[Any]) -> EngineCoreOutput:
         logprobs=_logprobs_from_wire(logprobs),
         prompt_logprobs=_logprobs_from_wire(prompt_logprobs),
         num_cached_tokens=cached,
+        pooled=[float(x) for x in pooled] if pooled is not None else None,
     )
 
 

@@ -28,6 +28,7 @@ Kernels, one at a time: the package `kernels/` (its docstring lists each script)
 The host, without a GPU
   scheduler_step.py         one scheduler step at 256 running requests
   host_step.py              one engine decode step's host time, by phase
+  output_step.py            the front end's output work per step at 4k-token sequences, cumulative vs delta
   async_overlap.py          the host time asynchronous scheduling hides (simulated device)
   scheduling_model.py       the scheduling policies on a workload, steps timed by an H100 model
   server_health.py          /health latency of `pagedserve serve`: idle, tokenizing 1 MB, under streams

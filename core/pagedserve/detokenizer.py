@@ -133,9 +133,13 @@ class IncrementalDetokenizer:
 
     def take_delta(self) -> str:
         """The part of `text` not returned by the previous call (streaming). Mutates the cursor."""
-        visible = self.text
-        delta = visible[self._emitted :]
-        self._emitted = len(visible)
+        # Sliced straight out of the whole text: building `text` first would copy all of it, and
+        # this runs once per stream per step.
+        end = len(self._text)
+        if not self.finished and self._stop_strings:
+            end -= self._stop_prefix_len()
+        delta = self._text[self._emitted : end]
+        self._emitted = end
         return delta
 
     def append(self, new_token_ids: Sequence[int]) -> int:

@@ -3,11 +3,19 @@
 Each user request owns one `IncrementalDetokenizer` per sample. Stop strings are matched here
 (the core knows only token ids); when one matches, the processor reports the sequence id so the
 caller can tell the core to stop computing it.
+
+The core sends each sequence's new token ids only; the accumulated ids live here, in the
+detokenizer. A request added with `delta=True` gets outputs holding only what is new since its
+previous one (text, token ids, logprobs), so a step's work follows the step's new tokens, not the
+sequences' lengths; any other request gets a copy of everything so far in every output (at 4,000
+tokens that copy is most of a step's work). `merge_deltas` turns a request's deltas back into its
+cumulative output.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pagedserve.detokenizer import IncrementalDetokenizer, TokenDecoder
@@ -26,8 +34,10 @@ def sequence_id(request_id: str, index: int, n: int) -> RequestId:
 class _Sample:
     index: int
     detok: IncrementalDetokenizer
+    # Every token's logprobs so far; for a delta request, only those not handed out yet.
     logprobs: list[TokenLogprobs] | None
     cumulative_logprob: float | None
+    sent_tokens: int = 0  # a delta request's: how many of detok.token_ids were handed out
 
 
 @dataclass(slots=True)
@@ -38,6 +48,7 @@ class _RequestState:
     params: SamplingParams
     samples: list[_Sample]
     final_only: bool  # params.output_kind is FINAL_ONLY: no output until every sample finishes
+    delta: bool  # each output holds only what is new since the request's previous one
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None
     # Replaced (not mutated) at each milestone, so the outputs of the steps in between share one
@@ -58,9 +69,18 @@ class OutputProcessor:
         self._owner: dict[RequestId, tuple[_RequestState, _Sample]] = {}  # sequence id -> its sample
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        delta: bool = False,
     ) -> list[RequestId]:
-        """Start tracking a request; returns its sequence ids (one per sample)."""
+        """Start tracking a request; returns its sequence ids (one per sample). `delta`: each of
+        its outputs holds only what is new since its previous one (text, token ids, logprobs;
+        cumulative_logprob stays the running total), for a consumer that forwards or accumulates
+        them itself; with output_kind FINAL_ONLY its one output holds everything anyway."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         samples = [
@@ -79,7 +99,7 @@ class OutputProcessor:
             for i in range(params.n)
         ]
         final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
-        state = _RequestState(request_id, prompt, prompt_token_ids, params, samples, final_only)
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, samples, final_only, delta)
         state.metrics = RequestMetrics(time.time())
         self._requests[request_id] = state
         ids = [sequence_id(request_id, i, params.n) for i in range(params.n)]
@@ -98,8 +118,9 @@ class OutputProcessor:
         return [sequence_id(request_id, s.index, state.params.n) for s in state.samples]
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[RequestId]]:
-        """Apply one step's core outputs. Returns the updated requests (one cumulative
-        `RequestOutput` each; a request with output_kind FINAL_ONLY only once it has finished) and
+        """Apply one step's core outputs. Returns the updated requests (one `RequestOutput` each:
+        cumulative, or for a delta request what is new since its previous output; a request
+        with output_kind FINAL_ONLY only once it has finished) and
         the sequence ids the front end finished itself (stop strings), which the caller must tell
         the core to stop."""
         # This runs for every running sequence every step: locals, and no work for features
@@ -184,18 +205,21 @@ class OutputProcessor:
         # arguments cost a third more. Order: CompletionOutput(index, text, token_ids,
         # cumulative_logprob, logprobs, finish_reason, stop_reason) and RequestOutput(request_id,
         # prompt, prompt_token_ids, prompt_logprobs, outputs, finished, num_cached_tokens, metrics).
-        outputs = [
-            CompletionOutput(
-                s.index,
-                s.detok.text,
-                s.detok.token_ids.copy(),
-                s.cumulative_logprob,
-                None if s.logprobs is None else s.logprobs.copy(),
-                s.detok.finish_reason,
-                s.detok.stop_reason,
-            )
-            for s in state.samples
-        ]
+        if state.delta:
+            outputs = [self._delta(s) for s in state.samples]
+        else:
+            outputs = [
+                CompletionOutput(
+                    s.index,
+                    s.detok.text,
+                    s.detok.token_ids.copy(),
+                    s.cumulative_logprob,
+                    None if s.logprobs is None else s.logprobs.copy(),
+                    s.detok.finish_reason,
+                    s.detok.stop_reason,
+                )
+                for s in state.samples
+            ]
         return RequestOutput(
             state.request_id,
             state.prompt,
@@ -207,5 +231,55 @@ class OutputProcessor:
             state.metrics,
         )
 
+    @staticmethod
+    def _delta(sample: _Sample) -> CompletionOutput:
+        """What a sample gained since its previous output; marks it handed out. Mutates sample."""
+        detok = sample.detok
+        token_ids = detok.token_ids
+        new_ids = token_ids[sample.sent_tokens :]
+        sample.sent_tokens = len(token_ids)
+        logprobs = sample.logprobs
+        if logprobs is not None:
+            sample.logprobs = []
+        return CompletionOutput(
+            sample.index,
+            detok.take_delta(),
+            new_ids,
+            sample.cumulative_logprob,
+            logprobs,
+            detok.finish_reason,
+            detok.stop_reason,
+        )
 
-__all__ = ["OutputProcessor", "sequence_id"]
+
+def merge_deltas(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """One delta request's consecutive outputs, oldest first, as one: what they added
+    together, in the state of the last (the first `RequestOutput` of a request merged with
+    all its later ones is its cumulative output). Does not mutate."""
+    if not outputs:
+        raise ValueError("merge_deltas needs at least one output")
+    last = outputs[-1]
+    if len(outputs) == 1:
+        return last
+    merged: list[CompletionOutput] = []
+    for sample in last.outputs:
+        pieces = [out.outputs[sample.index] for out in outputs]
+        logprobs: list[TokenLogprobs] | None = None
+        if sample.logprobs is not None:
+            logprobs = [entry for piece in pieces if piece.logprobs for entry in piece.logprobs]
+        merged.append(
+            CompletionOutput(
+                sample.index,
+                "".join(piece.text for piece in pieces),
+                [token for piece in pieces for token in piece.token_ids],
+                sample.cumulative_logprob,
+                logprobs,
+                sample.finish_reason,
+                sample.stop_reason,
+            )
+        )
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    return replace(last, prompt_logprobs=prompt_logprobs, outputs=merged)
+
+
+__all__ = ["OutputProcessor", "merge_deltas", "sequence_id"]

@@ -50,7 +50,7 @@ from pagedserve.data_parallel.replica_handle import (
     stop_replicas,
 )
 from pagedserve.engine.input_processor import InputProcessor, ParamError, detokenizer_eos_token_id
-from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.output_processor import OutputProcessor, merge_deltas
 from pagedserve.engine.protocol import POOLING_ROW, EngineCoreOutput, EngineCoreRequest
 from pagedserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
@@ -68,11 +68,13 @@ T = TypeVar("T")
 OUTPUT_SLICE = 16
 """The most requests whose outputs of a step are applied before the event loop runs again.
 
-A step's outputs are detokenized, checked for stop strings and copied into `RequestOutput`s here,
-on the event loop: on a 2-CPU host about 25 us a request, 300 us once it has 4,000 tokens (each
-step copies its token ids so far), so a step of 256 requests would hold the loop for 6 to 80 ms,
-and the streams it wakes would then write their chunks back to back before /health was read.
-Applied 16 requests at a time, with the loop free in between, nothing waits longer than a slice.
+A step's outputs are detokenized, checked for stop strings and turned into `RequestOutput`s here,
+on the event loop: on a 2-CPU host about 25 us a request (the server's requests are delta ones,
+`generate(delta=True)`, so this does not grow with the sequence; a cumulative output copies the
+tokens so far every step, 300 us at 4,000 tokens), so a step of 256 requests would hold the loop
+for 6 ms or more, and the streams it wakes would then write their chunks back to back before
+/health was read. Applied 16 requests at a time, with the loop free in between, nothing waits
+longer than a slice.
 
 Why not a thread: the work is Python that holds the GIL, and while another thread of this process
 computes, each socket write of the event loop waits up to the interpreter's switch interval (5 ms)
@@ -361,23 +363,31 @@ class AsyncLLMEngine:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, functools.partial(fn, *args))
 
     async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str, *, delta: bool = False
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its cumulative `RequestOutput`s until it finishes. When the
-        consumer falls behind, intermediate outputs are skipped (each one holds all before it).
+        """Add a request and yield its `RequestOutput`s until it finishes: cumulative ones, or
+        with `delta` what is new since the previous one yielded (text, token ids, logprobs), which
+        costs the engine per step only what the step added. When the consumer falls behind, the
+        outputs waiting are yielded as one (the latest cumulative one, or the deltas merged).
         Raises `InvalidRequest` for a request that can never run, `EngineDeadError` when the core
         is gone. Stopping the iteration early aborts the request. The prompt is tokenized and
         the parameters checked on the tokenizer thread (`run_cpu`), not on the event loop."""
         self._check_open()
         ids = await self.run_cpu(self._checked_ids, prompt, params)
-        queue = self._add(prompt, ids, params, request_id)
+        queue = self._add(prompt, ids, params, request_id, delta)
         try:
             while True:
                 item = await queue.get()
+                waiting: list[RequestOutput] = []
                 while not isinstance(item, BaseException) and not item.finished and not queue.empty():
+                    if delta:
+                        waiting.append(item)
                     item = queue.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
+                if waiting:
+                    waiting.append(item)
+                    item = merge_deltas(waiting)
                 yield item
                 if item.finished:
                     return
@@ -469,7 +479,12 @@ class AsyncLLMEngine:
         return ids
 
     def _add(
-        self, prompt: str | Sequence[int], ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt: str | Sequence[int],
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        delta: bool = False,
     ) -> asyncio.Queue[RequestOutput | BaseException]:
         self._check_open()  # again: the core may have died while the prompt was tokenized
         info = self._require_info()
@@ -477,10 +492,10 @@ class AsyncLLMEngine:
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         text = prompt if isinstance(prompt, str) and params.truncate_prompt_tokens is None else None
-        seq_ids = self._processor.add_request(request_id, text, ids, params)
+        seq_ids = self._processor.add_request(request_id, text, ids, params, delta=delta)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self.metrics.on_added(request_id, len(ids))
+        self.metrics.on_added(request_id, len(ids), delta=delta)
         self._seqs[request_id] = seq_ids
         limit = params.max_tokens if params.max_tokens is not None else info.max_model_len - len(ids)
         replica = self._balancer.place(seq_ids, len(ids), max(limit, 1))

@@ -255,6 +255,7 @@ class _ToolStream:
     """One choice's progress through a tool-calling reply."""
 
     content_sent: int = 0  # characters of the reply sent as content
+    text: str = ""  # the reply so far: calls are parsed from all of it
     call_id: str | None = None  # the named function's call, once its header went out
 
 
@@ -284,8 +285,8 @@ class _ChatRenderer:
     def chunk(self, delta: SampleDelta) -> list[dict[str, Any]]:
         sample = delta.sample
         logprobs = None
-        if len(sample.token_ids) > delta.token_start:
-            logprobs = self.handler.logprobs_object(sample, self.params, delta.token_start)
+        if sample.token_ids:
+            logprobs = self.handler.logprobs_object(sample, self.params, 0)
         plan = self.plan
         if plan is None or plan.mode == "none":
             return [
@@ -297,21 +298,21 @@ class _ChatRenderer:
         if plan.mode == "named":
             return self._named(delta, state, logprobs)
         out: list[dict[str, Any]] = []
+        state.text += delta.text
+        text = state.text
         if plan.mode == "auto" and plan.parser is not None:
-            start = plan.parser.call_start(sample.text)
-            safe = len(sample.text) if start is None else start
+            start = plan.parser.call_start(text)
+            safe = len(text) if start is None else start
             if safe > state.content_sent:
-                out.append(
-                    _choice(delta.index, {"content": sample.text[state.content_sent : safe]}, None, None)
-                )
+                out.append(_choice(delta.index, {"content": text[state.content_sent : safe]}, None, None))
                 state.content_sent = safe
         if sample.finish_reason is None:
             return out
-        reply = parse_reply(plan, sample.text)
+        reply = parse_reply(plan, text)
         if reply.calls:
             out.extend(_call_chunks(delta.index, reply.calls))
-        elif len(sample.text) > state.content_sent:
-            out.append(_choice(delta.index, {"content": sample.text[state.content_sent :]}, None, None))
+        elif len(text) > state.content_sent:
+            out.append(_choice(delta.index, {"content": text[state.content_sent :]}, None, None))
         out.append(_choice(delta.index, {}, None, finish_reason(plan, reply, sample.finish_reason)))
         return out
 

@@ -449,13 +449,11 @@ class _TextRenderer:
     def chunk(self, delta: SampleDelta) -> list[dict[str, Any]]:
         sample = delta.sample
         logprobs = None
-        if self.params.logprobs is not None and len(sample.token_ids) > delta.token_start:
-            sent_chars = len(sample.text) - len(delta.text)
+        if self.params.logprobs is not None and sample.token_ids:
+            sent_chars = delta.text_start
             if self.echoed is not None:  # offsets index the choice's text, the prompt's first
                 sent_chars += len(self.echoed[delta.prompt_index])
-            logprobs = self.handler.logprobs_object(
-                sample, self.params.logprobs, delta.token_start, sent_chars
-            )
+            logprobs = self.handler.logprobs_object(sample, self.params.logprobs, 0, sent_chars)
         return [_text_choice(delta.index, delta.text, logprobs, sample)]
 
 

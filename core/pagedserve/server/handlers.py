@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 
 from pagedserve.engine.input_processor import last_tokens
+from pagedserve.engine.output_processor import merge_deltas
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError, InvalidRequest
@@ -32,7 +33,8 @@ DISCONNECT_POLL_S = 0.5
 """How often a non-streaming request checks whether its client is still there."""
 
 Merged = AsyncGenerator[tuple[int, RequestOutput], None]
-"""Outputs of a request's prompts as they come, each tagged with its prompt's index."""
+"""Outputs of a request's prompts as they come (delta ones: what each step added), each tagged
+with its prompt's index."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +120,9 @@ class SampleDelta:
 
     index: int  # the choice index
     prompt_index: int  # which of the request's prompts the sample continues
-    sample: CompletionOutput  # everything so far
-    text: str  # text not sent yet
-    token_start: int  # index of the first token not sent yet
+    sample: CompletionOutput  # the gain itself (text, token ids, logprobs), and the finish state
+    text: str  # text not sent yet (sample.text)
+    text_start: int  # characters of the sample's text sent before this delta
 
 
 class ChoiceRenderer(Protocol):
@@ -147,6 +149,8 @@ async def stream_choices(
     """The server-sent events of a streamed response: one chunk per choice entry the renderer
     makes, an optional usage chunk, then `data: [DONE]`. An engine error mid-stream becomes an
     error event (the status line has gone out already)."""
+    # The outputs are delta ones (`GenerationHandler.start`): each holds only what its
+    # step added, so a chunk costs what it sends, however long the choice has grown.
     sent_text: dict[int, int] = {}  # choice index -> characters sent
     sent_tokens: dict[int, int] = {}  # choice index -> tokens sent
     done: set[int] = set()  # choices whose finish_reason was sent
@@ -160,22 +164,19 @@ async def stream_choices(
                 first = index not in sent_text
                 if first:
                     sent_text[index] = sent_tokens[index] = 0
-                delta = SampleDelta(
-                    index, prompt_index, sample, sample.text[sent_text[index] :], sent_tokens[index]
-                )
+                delta = SampleDelta(index, prompt_index, sample, sample.text, sent_text[index])
                 if first:
                     for choice in renderer.opening(delta):
                         yield sse({**base, "choices": [choice]})
-                new_tokens = len(sample.token_ids) - sent_tokens[index]
-                if not delta.text and not new_tokens and sample.finish_reason is None:
+                if not sample.text and not sample.token_ids and sample.finish_reason is None:
                     continue
-                sent_text[index] = len(sample.text)
-                sent_tokens[index] = len(sample.token_ids)
+                sent_text[index] += len(sample.text)
+                sent_tokens[index] += len(sample.token_ids)
                 for choice in renderer.chunk(delta):
                     yield sse({**base, "choices": [choice]})
                 if sample.finish_reason is not None:
                     done.add(index)
-                    completion_tokens += len(sample.token_ids)
+                    completion_tokens += sent_tokens[index]
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
         yield "data: [DONE]\n\n"
@@ -254,9 +255,11 @@ class GenerationHandler:
     def start(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams
     ) -> list[AsyncIterator[RequestOutput]]:
-        """One `generate` stream per prompt; the engine checks each request when the stream is
-        first awaited, so this only builds the iterators. A server without a tokenizer
-        (`--skip-tokenizer-init`) answers token ids with empty text, as vLLM's does."""
+        """One `generate` stream per prompt, of delta outputs (what each step added:
+        the work of a step then does not grow with the length of the outputs); the engine checks
+        each request when the stream is first awaited, so this only builds the iterators. A
+        server without a tokenizer (`--skip-tokenizer-init`) answers token ids with empty text,
+        as vLLM's does."""
         if self.engine.tokenizer is None and params.detokenize:
             if params.stop_strings:
                 raise APIError(
@@ -267,7 +270,9 @@ class GenerationHandler:
                 )
             params = dataclasses.replace(params, detokenize=False)
         return [
-            self.engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}")
+            self.engine.generate(
+                p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", delta=True
+            )
             for i, p in enumerate(prompts)
         ]
 
@@ -300,14 +305,12 @@ class GenerationHandler:
     async def collect(
         self, request: Request, streams: list[AsyncIterator[RequestOutput]]
     ) -> list[RequestOutput]:
-        """The final output of every stream, in order."""
+        """The final (cumulative) output of every stream, in order."""
 
         async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-            final: RequestOutput | None = None
-            async for out in stream:
-                final = out
-            assert final is not None  # generate always yields a finished output before it ends
-            return final
+            deltas = [out async for out in stream]
+            assert deltas  # generate always yields a finished output before it ends
+            return merge_deltas(deltas)
 
         async def run_all() -> list[RequestOutput]:
             tasks = [asyncio.ensure_future(last(s)) for s in streams]

@@ -73,6 +73,7 @@ class _Timing:
     num_prompt_tokens: int
     last_token: float | None = None  # when the latest output with new tokens arrived
     num_generated: int = 0  # tokens generated so far, all samples together
+    delta: bool = False  # its outputs hold only their step's tokens (`generate(delta=True)`)
 
 
 class _CoreStatsCollector(Collector):
@@ -200,8 +201,11 @@ class ServerMetrics:
         r.register(_CoreStatsCollector(latest_stats))
         self._timings: dict[str, _Timing] = {}  # request id -> its timing, while unfinished
 
-    def on_added(self, request_id: str, num_prompt_tokens: int) -> None:
-        self._timings[request_id] = _Timing(arrival=time.monotonic(), num_prompt_tokens=num_prompt_tokens)
+    def on_added(self, request_id: str, num_prompt_tokens: int, *, delta: bool = False) -> None:
+        """Start timing a request; `delta`: each of its outputs holds only what is new."""
+        self._timings[request_id] = _Timing(
+            arrival=time.monotonic(), num_prompt_tokens=num_prompt_tokens, delta=delta
+        )
         self.prompt_tokens.inc(num_prompt_tokens)
 
     def on_output(self, output: RequestOutput) -> None:
@@ -210,6 +214,8 @@ class ServerMetrics:
             return
         now = time.monotonic()
         generated = sum(len(o.token_ids) for o in output.outputs)
+        if timing.delta:
+            generated += timing.num_generated
         if generated > timing.num_generated:
             self.generation_tokens.inc(generated - timing.num_generated)
             if timing.last_token is None:

@@ -19,7 +19,7 @@ from transformers import LlamaConfig
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.models.packed_int4 import MAX_PACKED_ROWS
-from pagedserve.worker.cpu_compile import MAX_COMPILED_TOKENS, WARM_UP_SIZES, size_class
+from pagedserve.worker.cpu_compile import MAX_COMPILED_TOKENS, WARM_UP_SIZES, CompiledForward, size_class
 from pagedserve.worker.saved_compiles import (
     compile_cache_root,
     graph_key,
@@ -174,3 +174,33 @@ def test_size_classes_and_cache_root() -> None:
     assert [size_class(n) for n in WARM_UP_SIZES] == [0, 1, 2]
     assert compile_cache_root({"PAGEDSERVE_CACHE_DIR": "/x"}) == Path("/x")
     assert saved_compiles_dir({"XDG_CACHE_HOME": "/y"}) == Path("/y/pagedserve/aot")
+
+
+class _RefusingGraph:
+    """A loaded graph whose guards refuse every input it was not warmed up on."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def guard_check(self, *args: object) -> bool:
+        return False
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        raise AssertionError("a refused graph must not run")
+
+
+def test_a_token_count_the_guards_refuse_runs_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+    class Model(torch.nn.Module):
+        def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return (ids + positions).float()[:, None]
+
+    compiled = CompiledForward(Model(), saved_dir=Path("unused"))  # type: ignore[arg-type]
+    graph = _RefusingGraph()
+    compiled._graphs = [graph, graph, graph]
+    ids = torch.arange(3)
+    with caplog.at_level("WARNING"):
+        out = compiled(ids, ids)
+        again = compiled(ids, ids)
+    assert torch.equal(out, again) and out[:, 0].tolist() == [0.0, 2.0, 4.0] and graph.calls == 0
+    assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1  # warned once

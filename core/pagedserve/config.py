@@ -168,10 +168,11 @@ class EngineArgs(_Config):
         "compiler; the first start compiles for about a minute, later starts read inductor's disk cache)",
     )
     compile_cache: bool = Field(
-        True,
+        False,
         description="with cpu_compile: save each compiled forward graph whole under the compile cache "
         "root ($PAGEDSERVE_CACHE_DIR, else ~/.cache/pagedserve, in aot/) and load it at later starts "
-        "instead of tracing the model again; False compiles at every start without saving (for debugging)",
+        "instead of tracing the model again (later starts about twice as fast, the first one slower); "
+        "False compiles at every start without saving",
     )
     cuda_graph_max_tokens: int = Field(
         2048, ge=1, description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly"

@@ -20,7 +20,7 @@ start instead of on the first request. Guards on the model's modules and paramet
 (`skip_guard_on_all_nn_modules_unsafe`): the engine never changes the model after loading, and
 checking several hundred parameters on every call would cost more than it saves.
 
-Saved graphs (`compile_cache=True`, the default). Even with inductor's cache warm, a start re-runs
+Saved graphs (`compile_cache=True`, opt-in). Even with inductor's cache warm, a start re-runs
 dynamo's tracing, which is most of its compile time. So each size class's graph is compiled ahead
 of time (`aot_compile`) and saved whole under the compile cache root
 (`pagedserve.worker.saved_compiles`); a later start with the same model, code and torch loads it
@@ -101,7 +101,8 @@ class CompiledForward:
         self.model = model
         # One graph per entry of `WARM_UP_SIZES` once `warm_up` ran (ahead-of-time path only).
         self._graphs: list[CompiledFn] = []
-        self._checked_sizes: set[int] = set()  # token counts whose guards passed
+        self._checked_sizes: set[int] = set()  # token counts whose guards were checked
+        self._eager_sizes: set[int] = set()  # token counts a saved graph's guards refused
         self.origins: list[GraphOrigin] = []  # how each graph became ready, for logs and tests
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         if saved_dir is None:
@@ -117,11 +118,17 @@ class CompiledForward:
             # at every step: checked once per token count, not at every call (a millisecond per
             # forward of a 32-layer model, most of it on the parameters').
             if not graph.guard_check(self.model, input_ids, positions):  # type: ignore[attr-defined]
-                raise RuntimeError(
-                    f"the saved compiled forward for {num_tokens}-token steps does not accept them; "
-                    "start with compile_cache=False"
+                # A saved graph cannot recompile; serving goes on eagerly for this size rather than
+                # failing the request.
+                logger.warning(
+                    "the saved compiled forward does not accept %d-token steps; they run eagerly",
+                    num_tokens,
                 )
+                self._eager_sizes.add(num_tokens)
             self._checked_sizes.add(num_tokens)
+        if num_tokens in self._eager_sizes:
+            eager: torch.Tensor = self.model(input_ids, positions)
+            return eager
         out: torch.Tensor = graph(self.model, input_ids, positions)
         return out
 

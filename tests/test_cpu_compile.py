@@ -30,8 +30,11 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return save_checkpoint(hf, tmp_path_factory.mktemp("mistral")), hf
 
 
-def test_compiled_steps_give_hf_greedy_tokens(mistral: tuple[Path, Any]) -> None:
+def test_compiled_steps_give_hf_greedy_tokens(
+    mistral: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, hf = mistral
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))  # saved graphs stay out of the home folder
     llm = LLM(
         str(path),
         platform="cpu_reference",  # the best platform of a GPU host would not compile

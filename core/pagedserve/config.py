@@ -167,6 +167,13 @@ class EngineArgs(_Config):
         description="CPU platforms: run steps of up to 32 tokens through torch.compile (needs a C++ "
         "compiler; the first start compiles for about a minute, later starts read inductor's disk cache)",
     )
+    compile_cache: bool = Field(
+        False,
+        description="with cpu_compile: save each compiled forward graph whole under the compile cache "
+        "root ($PAGEDSERVE_CACHE_DIR, else ~/.cache/pagedserve, in aot/) and load it at later starts "
+        "instead of tracing the model again (later starts about twice as fast, the first one slower); "
+        "False compiles at every start without saving",
+    )
     cuda_graph_max_tokens: int = Field(
         2048, ge=1, description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly"
     )

@@ -70,6 +70,11 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--no-chunked-prefill": ("enable_chunked_prefill", False, "turn chunked prefill off"),
     "--enforce-eager": ("enforce_eager", True, "no CUDA graphs, no compilation"),
     "--cpu-compile": ("cpu_compile", True, "CPU: torch.compile steps of up to 32 tokens (slow first start)"),
+    "--compile-cache": (
+        "compile_cache",
+        True,
+        "CPU: with --cpu-compile, save the compiled graphs whole and load them at later starts",
+    ),
     "--no-gpu-compile": ("gpu_compile", False, "GPU: run the forward's dense parts uncompiled"),
     "--no-platform-linear": (
         "platform_linear",

@@ -19,6 +19,14 @@ caches the result on disk, so later processes load it in seconds. `warm_up` pays
 start instead of on the first request. Guards on the model's modules and parameters are skipped
 (`skip_guard_on_all_nn_modules_unsafe`): the engine never changes the model after loading, and
 checking several hundred parameters on every call would cost more than it saves.
+
+Saved graphs (`compile_cache=True`, opt-in). Even with inductor's cache warm, a start re-runs
+dynamo's tracing, which is most of its compile time. So each size class's graph is compiled ahead
+of time (`aot_compile`) and saved whole under the compile cache root
+(`pagedserve.worker.saved_compiles`); a later start with the same model, code and torch loads it
+instead: a 32-layer model's start took 11-14 s instead of 24-27 s (docs/benchmarks.md, CPU). The
+engine picks the graph by step size itself (`size_class`); each graph's guards (torch's, module
+guards included) are checked at warm-up and at the first step of each token count.
 """
 
 from __future__ import annotations
@@ -26,14 +34,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.models.packed_int4 import MAX_PACKED_ROWS
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.worker.saved_compiles import CompiledFn, GraphOrigin, graph_key, load_or_compile
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +56,14 @@ MAX_COMPILED_TOKENS = 32
 # (`packed_int4.MAX_PACKED_ROWS`), which splits that range in two, and the largest size lands in
 # the second part.
 WARM_UP_SIZES = (1, 2, MAX_COMPILED_TOKENS)
+
+
+def size_class(num_tokens: int) -> int:
+    """Index into `WARM_UP_SIZES` of the graph that runs a step of `num_tokens` tokens when the
+    graphs are compiled ahead of time: one token, up to `MAX_PACKED_ROWS`, more. Pure."""
+    if num_tokens == 1:
+        return 0
+    return 1 if num_tokens <= MAX_PACKED_ROWS else 2
 
 
 def compile_reason(
@@ -69,15 +89,60 @@ class CompiledForward:
     Call it inside an open forward context, exactly like the model. Holds the compiled callable;
     inductor's code and on-disk cache are torch's."""
 
-    def __init__(self, model: PagedCausalLM) -> None:
+    def __init__(self, model: PagedCausalLM, saved_dir: Path | None = None) -> None:
+        """`saved_dir`: the folder of saved graphs (`saved_compiles`), each size class's graph
+        compiled ahead of time at `warm_up` and loaded from there when saved before; None: one
+        `torch.compile` of the module whose graphs dynamo makes on first use."""
         options: dict[str, str | int | bool | Callable[..., Any]] = {}
         skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
         if skip_module_guards is not None:
             options["guard_filter_fn"] = skip_module_guards
-        self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
-            model, fullgraph=True, options=options
-        )
+        self.saved_dir = saved_dir
         self.model = model
+        # One graph per entry of `WARM_UP_SIZES` once `warm_up` ran (ahead-of-time path only).
+        self._graphs: list[CompiledFn] = []
+        self._checked_sizes: set[int] = set()  # token counts whose guards were checked
+        self._eager_sizes: set[int] = set()  # token counts a saved graph's guards refused
+        self.origins: list[GraphOrigin] = []  # how each graph became ready, for logs and tests
+        self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        if saved_dir is None:
+            self._forward = torch.compile(model, fullgraph=True, options=options)
+        else:
+            self._forward = self._run_saved
+
+    def _run_saved(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        num_tokens = input_ids.shape[0]
+        graph = self._graphs[size_class(num_tokens)]
+        if num_tokens not in self._checked_sizes:
+            # Guards depend on the inputs' shapes and types, which the engine builds the same way
+            # at every step: checked once per token count, not at every call (a millisecond per
+            # forward of a 32-layer model, most of it on the parameters').
+            if not graph.guard_check(self.model, input_ids, positions):  # type: ignore[attr-defined]
+                # A saved graph cannot recompile; serving goes on eagerly for this size rather than
+                # failing the request.
+                logger.warning(
+                    "the saved compiled forward does not accept %d-token steps; they run eagerly",
+                    num_tokens,
+                )
+                self._eager_sizes.add(num_tokens)
+            self._checked_sizes.add(num_tokens)
+        if num_tokens in self._eager_sizes:
+            eager: torch.Tensor = self.model(input_ids, positions)
+            return eager
+        out: torch.Tensor = graph(self.model, input_ids, positions)
+        return out
+
+    def _warm_call(self, ids: torch.Tensor, graph: CompiledFn) -> None:
+        graph(self.model, ids, ids.clone())
+
+    def _aot_compile(self, ids: torch.Tensor) -> CompiledFn:
+        # torch's own guard filter for saved graphs: skipping the module guards as `__init__` does
+        # saves guards that refer to module attributes never recorded, and the file then fails to
+        # load. specialize_float: otherwise dynamo restarts its analysis to turn float scalars
+        # into tensors, and an ahead-of-time compile cannot restart.
+        with torch._dynamo.config.patch(specialize_float=True):
+            compiler = torch.compile(type(self.model).forward, fullgraph=True, dynamic=True)
+            return compiler.aot_compile(((self.model, ids, ids.clone()), {}))  # type: ignore[attr-defined]
 
     @staticmethod
     def fits(num_tokens: int) -> bool:
@@ -91,9 +156,9 @@ class CompiledForward:
 
     @torch.inference_mode()  # as `ModelRunner.execute`, so that the graphs match its steps
     def warm_up(self, kv_caches: list[torch.Tensor], backend: AttentionBackend, cache_ops: CacheOps) -> None:
-        """Compile every graph now (`WARM_UP_SIZES`), with attention answered by zeros (the KV
-        caches are not touched). Slow: tens of seconds per graph unless inductor's disk cache
-        already holds it."""
+        """Compile every graph now (`WARM_UP_SIZES`), or load it from `saved_dir`, with attention
+        answered by zeros (the KV caches are not touched). Slow: tens of seconds per graph unless
+        a saved graph or inductor's disk cache holds it. Records `origins`; saves new graphs."""
         device = kv_caches[0].device
         spec = self.model.spec
         for size in WARM_UP_SIZES:
@@ -109,7 +174,21 @@ class CompiledForward:
             start = time.perf_counter()
             try:
                 with forward_context(ctx):
-                    self(ids, ids.clone())
+                    if self.saved_dir is None:
+                        self(ids, ids.clone())
+                        origin = GraphOrigin(size, "compiled", time.perf_counter() - start)
+                    else:
+                        key = graph_key(self.model, spec, device.type, f"tokens-class-{size}")
+                        path = self.saved_dir / f"{key}.pt2"
+                        graph, origin = load_or_compile(
+                            path,
+                            size,
+                            partial(self._aot_compile, ids),
+                            partial(self._warm_call, ids),
+                        )
+                        graph.disable_guard_check()  # type: ignore[attr-defined]  # see `_run_saved`
+                        self._graphs.append(graph)
+                        self._checked_sizes.add(size)
             except Exception as exc:  # inductor's failures have many types; all mean the same here
                 first_line = (str(exc).strip().splitlines() or [""])[0]
                 raise RuntimeError(
@@ -118,11 +197,14 @@ class CompiledForward:
                     "torch.compile's CPU backend needs a working C++ compiler (gcc or clang on PATH); "
                     "start without cpu_compile to run eagerly"
                 ) from exc
+            self.origins.append(origin)
             logger.info(
-                "compiled the %s forward for %d-token steps in %.1f s",
+                "%s the %s forward for %d-token steps in %.1f s%s",
+                origin.how,
                 spec.architecture,
                 size,
-                time.perf_counter() - start,
+                origin.seconds,
+                "" if self.saved_dir is None else f" (saved graphs: {self.saved_dir})",
             )
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import operator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -132,11 +133,12 @@ class ModelRunner:
         shape = self.spec.kv_cache_shape(num_blocks, self.block_size)
         self.swap_caches = [torch.zeros(shape, dtype=c.dtype, device="cpu") for c in self.kv_caches]
 
-    def compile_forward(self) -> None:
+    def compile_forward(self, saved_dir: Path | None = None) -> None:
         """Compile the model forward for small steps (see `cpu_compile`) and warm it up; steps
-        that fit run it from then on. Call once, after the KV cache exists. Mutates the runner;
-        slow (compiles several graphs unless inductor's disk cache has them)."""
-        compiled = CompiledForward(self.model)
+        that fit run it from then on. `saved_dir`: where compiled graphs are saved and loaded
+        (`saved_compiles`); None compiles without saving. Call once, after the KV cache exists.
+        Mutates the runner; slow (compiles several graphs unless they were saved before)."""
+        compiled = CompiledForward(self.model, saved_dir)
         compiled.warm_up(self.kv_caches, self.backend, self.cache_ops)
         self.compiled = compiled
 

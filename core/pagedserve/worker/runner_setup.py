@@ -28,6 +28,7 @@ from pagedserve.worker.graph_modes import no_programmatic_launch, plan_graphs
 from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.profile import profile_activation_bytes
+from pagedserve.worker.saved_compiles import saved_compiles_dir
 from pagedserve.worker.warmup import prepare_runner
 
 logger = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ def _compile_cpu_forward(
         # it has not been checked with the all-reduce operator inside, so ranks stay eager.
         not_compiled_why = "tensor_parallel_size > 1 runs eagerly on CPUs"
     if not_compiled_why is None:
-        runner.compile_forward()
+        runner.compile_forward(saved_compiles_dir() if args.compile_cache else None)
     elif args.cpu_compile:
         logger.warning("cpu_compile=True has no effect: %s", not_compiled_why)
 

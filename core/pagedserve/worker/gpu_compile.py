@@ -30,7 +30,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 from pagedserve.worker.cpu_compile import zero_attention
+from pagedserve.worker.saved_compiles import compile_cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ WARM_UP_SIZES = (2, 1)
 PROGRAMMATIC_MAX_TOKENS = 16
 # Compiled entries dynamo may keep per code object: two or three per model (`GpuCompiledForward`).
 RECOMPILE_LIMIT = 64
-CACHE_ROOT_ENV = "PAGEDSERVE_CACHE_DIR"  # where compile caches go unless their own variables say
 
 
 def configure_compile_caches(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -63,8 +62,7 @@ def configure_compile_caches(environ: dict[str, str] | None = None) -> dict[str,
     cache). Inductor's own default lives under /tmp, which a reboot empties. Returns variable ->
     directory in effect. Mutates `environ` (default: `os.environ`)."""
     env: Any = os.environ if environ is None else environ
-    xdg = env.get("XDG_CACHE_HOME")
-    root = Path(env.get(CACHE_ROOT_ENV) or (Path(xdg) if xdg else Path.home() / ".cache") / "pagedserve")
+    root = compile_cache_root(env)
     chosen = {}
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
         if not env.get(var):

@@ -22,6 +22,7 @@ never runs a graph whose guards did not accept its inputs.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import inspect
 import logging
 import os
@@ -35,14 +36,14 @@ from typing import Any, Literal
 
 import torch
 
-import pagedserve
-
 logger = logging.getLogger(__name__)
 
 # Bumped when what is saved changes meaning (the compile options, the guard policy).
 FORMAT_VERSION = 1
 SUBDIR = "aot"
-_PACKAGE_DIR = Path(pagedserve.__file__).parent
+# The package's folder, found from this file: importing `pagedserve` itself here would make the
+# package and its engine modules import each other.
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # Sources every traced forward goes through besides the model's own module classes.
 _TRACED_SOURCES = (
     _PACKAGE_DIR / "attention" / "layer.py",
@@ -92,6 +93,13 @@ def _source_files(model: torch.nn.Module) -> list[Path]:
     return sorted(files)
 
 
+def _pagedserve_version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree: the sources are hashed
+        return "not installed"
+
+
 def graph_key(model: torch.nn.Module, spec: object, device_type: str, size_class: str) -> str:
     """Hex digest naming the compiled graph of `model`'s forward for `size_class` on
     `device_type`; equal keys mean the trace would produce the same graph. Reads the source files."""
@@ -102,7 +110,7 @@ def graph_key(model: torch.nn.Module, spec: object, device_type: str, size_class
             digest.update(str(part).encode())
             digest.update(b"\0")
 
-    add(FORMAT_VERSION, torch.__version__, pagedserve.__version__, sys.version, device_type, size_class)
+    add(FORMAT_VERSION, torch.__version__, _pagedserve_version(), sys.version, device_type, size_class)
     add(type(model).__module__, type(model).__qualname__, repr(spec))
     for path in _source_files(model):
         add(path.name)

@@ -13,7 +13,6 @@ engine's tokenizer thread, not on the event loop; a client that goes away aborts
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import uuid
 from collections.abc import Coroutine, Sequence
@@ -27,7 +26,7 @@ from pagedserve.outputs import PoolingRequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.server.async_engine import EngineDeadError, InvalidRequest
 from pagedserve.server.errors import APIError, engine_dead
-from pagedserve.server.handlers import GenerationHandler, unless_disconnected
+from pagedserve.server.handlers import GenerationHandler, gather_or_cancel, unless_disconnected
 from pagedserve.server.openai_protocol import EmbeddingRequest
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
@@ -109,17 +108,8 @@ class EmbeddingsHandler(GenerationHandler):
         """Every input's pooled output, in input order. A disconnect cancels the waits, which
         aborts their requests in the engine."""
 
-        async def run_all() -> list[PoolingRequestOutput]:
-            tasks = [asyncio.ensure_future(w) for w in waits]
-            try:
-                return list(await asyncio.gather(*tasks))
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
         try:
-            return await unless_disconnected(request, run_all())
+            return await unless_disconnected(request, gather_or_cancel(waits))
         except InvalidRequest as exc:
             # The engine names the prompt; in this API the prompts are `input`.
             param = "input" if exc.param in (None, "prompt") else exc.param

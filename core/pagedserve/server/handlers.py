@@ -102,6 +102,18 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
 
 
+async def gather_or_cancel(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """Every awaitable's result, in order; when one fails or the caller is cancelled, the others
+    are cancelled and awaited, so no request of a batch outlives it."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -312,17 +324,8 @@ class GenerationHandler:
             assert deltas  # generate always yields a finished output before it ends
             return merge_deltas(deltas)
 
-        async def run_all() -> list[RequestOutput]:
-            tasks = [asyncio.ensure_future(last(s)) for s in streams]
-            try:
-                return list(await asyncio.gather(*tasks))
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
         try:
-            return await unless_disconnected(request, run_all())
+            return await unless_disconnected(request, gather_or_cancel([last(s) for s in streams]))
         except (InvalidRequest, ValueError) as exc:
             raise invalid(exc) from None
         except EngineDeadError as exc:

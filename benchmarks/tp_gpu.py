@@ -38,6 +38,7 @@ from gpu_latency import LLAMA_SHAPES, _prompt, bench_engine_args, llama_config, 
 
 from pagedserve.bench.datasets import BenchRequest, fit_vocab, load_workload
 from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
+from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor.base import ParallelExecutor
 from pagedserve.executor.launch import worker_environment
@@ -46,6 +47,7 @@ from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.async_output import PendingOutput
+from pagedserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_TOKENS
 from pagedserve.worker.host_times import HostTimes
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -123,6 +125,7 @@ def measure(args: argparse.Namespace, model_dir: str, tp: int) -> dict[str, Any]
             enforce_eager=args.enforce_eager,
             gpu_memory_utilization=args.gpu_memory_utilization,
             cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+            cudagraph_mode=args.cudagraph_mode,
         )
     )
     out: dict[str, Any] = {"tp": tp, "build_s": time.perf_counter() - start}
@@ -277,8 +280,13 @@ def main() -> None:
     parser.add_argument(
         "--cuda-graph-max-tokens",
         type=int,
-        default=512,
-        help="largest step replayed as piecewise CUDA graphs (the engine's default: 512)",
+        default=DEFAULT_MAX_GRAPH_TOKENS,
+        help=f"largest step replayed as CUDA graphs (the engine's default: {DEFAULT_MAX_GRAPH_TOKENS})",
+    )
+    parser.add_argument(
+        "--cudagraph-mode",
+        default=EngineArgs.model_fields["cudagraph_mode"].default,
+        help="the engine's cudagraph_mode (e.g. 'full': mixed steps replay whole graphs too)",
     )
     parser.add_argument("--bw-mib", type=int, default=256, help="all-reduce size of the bandwidth test")
     parser.add_argument("--json", help="write the results here")

@@ -139,6 +139,8 @@ _EAGER: dict[str, list[list[int]]] = {}  # platform -> eager tokens of the mode 
     ("platform", "mode", "compiled"),
     [
         ("triton", "full_and_piecewise", False),
+        ("triton", "full", True),
+        ("cuda", "full", True),
         ("triton", "full_decode_only", True),
         ("triton", "piecewise", True),
         ("triton", "none", True),
@@ -158,10 +160,14 @@ def test_every_mode_gives_the_eager_tokens(
     assert graphed == eager
     runner = llm.engine.core.runner
     assert (runner.full_graphs is not None) == mode.startswith("full")
-    assert (runner.cuda_graphs is not None) == (mode in ("piecewise", "full_and_piecewise"))
+    assert (runner.cuda_graphs is not None) == (mode in ("piecewise", "full_and_piecewise", "full"))
+    assert (runner.mixed_graphs is not None) == (mode == "full")
     assert (runner.compiled is not None) == compiled
     if runner.full_graphs is not None:
         assert runner.full_graphs.num_replays > 0
+    if runner.mixed_graphs is not None:
+        # The 64-token budget splits the prompts into chunks that run beside decodes.
+        assert runner.mixed_graphs.num_replays > 0
 
 
 def test_a_step_beyond_the_ladder_runs_eagerly(checkpoints: dict[str, Path]) -> None:

@@ -5,6 +5,7 @@ path. Skipped without two CUDA GPUs."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
 from typing import Any
@@ -25,6 +26,7 @@ pytestmark = [
     ),
 ]
 
+DEADLINE_S = 300  # for every rank of one world size to finish
 LIMITS = PeerMemoryLimits(one_shot_max_bytes=64 * 1024, two_shot_max_bytes=1024 * 1024)
 
 
@@ -78,12 +80,16 @@ def _check(rank: int, world: int, port: int, failures: Any) -> None:
                     want = sum(x.float() for x in fresh)
                     assert float((out.float() - want).norm() / want.norm()) < tol, (dtype, numel, "graph")
         print(f"rank {rank}: eager and graph paths checked", flush=True)
+        # Should a rank hang from here on, its stacks say where before the test's deadline.
+        faulthandler.dump_traceback_later(DEADLINE_S - 60, exit=True)
         compiled = torch.compile(lambda t: group.all_reduce(t * 2) + 1, fullgraph=True)
         xs = _inputs(2048, torch.bfloat16, world, seed=4, device=device)
         want = sum(x.float() * 2 for x in xs) + 1
         got = compiled(xs[rank]).float()
         assert float((got - want).norm() / want.norm()) < 1e-2, "compiled"
+        print(f"rank {rank}: compiled path checked", flush=True)
         destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
     except BaseException as exc:  # reported to the test, which asserts none
         failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
         # The peers may wait in a collective for this rank forever: leave at once, so the test
@@ -101,7 +107,7 @@ def test_every_path_sums_eagerly_in_graphs_and_compiled(world: int) -> None:
     procs = [ctx.Process(target=_check, args=(r, world, port, failures)) for r in range(world)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + DEADLINE_S
     # A rank that failed exits at once; its peers are then stopped rather than awaited.
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         if any(p.exitcode not in (None, 0) for p in procs):

@@ -84,6 +84,7 @@ def _tokens(path: Path, **engine: object) -> list[list[int]]:
 
 MODES: dict[str, dict[str, object]] = {
     "full_and_piecewise": {},  # the defaults: compiled forward, async scheduling, both graph kinds
+    "full": {"cudagraph_mode": "full"},  # mixed steps (chunks beside decodes) replay whole graphs too
     "full_decode_only": {"cudagraph_mode": "full_decode_only"},
     "piecewise": {"cudagraph_mode": "piecewise", "async_scheduling": False},
     "none": {"cudagraph_mode": "none"},

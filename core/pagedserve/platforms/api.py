@@ -68,6 +68,12 @@ one layer shape (`AttentionLayerShape`). Full decode graphs are captured once pe
 count and per distinct key over a ladder of `max_seq_len` bounds, so a batch of short sequences
 replays a graph planned for short sequences. The default (`None`) says the launches do not change
 with `max_seq_len`: one graph per padded size, as with API 1.1.
+Full graphs of mixed steps (API 1.10): `AttentionBackend.supports_full_cuda_graph_mixed` promises
+that a whole-forward graph captured for a batch of `num_actual_tokens` tokens, `num_reqs`
+requests and a `max_query_len` bound replays correctly any batch with at most as many tokens and
+requests and queries no longer than the bound: prefill chunks beside decodes, not only decode
+batches. With it, `cudagraph_mode="full"` replays such steps as one graph each. The default
+(False) keeps them on piecewise graphs.
 """
 
 from __future__ import annotations
@@ -83,9 +89,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.9"
+PLUGIN_API_VERSION = "1.10"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.9"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.10"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -241,6 +247,13 @@ class AttentionBackend(ABC):
     # upper bound of the real sequence lengths. Padding requests (query length 0, `seq_len` 0, at
     # the end of the batch) attend to nothing and write no real token's output row.
     supports_full_cuda_graph: ClassVar[bool] = False
+    # API 1.10. True promises, on top of `supports_full_cuda_graph`, that `max_query_len` too may be
+    # only an upper bound: the launches recorded for `num_actual_tokens` tokens, `num_reqs`
+    # requests and a `max_query_len` bound serve any batch with at most that many tokens and
+    # requests and queries no longer than the bound (padding tokens past the last request's query
+    # belong to no request, and no kernel writes their output rows with anything a real row reads).
+    # Full graphs of mixed steps (`pagedserve.worker.full_mixed_graphs`) need it.
+    supports_full_cuda_graph_mixed: ClassVar[bool] = False
 
     def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> Hashable | None:
         """API 1.2. What this backend's launches for `metadata` on a layer of shape `layer` depend

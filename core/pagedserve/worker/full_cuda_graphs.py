@@ -43,6 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -53,6 +54,9 @@ from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape, CacheOps, KVCacheScales
 from pagedserve.worker.cuda_graphs import padded_size
 from pagedserve.worker.graph_modes import step_path
+
+if TYPE_CHECKING:  # torch imports it at runtime only lazily (an import cycle otherwise)
+    from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger(__name__)
 
@@ -188,43 +192,53 @@ class DecodeGraphIndex:
         return size, self._capture_bucket[(size, self.bucket_of(max_seq_len))]
 
 
-class DecodeGraphBuffers:
-    """The persistent inputs of full decode graphs: token ids, positions and attention metadata
-    for up to `max_reqs` one-token requests, on one device. Graphs read these addresses; `fill`
-    writes a step into them."""
+class GraphBuffers:
+    """The persistent inputs of whole-forward graphs: token ids, positions and attention metadata
+    for up to `max_tokens` tokens of up to `max_reqs` requests, on one device. Graphs read these
+    addresses; `fill` writes a step into them."""
 
-    def __init__(self, max_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
-        if max_reqs < 1 or max_blocks_per_req < 1:
-            raise ValueError(f"max_reqs={max_reqs} and max_blocks_per_req={max_blocks_per_req} must be >= 1")
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+        if min(max_tokens, max_reqs, max_blocks_per_req) < 1:
+            raise ValueError(
+                f"max_tokens={max_tokens}, max_reqs={max_reqs} and max_blocks_per_req={max_blocks_per_req} "
+                "must be >= 1"
+            )
+        self.max_tokens = max_tokens
         self.max_reqs = max_reqs
         i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(max_reqs, dtype=i64, device=device)  # [max_reqs]
-        self.positions = torch.zeros(max_reqs, dtype=i64, device=device)  # [max_reqs]
+        self.input_ids = torch.zeros(max_tokens, dtype=i64, device=device)  # [max_tokens]
+        self.positions = torch.zeros(max_tokens, dtype=i64, device=device)  # [max_tokens]
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=i32, device=device)  # [max_reqs + 1]
         self.seq_lens = torch.zeros(max_reqs, dtype=i32, device=device)  # [max_reqs]
         self.block_table = torch.zeros(  # [max_reqs, max_blocks_per_req]
             (max_reqs, max_blocks_per_req), dtype=i32, device=device
         )
-        self.slot_mapping = torch.full((max_reqs,), PADDING_SLOT, dtype=i64, device=device)  # [max_reqs]
+        self.slot_mapping = torch.full((max_tokens,), PADDING_SLOT, dtype=i64, device=device)  # [max_tokens]
 
-    def metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
-        """The metadata a graph of `size` requests is captured with: views of the buffers (so a
-        replay reads whatever `fill` last wrote) and host fields fixed to the padded size and the
-        `max_seq_len` bound. The host twins hold the all-padding batch; backends that support full
-        graphs do not read them. Does not mutate."""
-        if not 1 <= size <= self.max_reqs:
-            raise ValueError(f"size={size} must be in 1..{self.max_reqs}")
+    def graph_metadata(
+        self, num_tokens: int, num_reqs: int, *, max_query_len: int, max_seq_len: int
+    ) -> AttentionMetadata:
+        """The metadata a graph of `num_tokens` tokens and `num_reqs` requests is captured with:
+        views of the buffers (so a replay reads whatever `fill` last wrote) and host fields fixed
+        to the padded counts and the `max_query_len` / `max_seq_len` bounds. The host twins hold
+        the all-padding batch; backends that support full graphs do not read them. Does not
+        mutate."""
+        if not 1 <= num_tokens <= self.max_tokens or not 1 <= num_reqs <= min(num_tokens, self.max_reqs):
+            raise ValueError(
+                f"a graph of {num_tokens} tokens and {num_reqs} requests: need 1 <= tokens <= "
+                f"{self.max_tokens} and 1 <= requests <= min(tokens, {self.max_reqs})"
+            )
         return AttentionMetadata(
-            num_reqs=size,
-            num_actual_tokens=size,
-            max_query_len=1,
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc_cpu=torch.zeros(size + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.zeros(size, dtype=torch.int32),
+            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs],
+            block_table=self.block_table[:num_reqs],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc_cpu=torch.zeros(num_reqs + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.zeros(num_reqs, dtype=torch.int32),
         )
 
     def pad_all(self) -> None:
@@ -234,6 +248,62 @@ class DecodeGraphBuffers:
         self.seq_lens.zero_()
         self.slot_mapping.fill_(PADDING_SLOT)
 
+    def fill_step(
+        self,
+        num_tokens: int,  # the graph's padded token count
+        num_reqs: int,  # the graph's padded request count
+        input_ids: torch.Tensor,  # [n_tokens] int64
+        positions: torch.Tensor,  # [n_tokens] int64
+        metadata: AttentionMetadata,  # the step's: n_reqs <= num_reqs requests, n_tokens <= num_tokens
+    ) -> None:
+        """Write one step into the leading rows and make the rest of the graph's rows padding:
+        requests past the step's have query length 0 (their start is the step's token count) and
+        `seq_len` 0, tokens past the step's have slot -1. Padding token ids and positions keep
+        earlier steps' values, which are valid ids and positions. Device-side copies only (no
+        sync). Mutates the buffers; raises ValueError for a step the graph cannot hold."""
+        n, t = metadata.num_reqs, metadata.num_actual_tokens
+        if input_ids.shape[0] != t or positions.shape[0] != t:
+            raise ValueError(
+                f"the step has {t} tokens but {input_ids.shape[0]} ids and {positions.shape[0]} positions"
+            )
+        if not (1 <= n <= num_reqs <= self.max_reqs and 1 <= t <= num_tokens <= self.max_tokens):
+            raise ValueError(
+                f"a step of {t} tokens for {n} requests does not fit a graph of {num_tokens} tokens and "
+                f"{num_reqs} requests (buffers hold {self.max_tokens} and {self.max_reqs})"
+            )
+        width = metadata.block_table.shape[1]
+        if width > self.block_table.shape[1]:
+            raise ValueError(
+                f"the step's block table has {width} columns; the graph buffers hold "
+                f"{self.block_table.shape[1]} (max_model_len / block_size)"
+            )
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.positions[:t].copy_(positions, non_blocking=True)
+        self.query_start_loc[: n + 1].copy_(metadata.query_start_loc, non_blocking=True)
+        self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)
+        self.block_table[:n, :width].copy_(metadata.block_table, non_blocking=True)
+        self.slot_mapping[:t].copy_(metadata.slot_mapping[:t], non_blocking=True)
+        if n < num_reqs:
+            self.query_start_loc[n + 1 : num_reqs + 1].fill_(t)
+            self.seq_lens[n:num_reqs].zero_()
+        if t < num_tokens:
+            self.slot_mapping[t:num_tokens].fill_(PADDING_SLOT)
+
+
+class DecodeGraphBuffers(GraphBuffers):
+    """`GraphBuffers` of decode batches: one token per request, so a graph's padded size counts
+    both."""
+
+    def __init__(self, max_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+        super().__init__(max_reqs, max_reqs, max_blocks_per_req, device)
+
+    def metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
+        """The capture metadata of the graph of `size` one-token requests (`graph_metadata`).
+        Does not mutate."""
+        if not 1 <= size <= self.max_reqs:
+            raise ValueError(f"size={size} must be in 1..{self.max_reqs}")
+        return self.graph_metadata(size, size, max_query_len=1, max_seq_len=max_seq_len)
+
     def fill(
         self,
         size: int,
@@ -242,9 +312,8 @@ class DecodeGraphBuffers:
         metadata: AttentionMetadata,  # a decode batch of num_reqs <= size requests
     ) -> None:
         """Write one decode step into rows `:num_reqs` and mark rows `num_reqs:size` as padding
-        (query length 0, seq_len 0, slot -1). Padding token ids and positions keep earlier
-        steps' values, which are valid ids and positions. Device-side copies only (no sync).
-        Mutates the buffers; raises ValueError for a batch that is not a fitting decode batch."""
+        (`fill_step`). Mutates the buffers; raises ValueError for a batch that is not a fitting
+        decode batch."""
         n = metadata.num_reqs
         if metadata.max_query_len != 1 or metadata.num_actual_tokens != n or input_ids.shape[0] != n:
             raise ValueError(
@@ -253,22 +322,47 @@ class DecodeGraphBuffers:
             )
         if not 1 <= n <= size <= self.max_reqs:
             raise ValueError(f"{n} requests do not fit a graph of {size} (buffers hold {self.max_reqs})")
-        width = metadata.block_table.shape[1]
-        if width > self.block_table.shape[1]:
-            raise ValueError(
-                f"the step's block table has {width} columns; the graph buffers hold "
-                f"{self.block_table.shape[1]} (max_model_len / block_size)"
+        self.fill_step(size, size, input_ids, positions, metadata)
+
+
+def capture_whole_forward(
+    forward: Forward,
+    ids: torch.Tensor,  # [num_tokens] int64, the graph's static input
+    positions: torch.Tensor,  # [num_tokens] int64, the graph's static input
+    context: Callable[[], ForwardContext],  # a fresh context over the capture metadata
+    pool: _POOL_HANDLE,  # the graph memory pool (`torch.cuda.graph_pool_handle()`)
+    stream: torch.cuda.Stream,  # the side stream capture runs on
+    what: str,  # the graph, for the error note ("the full decode CUDA graph for 8 requests")
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:  # the graph, its hidden states [num_tokens, hidden]
+    """Run `forward` once eagerly, then capture it whole. Mutates the pool and whatever the
+    forward writes (nothing, on all-padding metadata)."""
+    # Warm-up: lazy initialisation (workspaces, kernels compiled on first use) must happen
+    # before capture, where it is not allowed.
+    with forward_context(context()):
+        forward(ids, positions)
+    stream.synchronize()
+    # A new metadata object for the capture (same buffer addresses): backends that keep
+    # per-step state by metadata identity (split-KV scratch tensors, say) then allocate it
+    # inside the capture, from the graph's pool, rather than reuse the warm-up's ordinary
+    # allocation, which would go back to the allocator while the graph still writes it.
+    ctx = context()
+    with forward_context(ctx):
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool)
+        try:
+            hidden = forward(ids, positions)
+        except BaseException as exc:
+            try:
+                graph.capture_end()
+            except RuntimeError as end_exc:
+                exc.add_note(f"ending the broken capture also failed: {end_exc}")
+            exc.add_note(
+                f"while capturing {what} with backend {type(ctx.backend).__name__}; "
+                "cudagraph_mode='piecewise' or enforce_eager=True avoids it"
             )
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.query_start_loc[: n + 1].copy_(metadata.query_start_loc, non_blocking=True)
-        self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)
-        self.block_table[:n, :width].copy_(metadata.block_table, non_blocking=True)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping[:n], non_blocking=True)
-        if n < size:
-            self.query_start_loc[n + 1 : size + 1].fill_(n)
-            self.seq_lens[n:size].zero_()
-            self.slot_mapping[n:size].fill_(PADDING_SLOT)
+            raise
+        graph.capture_end()
+    return graph, hidden
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,45 +489,19 @@ class FullDecodeGraphs:
         backend: AttentionBackend,
         cache_ops: CacheOps,
     ) -> _Graph:
-        ids = self.buffers.input_ids[:size]
-        positions = self.buffers.positions[:size]
-
         def context() -> ForwardContext:
-            return ForwardContext(
-                self.buffers.metadata(size, bucket),
-                kv_caches,
-                backend,
-                cache_ops,
-                kv_scales=self.kv_scales,
-            )
+            metadata = self.buffers.metadata(size, bucket)
+            return ForwardContext(metadata, kv_caches, backend, cache_ops, kv_scales=self.kv_scales)
 
-        # Warm-up: lazy initialisation (workspaces, kernels compiled on first use) must happen
-        # before capture, where it is not allowed.
-        with forward_context(context()):
-            self.forward(ids, positions)
-        stream.synchronize()
-        # A new metadata object for the capture (same buffer addresses): backends that keep
-        # per-step state by metadata identity (split-KV scratch tensors, say) then allocate it
-        # inside the capture, from the graph's pool, rather than reuse the warm-up's ordinary
-        # allocation, which would go back to the allocator while the graph still writes it.
-        ctx = context()
-        with forward_context(ctx):
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self._pool)
-            try:
-                hidden = self.forward(ids, positions)
-            except BaseException as exc:
-                try:
-                    graph.capture_end()
-                except RuntimeError as end_exc:
-                    exc.add_note(f"ending the broken capture also failed: {end_exc}")
-                exc.add_note(
-                    f"while capturing the full decode CUDA graph for {size} requests (max_seq_len "
-                    f"{bucket}) with backend {type(ctx.backend).__name__}; cudagraph_mode='piecewise' "
-                    "or enforce_eager=True avoids it"
-                )
-                raise
-            graph.capture_end()
+        graph, hidden = capture_whole_forward(
+            self.forward,
+            self.buffers.input_ids[:size],
+            self.buffers.positions[:size],
+            context,
+            self._pool,
+            stream,
+            f"the full decode CUDA graph for {size} requests (max_seq_len {bucket})",
+        )
         return _Graph(size, bucket, graph, hidden)
 
     def run(

@@ -8,11 +8,16 @@ The modes follow vLLM's names:
 * `full_decode_only` — batches whose requests all have one new token replay one whole graph,
   attention inside (`full_cuda_graphs`); every other step runs without graphs.
 * `full_and_piecewise` (the default) — full graphs for decode batches, piecewise for the rest.
+* `full` — full graphs for decode batches and for mixed steps (prefill chunks beside decodes,
+  `full_mixed_graphs`), piecewise for the rest (steps the mixed graphs do not cover; unlike
+  vLLM's `FULL`, which runs those without graphs).
 
 Full graphs need an attention backend and cache ops that promise to be capturable whole
 (`AttentionBackend.supports_full_cuda_graph`, `CacheOps.skips_negative_slots`); without them a
-full mode falls back (`full_and_piecewise` to `piecewise`, `full_decode_only` to `none`) and the
-log says why. Everything here is pure: the engine set-up and the model runner call it.
+full mode falls back (`full` and `full_and_piecewise` to `piecewise`, `full_decode_only` to
+`none`) and the log says why. Mixed-step graphs also need
+`AttentionBackend.supports_full_cuda_graph_mixed`; without it `full` is `full_and_piecewise`.
+Everything here is pure: the engine set-up and the model runner call it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class CudaGraphMode(enum.Enum):
     PIECEWISE = "piecewise"
     FULL_DECODE_ONLY = "full_decode_only"
     FULL_AND_PIECEWISE = "full_and_piecewise"
+    FULL = "full"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +55,13 @@ class GraphPlan:
     warm_up_kernels: bool = True
     # the compiled forward's kernels are programmatic dependent launches (`programmatic_launch`)
     programmatic_launch: bool = False
+    # capture full graphs for mixed steps up to the token ladder's cap (`full_mixed_graphs`)
+    full_mixed: bool = False
 
     def describe(self) -> str:
         """One line for the log. Pure."""
-        kinds = [k for k, on in (("full decode", self.full_decode), ("piecewise", self.piecewise)) if on]
+        wanted = {"full decode": self.full_decode, "full mixed": self.full_mixed, "piecewise": self.piecewise}
+        kinds = [kind for kind, on in wanted.items() if on]
         graphs = " + ".join(kinds) if kinds else "no"
         text = f"{graphs} CUDA graphs, forward {'compiled' if self.compile else 'not compiled'}"
         if self.compile and self.programmatic_launch:
@@ -70,6 +79,7 @@ def plan_graphs(
     spec: ModelSpec,
     backend_supports_full: bool,
     cache_ops_skip_padding: bool,
+    backend_supports_full_mixed: bool = False,
 ) -> GraphPlan:
     """Turn the engine options into what is built. Raises ValueError for an unknown mode. Pure."""
     try:
@@ -92,8 +102,9 @@ def plan_graphs(
     notes: list[str] = []
     if not gpu_compile:
         notes.append("gpu_compile=False")
-    piecewise = wanted in (CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE)
-    full = wanted in (CudaGraphMode.FULL_DECODE_ONLY, CudaGraphMode.FULL_AND_PIECEWISE)
+    piecewise = wanted in (CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE, CudaGraphMode.FULL)
+    full = wanted in (CudaGraphMode.FULL_DECODE_ONLY, CudaGraphMode.FULL_AND_PIECEWISE, CudaGraphMode.FULL)
+    mixed = wanted is CudaGraphMode.FULL
     if full and not (backend_supports_full and cache_ops_skip_padding):
         missing = []
         if not backend_supports_full:
@@ -102,7 +113,11 @@ def plan_graphs(
             missing.append("the cache ops do not declare skips_negative_slots")
         fallback = "piecewise graphs only" if piecewise else "no graphs"
         notes.append(f"cudagraph_mode={wanted.value}: {' and '.join(missing)}, so {fallback}")
-        full = False
+        full = mixed = False
+    if mixed and not backend_supports_full_mixed:
+        why = "the attention backend does not declare supports_full_cuda_graph_mixed"
+        notes.append(f"cudagraph_mode=full: {why}, so mixed steps replay piecewise graphs")
+        mixed = False
     if wanted is CudaGraphMode.NONE:
         notes.append("cudagraph_mode=none")
     programmatic = programmatic_launch and gpu_compile
@@ -110,7 +125,9 @@ def plan_graphs(
     if unavailable is not None:
         notes.append(f"programmatic_launch: {unavailable}")
         programmatic = False
-    return GraphPlan(piecewise, full, gpu_compile, tuple(notes), programmatic_launch=programmatic)
+    return GraphPlan(
+        piecewise, full, gpu_compile, tuple(notes), programmatic_launch=programmatic, full_mixed=mixed
+    )
 
 
 def no_programmatic_launch(device: torch.device) -> str | None:

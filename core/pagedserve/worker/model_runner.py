@@ -44,6 +44,7 @@ from pagedserve.worker.async_output import (
 from pagedserve.worker.cpu_compile import CompiledForward
 from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs
 from pagedserve.worker.full_cuda_graphs import FullDecodeGraphs
+from pagedserve.worker.full_mixed_graphs import FullMixedGraphs
 from pagedserve.worker.gpu_compile import GpuCompiledForward
 from pagedserve.worker.input_batch import InputBatch, RowState
 from pagedserve.worker.startup_times import StartupTimes
@@ -118,8 +119,9 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.swap_caches: list[torch.Tensor] | None = None
         # Set by `warmup.prepare_runner` (GPUs) / `compile_forward` (CPUs); None: that path is off
-        # (full decode graphs, piecewise graphs, compiled forward).
+        # (full decode graphs, full mixed-step graphs, piecewise graphs, compiled forward).
         self.full_graphs: FullDecodeGraphs | None = None
+        self.mixed_graphs: FullMixedGraphs | None = None
         self.cuda_graphs: PiecewiseCudaGraphs | None = None
         self.compiled: CompiledForward | GpuCompiledForward | None = None
         self.startup_times: StartupTimes | None = None  # set by `warmup.prepare_runner`
@@ -172,9 +174,11 @@ class ModelRunner:
             kv_scales=self.kv_scales,
             new_kv_reads=self.new_kv_reads,
         )
-        full, graphs, compiled = self.full_graphs, self.cuda_graphs, self.compiled
+        full, mixed, graphs, compiled = self.full_graphs, self.mixed_graphs, self.cuda_graphs, self.compiled
         if full is not None and full.covers(metadata):
             hidden = full.run(metadata, input_ids, positions)
+        elif mixed is not None and mixed.covers(metadata):
+            hidden = mixed.run(metadata, input_ids, positions)
         elif graphs is not None and graphs.fits(metadata.num_actual_tokens):
             hidden = graphs.run(ctx, input_ids, positions)
         else:

@@ -15,8 +15,9 @@ What. `prepare_runner` runs, in order and with the time of each in the log:
    speculative and mixed batches with short queries, and prefills of every power-of-two length
    up to the token budget; nothing is written to the KV cache (padding slots) and the backend
    only reads it;
-3. capture the full decode graphs, then the piecewise graphs (their capture runs the compiled
-   forward once per graph, which compiles anything the sweep missed).
+3. capture the full decode graphs, then the full mixed-step graphs (`cudagraph_mode="full"`),
+   then the piecewise graphs (their capture runs the compiled forward once per graph, which
+   compiles anything the sweep missed).
 
 The sweep is a list of batch shapes, not a list of kernels: it is what makes it backend-agnostic.
 It covers each axis a backend plans on (request count, longest query, longest context) at the
@@ -62,6 +63,7 @@ from pagedserve.worker.full_cuda_graphs import (
     forward_graph_key,
     seq_len_buckets,
 )
+from pagedserve.worker.full_mixed_graphs import FullMixedGraphs, mixed_graph_sizes
 from pagedserve.worker.gpu_compile import GpuCompiledForward
 from pagedserve.worker.graph_modes import GraphPlan
 from pagedserve.worker.startup_times import StartupTimes
@@ -375,7 +377,9 @@ def prepare_runner(
             runner,
             plan,
             full,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
             cuda_graph_max_tokens=cuda_graph_max_tokens,
         )
         capture_s = time.perf_counter() - start
@@ -425,16 +429,37 @@ def _capture_graphs(
     plan: GraphPlan,
     full: FullDecodeGraphs | None,  # exactly when plan.full_decode
     *,
+    max_num_seqs: int,
     max_num_batched_tokens: int,
+    max_model_len: int,
     cuda_graph_max_tokens: int,
 ) -> None:
-    """Capture `full`, then piecewise graphs as `plan` asks, from the compiled forward where there
-    is one. Mutates the runner (`full_graphs`, `cuda_graphs`)."""
+    """Capture `full`, then the mixed-step and piecewise graphs as `plan` asks, from the compiled
+    forward where there is one. Mutates the runner (`full_graphs`, `mixed_graphs`,
+    `cuda_graphs`)."""
     caches, backend, cache_ops = runner.kv_caches, runner.backend, runner.cache_ops
     forward = runner.compiled if runner.compiled is not None else runner.model
     if full is not None:
         full.capture(caches, backend, cache_ops)
         runner.full_graphs = full
+    mixed_sizes = mixed_graph_sizes(default_graph_sizes(max_num_batched_tokens, cuda_graph_max_tokens))
+    if plan.full_mixed and mixed_sizes:
+        layers = attention_layer_shapes(
+            runner.spec, block_size=runner.block_size, kv_cache_dtype=caches[0].dtype, device=runner.device
+        )
+        mixed = FullMixedGraphs(
+            forward,
+            runner.device,
+            mixed_sizes,
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_req=runner.batch.block_table.np.shape[1],
+            max_seq_len=max_model_len,
+            graph_key=forward_graph_key(backend, layers),
+            prompt_steps_elsewhere=runner.new_kv_reads,
+            kv_scales=runner.kv_scales,
+        )
+        mixed.capture(caches, backend, cache_ops)
+        runner.mixed_graphs = mixed
     if plan.piecewise:
         graphs = PiecewiseCudaGraphs(
             runner.model,

@@ -88,6 +88,8 @@ class CudaPagedAttentionBackend(AttentionBackend):
     # for a padding sequence is the first padding row. Prefill batches go to Triton, which
     # declares the same.
     supports_full_cuda_graph: ClassVar[bool] = True
+    # A batch whose `max_query_len` bound is above 1 always goes to Triton, which declares it.
+    supports_full_cuda_graph_mixed: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -167,6 +167,12 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
     # their first program, a split past a sequence's end writes an empty partial, and the
     # reduction of a padding token writes only that token's row.
     supports_full_cuda_graph: ClassVar[bool] = True
+    # The 2D and 3D grids count `num_actual_tokens // BLOCK_Q + num_reqs` query blocks and each
+    # program finds its request in `query_start_loc`, so a grid sized for more tokens and requests
+    # only adds programs that end at once; `max_query_len` picks the tile config and the split plan,
+    # both correct for shorter queries. Only the ragged prefill kernel plans from host query
+    # lengths, and it runs only when the call passes new keys and values (never in a full graph).
+    supports_full_cuda_graph_mixed: ClassVar[bool] = True
 
     def __init__(
         self,

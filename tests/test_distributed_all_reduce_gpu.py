@@ -6,6 +6,7 @@ path. Skipped without two CUDA GPUs."""
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import time
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pagedserve.distributed.all_reduce import PeerMemoryLimits, installed
-from pagedserve.distributed.group import destroy_process_group, init_process_group
+from pagedserve.distributed.group import TensorParallelGroup, destroy_process_group, init_process_group
 from pagedserve.executor.launch import NCCL_DEFAULTS, NO_MULTICAST
 from pagedserve.executor.multiproc import free_port
 
@@ -44,6 +45,27 @@ def _inputs(
     ]
 
 
+def _check_graph(group: TensorParallelGroup, x: torch.Tensor, rank: int, world: int, tol: float) -> None:
+    """The all-reduce of `x`'s size and dtype captured in a CUDA graph, replayed on new inputs
+    copied into its static input. The graph is freed on return."""
+    device = x.device
+    static = x.clone()
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        group.all_reduce(static)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = group.all_reduce(static)
+    for seed in (2, 3):
+        fresh = _inputs(x.numel(), x.dtype, world, seed=seed, device=device)
+        static.copy_(fresh[rank])
+        graph.replay()
+        want = sum(y.float() for y in fresh)
+        assert float((out.float() - want).norm() / want.norm()) < tol, (x.dtype, x.numel(), "graph")
+    torch.cuda.synchronize(device)
+
+
 def _check(rank: int, world: int, port: int, failures: Any) -> None:
     try:
         os.environ.update({**NCCL_DEFAULTS, **NO_MULTICAST})
@@ -64,21 +86,7 @@ def _check(rank: int, world: int, port: int, failures: Any) -> None:
                 want = sum(x.float() for x in xs)
                 got = group.all_reduce(xs[rank])
                 assert float((got.float() - want).norm() / want.norm()) < tol, (dtype, numel, "eager")
-                # A captured graph replayed on new inputs copied into its static input.
-                static = xs[rank].clone()
-                stream = torch.cuda.Stream(device)
-                with torch.cuda.stream(stream):
-                    group.all_reduce(static)
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
-                    out = group.all_reduce(static)
-                for seed in (2, 3):
-                    fresh = _inputs(numel, dtype, world, seed=seed, device=device)
-                    static.copy_(fresh[rank])
-                    graph.replay()
-                    want = sum(x.float() for x in fresh)
-                    assert float((out.float() - want).norm() / want.norm()) < tol, (dtype, numel, "graph")
+                _check_graph(group, xs[rank], rank, world, tol)
         print(f"rank {rank}: eager and graph paths checked", flush=True)
         # Should a rank hang from here on, its stacks say where before the test's deadline.
         faulthandler.dump_traceback_later(DEADLINE_S - 60, exit=True)
@@ -88,8 +96,14 @@ def _check(rank: int, world: int, port: int, failures: Any) -> None:
         got = compiled(xs[rank]).float()
         assert float((got - want).norm() / want.norm()) < 1e-2, "compiled"
         print(f"rank {rank}: compiled path checked", flush=True)
+        # Every graph holding a collective is gone (NCCL's finalize waits on work a live graph
+        # still references), so leaving the group returns.
+        del compiled
+        gc.collect()
+        torch.cuda.synchronize(device)
         destroy_process_group()
         faulthandler.cancel_dump_traceback_later()
+        print(f"rank {rank}: left the group", flush=True)
     except BaseException as exc:  # reported to the test, which asserts none
         failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
         # The peers may wait in a collective for this rank forever: leave at once, so the test

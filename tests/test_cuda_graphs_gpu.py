@@ -110,25 +110,27 @@ def test_borrowed_view_aliases_without_owning() -> None:
 def test_graphs_give_the_eager_tokens(
     checkpoints: dict[str, Path], arch: str, label: str, engine: dict
 ) -> None:
-    # The default mode: full graphs for decode batches, piecewise graphs for the rest, compiled.
+    # The default mode: full graphs for decode batches and mixed steps, piecewise graphs for the
+    # rest, compiled.
     path = checkpoints[arch]
     eager, _ = _run(path, PROMPTS, enforce_eager=True, **engine)
     graphed, llm = _run(path, PROMPTS, **engine)
     assert graphed == eager
     runner = llm.engine.core.runner
-    graphs, full = runner.cuda_graphs, runner.full_graphs
-    assert graphs is not None and full is not None and runner.compiled is not None
+    graphs, full, mixed = runner.cuda_graphs, runner.full_graphs, runner.mixed_graphs
+    assert graphs is not None and full is not None and mixed is not None and runner.compiled is not None
     budget = engine.get("max_num_batched_tokens", 8192)
     num_layers = runner.spec.num_layers
     # One graph before each attention layer and one after the last: L + 1 per size.
     assert graphs.graphs_per_size() == {s: num_layers + 1 for s in default_graph_sizes(budget)}
     assert full.sizes == default_graph_sizes(engine["max_num_seqs"])
     if label == "whole-batch":
-        # The 479-token prefill replays piecewise graphs (padded to 480), the MAX_NEW - 1 decode
-        # steps of 6 requests the full graph of 8.
-        assert (graphs.num_replays, full.num_replays) == (1, MAX_NEW - 1)
+        # The 479-token prefill (prompts only: the backend's own prefill path) replays piecewise
+        # graphs (padded to 480), the MAX_NEW - 1 decode steps of 6 requests the full graph of 8.
+        assert (graphs.num_replays, full.num_replays, mixed.num_replays) == (1, MAX_NEW - 1, 0)
     else:
-        assert graphs.num_replays > 0 and full.num_replays > 0  # chunks, then decodes
+        # Chunks beside decodes replay the mixed-step graphs, then decodes the decode graphs.
+        assert mixed.num_replays > 0 and full.num_replays > 0
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
@@ -174,7 +176,7 @@ def test_a_step_beyond_the_ladder_runs_eagerly(checkpoints: dict[str, Path]) -> 
     path = checkpoints["mistral"]
     prompts = _prompts([600])
     eager, _ = _run(path, prompts, enforce_eager=True, num_kv_blocks=64)
-    graphed, llm = _run(path, prompts, num_kv_blocks=64)
+    graphed, llm = _run(path, prompts, num_kv_blocks=64, cuda_graph_max_tokens=512)
     assert graphed == eager
     runner = llm.engine.core.runner
     assert runner.cuda_graphs is not None and runner.full_graphs is not None

@@ -83,8 +83,10 @@ def _tokens(path: Path, **engine: object) -> list[list[int]]:
 
 
 MODES: dict[str, dict[str, object]] = {
-    "full_and_piecewise": {},  # the defaults: compiled forward, async scheduling, both graph kinds
-    "full": {"cudagraph_mode": "full"},  # mixed steps (chunks beside decodes) replay whole graphs too
+    # The defaults: compiled forward, async scheduling, full graphs for decode batches and mixed
+    # steps (chunks beside decodes), piecewise graphs for the rest.
+    "full": {},
+    "full_and_piecewise": {"cudagraph_mode": "full_and_piecewise"},  # mixed steps on piecewise graphs
     "full_decode_only": {"cudagraph_mode": "full_decode_only"},
     "piecewise": {"cudagraph_mode": "piecewise", "async_scheduling": False},
     "none": {"cudagraph_mode": "none"},
@@ -113,7 +115,7 @@ def test_tp_equals_tp1_on_gpus(
 ) -> None:
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} CUDA GPUs")
-    arch = "llama" if mode != "full_and_piecewise" else "qwen3"
+    arch = "llama" if mode != "full" else "qwen3"
     assert _tokens(checkpoints[arch], tensor_parallel_size=tp, **MODES[mode]) == expected[arch]
 
 

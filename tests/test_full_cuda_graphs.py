@@ -97,8 +97,8 @@ def test_each_mode_builds_its_graph_kinds_and_compiles(mode: str, full: bool, pi
     assert got[:3] == (full, piecewise, True)
 
 
-def test_the_default_mode_is_full_and_piecewise() -> None:
-    assert EngineArgs().cudagraph_mode == "full_and_piecewise"
+def test_the_default_mode_is_full() -> None:
+    assert EngineArgs().cudagraph_mode == "full"
     assert EngineArgs().gpu_compile is True
 
 

@@ -127,11 +127,12 @@ class EngineArgs(_Config):
     seed: int = Field(0, ge=0)
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation")
     cudagraph_mode: Literal["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"] = Field(
-        "full_and_piecewise",
-        description="CUDA graphs on NVIDIA GPUs: 'full_and_piecewise' replays decode batches as whole "
-        "graphs (attention inside) and other steps as piecewise graphs; 'full' replays mixed steps "
-        "(prefill chunks beside decodes) as whole graphs too; 'full_decode_only' graphs decode "
-        "batches only; 'piecewise' cuts every step's graphs at attention; 'none' runs eagerly",
+        "full",
+        description="CUDA graphs on NVIDIA GPUs: 'full' replays decode batches and mixed steps "
+        "(prefill chunks beside decodes) as whole graphs (attention inside) and other steps as "
+        "piecewise graphs; 'full_and_piecewise' replays only decode batches whole; "
+        "'full_decode_only' graphs decode batches only; 'piecewise' cuts every step's graphs at "
+        "attention; 'none' runs eagerly",
     )
     gpu_compile: bool = Field(
         True,

@@ -32,7 +32,7 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
     "--cudagraph-mode": (
         "cudagraph_mode",
         str,
-        "none, piecewise, full_decode_only or full_and_piecewise (default)",
+        "none, piecewise, full_decode_only, full_and_piecewise or full (default)",
     ),
     "--scheduling-policy": (
         "scheduling_policy",

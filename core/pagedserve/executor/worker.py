@@ -223,7 +223,11 @@ class TensorParallelWorker:
         return os.getpid()
 
     def shutdown(self) -> None:
-        """Leave the process group. The process exits afterwards."""
+        """Drop the runner's CUDA graphs, then leave the process group. The process exits
+        afterwards. The graphs go first: leaving flushes NCCL's work, and a live graph that
+        captured an NCCL all-reduce keeps that flush from returning (seen on two H200s)."""
+        if self._runner is not None:
+            self._runner.drop_graphs()
         destroy_process_group()
 
 

@@ -7,10 +7,12 @@ The modes follow vLLM's names:
   (`cuda_graphs`): dense parts as graphs, attention eager between them.
 * `full_decode_only` — batches whose requests all have one new token replay one whole graph,
   attention inside (`full_cuda_graphs`); every other step runs without graphs.
-* `full_and_piecewise` (the default) — full graphs for decode batches, piecewise for the rest.
-* `full` — full graphs for decode batches and for mixed steps (prefill chunks beside decodes,
-  `full_mixed_graphs`), piecewise for the rest (steps the mixed graphs do not cover; unlike
-  vLLM's `FULL`, which runs those without graphs).
+* `full_and_piecewise` — full graphs for decode batches, piecewise for the rest.
+* `full` (the default) — full graphs for decode batches and for mixed steps (prefill chunks
+  beside decodes, `full_mixed_graphs`), piecewise for the rest (steps the mixed graphs do not
+  cover; unlike vLLM's `FULL`, which runs those without graphs). On an H200 (8B, 1,000
+  ShareGPT-like requests) it cut one GPU's launch time per run from 9.5 to 6.6 s and lifted two
+  GPUs from 1.44x to 1.53x one, for 3.6 s more capture and 420 MiB of graph memory.
 
 Full graphs need an attention backend and cache ops that promise to be capturable whole
 (`AttentionBackend.supports_full_cuda_graph`, `CacheOps.skips_negative_slots`); without them a

@@ -13,6 +13,7 @@ One step, in order (the order `SchedulerOutput` documents):
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import operator
 from dataclasses import dataclass
@@ -129,6 +130,14 @@ class ModelRunner:
         self._last: PendingOutput | None = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pools: dict[RequestId, _PoolState] = {}  # req_id -> pooling request mid-prompt
+
+    def drop_graphs(self) -> None:
+        """Forget every captured CUDA graph; later steps run the compiled or eager forward. Waits
+        for the device, so no replay is in flight when the graphs go. Mutates the runner."""
+        self.full_graphs = self.mixed_graphs = self.cuda_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        gc.collect()
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool (one tensor per layer) used by swap-mode preemption."""

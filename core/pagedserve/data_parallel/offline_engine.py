@@ -22,7 +22,6 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 import zmq
 from transformers import PreTrainedTokenizerBase
 
@@ -37,9 +36,9 @@ from pagedserve.data_parallel.replica_handle import (
 )
 from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.protocol import POOLING_ROW, EngineCoreOutput, EngineCoreRequest
-from pagedserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedserve.engine.output_processor import OutputProcessor, take_pooled
+from pagedserve.engine.protocol import POOLING_ROW, EngineCoreRequest
+from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server import serialization as wire
@@ -344,7 +343,7 @@ class DataParallelLLMEngine:
         outputs = msg.outputs
         pooled: list[PoolingRequestOutput] = []
         if self._pooling:
-            outputs = self._take_pooled(outputs, pooled)
+            outputs = take_pooled(outputs, self._pooling, pooled)
         generated, to_stop = self.processor.process(outputs)
         results: list[RequestOutput | PoolingRequestOutput] = [*generated, *pooled]
         if to_stop:  # stop strings matched here: the replica must stop computing them
@@ -353,27 +352,6 @@ class DataParallelLLMEngine:
                 balancer.forget(seq_id)
                 owner.pop(seq_id, None)
         return results
-
-    def _take_pooled(
-        self, outputs: list[EngineCoreOutput], pooled: list[PoolingRequestOutput]
-    ) -> list[EngineCoreOutput]:
-        """Move the pooling requests' outputs out of `outputs` into `pooled` (finished ones as
-        `PoolingRequestOutput`s; an aborted one is dropped); return the others. Mutates `pooled`
-        and the pooling table."""
-        rest: list[EngineCoreOutput] = []
-        for out in outputs:
-            ids = self._pooling.get(out.req_id)
-            if ids is None:
-                rest.append(out)
-                continue
-            if out.finish_reason is None:
-                continue  # a chunk of its prompt was computed
-            del self._pooling[out.req_id]
-            if out.pooled is None:
-                continue  # aborted: nothing was pooled
-            vector = torch.tensor(out.pooled, dtype=torch.float32)
-            pooled.append(PoolingRequestOutput(out.req_id, PoolingOutput(vector), ids, True))
-        return rest
 
     def _reject(self, replica: _Replica, seq_id: RequestId, text: str) -> list[str]:
         """Drop the request of a sequence its replica refused; returns the message to raise."""

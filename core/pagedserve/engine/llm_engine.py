@@ -9,15 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
-from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.protocol import POOLING_ROW, EngineCoreOutput, EngineCoreRequest
+from pagedserve.engine.output_processor import OutputProcessor, take_pooled
+from pagedserve.engine.protocol import POOLING_ROW, EngineCoreRequest
 from pagedserve.engine.setup import EngineSetup, build_engine
-from pagedserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.admission import RequestRejected
@@ -139,7 +138,7 @@ class LLMEngine:
         core_outputs = self.core.step()
         pooled: list[PoolingRequestOutput] = []
         if self._pooling:
-            core_outputs = self._take_pooled(core_outputs, pooled)
+            core_outputs = take_pooled(core_outputs, self._pooling, pooled)
         outputs, to_stop = self.processor.process(core_outputs)
         if to_stop:
             self.core.finish(to_stop)
@@ -147,24 +146,3 @@ class LLMEngine:
             return [*outputs, *pooled]
         # The generation-only step returns the processor's list itself (no copy per step).
         return cast("list[RequestOutput | PoolingRequestOutput]", outputs)
-
-    def _take_pooled(
-        self, core_outputs: list[EngineCoreOutput], pooled: list[PoolingRequestOutput]
-    ) -> list[EngineCoreOutput]:
-        """Move the pooling requests' outputs out of `core_outputs` into `pooled` (finished ones
-        as `PoolingRequestOutput`s; an aborted one is dropped); return the others. Mutates
-        `pooled` and the pooling table."""
-        rest: list[EngineCoreOutput] = []
-        for out in core_outputs:
-            ids = self._pooling.get(out.req_id)
-            if ids is None:
-                rest.append(out)
-                continue
-            if out.finish_reason is None:
-                continue
-            del self._pooling[out.req_id]
-            if out.pooled is None:
-                continue  # aborted: nothing was pooled
-            vector = torch.tensor(out.pooled, dtype=torch.float32)
-            pooled.append(PoolingRequestOutput(out.req_id, PoolingOutput(vector), ids, True))
-        return rest

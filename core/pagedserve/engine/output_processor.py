@@ -18,9 +18,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import torch
+
 from pagedserve.detokenizer import IncrementalDetokenizer, TokenDecoder
 from pagedserve.engine.protocol import EngineCoreOutput, TokenLogprobs
-from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.types import RequestId
 
@@ -283,3 +291,28 @@ def merge_deltas(outputs: Sequence[RequestOutput]) -> RequestOutput:
 
 
 __all__ = ["OutputProcessor", "merge_deltas", "sequence_id"]
+
+
+def take_pooled(
+    core_outputs: list[EngineCoreOutput],
+    pooling: dict[RequestId, list[int]],  # pooling request id -> its prompt's token ids
+    pooled: list[PoolingRequestOutput],
+) -> list[EngineCoreOutput]:
+    """Move the pooling requests' outputs out of `core_outputs` into `pooled` (finished ones as
+    `PoolingRequestOutput`s; an aborted one is dropped) and return the others, for the output
+    processor. A pooling request leaves `pooling` when it finishes. Mutates `pooled` and
+    `pooling`."""
+    rest: list[EngineCoreOutput] = []
+    for out in core_outputs:
+        ids = pooling.get(out.req_id)
+        if ids is None:
+            rest.append(out)
+            continue
+        if out.finish_reason is None:
+            continue  # a chunk of its prompt was computed
+        del pooling[out.req_id]
+        if out.pooled is None:
+            continue  # aborted: nothing was pooled
+        vector = torch.tensor(out.pooled, dtype=torch.float32)
+        pooled.append(PoolingRequestOutput(out.req_id, PoolingOutput(vector), ids, True))
+    return rest

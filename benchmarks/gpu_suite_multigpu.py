@@ -12,7 +12,8 @@ On a host with N >= 2 GPUs it runs, each in a process of its own:
   dp          `pagedserve bench throughput --data-parallel-size N` on the 1,000-request workload,
               one replica per GPU, and the same command with one engine (both with 32 untimed
               warm-up requests)
-  dp_serve    the same workload through `pagedserve serve --data-parallel-size N`, loaded by
+  dp_serve    the same workload through `pagedserve serve --data-parallel-size N
+              --api-server-count N` (one API-server process per replica), loaded by
               `pagedserve bench serve` with every request at once, and through a one-engine
               server (`benchmarks/serve_throughput.py`)
 
@@ -109,7 +110,10 @@ def stage_multigpu(suite: Suite) -> dict[str, Any]:
         argv += ["--json", str(path)]
         server = ["--load-format=dummy", "--dtype=bfloat16", "--skip-tokenizer-init", "--max-model-len=4096"]
         server += ["--platform=cuda", "--max-num-seqs=256", f"--data-parallel-size={size}"]
+        server += [f"--api-server-count={size}"]
         argv += [f"--server-arg={option}" for option in server]
+        # The server has no tokenizer to tell the client its vocabulary; the workload's ids wrap.
+        argv += ["--bench-arg=--wrap-token-ids"]
         res = suite.run(f"multigpu_{name}", argv, timeout_s=1500)
         out[name] = res | {"result": _read(path), "size": size}
     return out

@@ -37,11 +37,12 @@ never touched.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -325,6 +326,36 @@ class DecodeGraphBuffers(GraphBuffers):
         self.fill_step(size, size, input_ids, positions, metadata)
 
 
+@dataclass
+class CaptureRun:
+    """A run of captures (`capturing`): the side stream they record on, and once the run is over,
+    how long it took and how much memory its graphs' pool kept."""
+
+    stream: torch.cuda.Stream
+    seconds: float = 0.0
+    graph_mib: float = 0.0
+
+
+@contextlib.contextmanager
+def capturing(device: torch.device) -> Iterator[CaptureRun]:
+    """Capture graphs on a side stream, from a settled allocator: before, the device is synced and
+    the allocator's cached free blocks released (they would count as graph memory); after, the
+    same again, and the run's time and graph memory recorded. Mutates the allocator's cache."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    reserved_before = torch.cuda.memory_reserved(device)
+    start = time.perf_counter()
+    run = CaptureRun(torch.cuda.Stream(device))
+    run.stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(run.stream):
+        yield run
+    torch.cuda.current_stream(device).wait_stream(run.stream)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    run.seconds = time.perf_counter() - start
+    run.graph_mib = (torch.cuda.memory_reserved(device) - reserved_before) / 2**20
+
+
 def capture_whole_forward(
     forward: Forward,
     ids: torch.Tensor,  # [num_tokens] int64, the graph's static input
@@ -451,22 +482,12 @@ class FullDecodeGraphs:
         """Capture every graph of the index, largest first, on all-padding inputs (the KV caches
         are read by nothing and written by nothing). Mutates this object; slow (two forwards per
         graph)."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        reserved_before = torch.cuda.memory_reserved(self.device)
-        start = time.perf_counter()
         self.buffers.pad_all()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        wanted = self.index.graphs
-        with torch.cuda.stream(stream):
-            for size, bucket in tqdm(wanted, desc="full decode graphs", disable=None):
+        with capturing(self.device) as run:
+            for size, bucket in tqdm(self.index.graphs, desc="full decode graphs", disable=None):
                 self._graphs[(size, bucket)] = self._capture_one(
-                    size, bucket, stream, kv_caches, backend, cache_ops
+                    size, bucket, run.stream, kv_caches, backend, cache_ops
                 )
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
         logger.info(
             "full CUDA graphs: %d decode graphs for %d sizes (%d..%d requests) and %d sequence-length "
             "buckets (%s) captured in %.1f s; graph memory %.0f MiB",
@@ -476,8 +497,8 @@ class FullDecodeGraphs:
             self.sizes[-1],
             len(self.buckets),
             ", ".join(map(str, self.buckets)),
-            time.perf_counter() - start,
-            (torch.cuda.memory_reserved(self.device) - reserved_before) / 2**20,
+            run.seconds,
+            run.graph_mib,
         )
 
     def _capture_one(

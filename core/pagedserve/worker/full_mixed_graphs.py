@@ -30,7 +30,6 @@ passes new keys and values, so the backend records its graph-safe kernels only.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -43,7 +42,13 @@ from pagedserve.attention.forward_context import ForwardContext
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.worker.cuda_graphs import padded_size
-from pagedserve.worker.full_cuda_graphs import Forward, GraphBuffers, GraphKey, capture_whole_forward
+from pagedserve.worker.full_cuda_graphs import (
+    Forward,
+    GraphBuffers,
+    GraphKey,
+    capture_whole_forward,
+    capturing,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,20 +149,11 @@ class FullMixedGraphs:
     def capture(self, kv_caches: list[torch.Tensor], backend: AttentionBackend, cache_ops: CacheOps) -> None:
         """Capture every size, largest first, on all-padding inputs (the KV caches are read by
         nothing and written by nothing). Mutates this object; slow (two forwards per graph)."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        reserved_before = torch.cuda.memory_reserved(self.device)
-        start = time.perf_counter()
         self.buffers.pad_all()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with capturing(self.device) as run:
             sizes = tqdm(reversed(self.sizes), total=len(self.sizes), desc="full mixed graphs", disable=None)
             for size in sizes:
-                self._graphs[size] = self._capture_one(size, stream, kv_caches, backend, cache_ops)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+                self._graphs[size] = self._capture_one(size, run.stream, kv_caches, backend, cache_ops)
         logger.info(
             "full CUDA graphs: %d mixed-step graphs (%d..%d tokens, up to %d requests) captured in %.1f s; "
             "graph memory %.0f MiB",
@@ -165,8 +161,8 @@ class FullMixedGraphs:
             self.sizes[0],
             self.sizes[-1],
             self.buffers.max_reqs,
-            time.perf_counter() - start,
-            (torch.cuda.memory_reserved(self.device) - reserved_before) / 2**20,
+            run.seconds,
+            run.graph_mib,
         )
 
     def _capture_one(

@@ -134,9 +134,9 @@ class ModelRunner:
     def drop_graphs(self) -> None:
         """Forget every captured CUDA graph; later steps run the compiled or eager forward. Waits
         for the device, so no replay is in flight when the graphs go. Mutates the runner."""
-        self.full_graphs = self.mixed_graphs = self.cuda_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.full_graphs = self.mixed_graphs = self.cuda_graphs = None
         gc.collect()
 
     def allocate_swap_space(self, num_blocks: int) -> None:

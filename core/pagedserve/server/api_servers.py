@@ -22,7 +22,6 @@ Each process answers /metrics and /health for its own replicas: a scrape sees on
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import signal
@@ -41,8 +40,6 @@ from pagedserve.data_parallel.placement import gpu_groups, visible_gpus
 from pagedserve.executor.launch import worker_environment
 from pagedserve.executor.multiproc import spawn_environment
 from pagedserve.platforms.registry import load_platforms
-
-logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 30.0  # beyond the server's own shutdown timeout, before a process is killed
 
@@ -113,12 +110,13 @@ def run_api_servers(
             proc.start()
         procs.append(proc)
         gpus = plan.env.get("CUDA_VISIBLE_DEVICES")
-        logger.info(
-            "API server %d: pid %s, %d data-parallel replica(s)%s",
-            plan.index,
-            proc.pid,
-            plan.engine_args.data_parallel_size,
-            f" on GPUs {gpus}" if gpus is not None else "",
+        # Printed, as `serve` prints its own lines: this process configures no logging.
+        print(
+            f"pagedserve: API server {plan.index} (pid {proc.pid}) starting over "
+            f"{plan.engine_args.data_parallel_size} data-parallel replica(s)"
+            + (f" on GPUs {gpus}" if gpus is not None else ""),
+            file=sys.stderr,
+            flush=True,
         )
     stopping = _Stopper(procs)
     previous = {s: signal.signal(s, stopping.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
@@ -126,6 +126,22 @@ def tiny_hf_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
     return model.eval()
+
+
+def save_tiny_llama(directory: Path, vocab_size: int, seed: int) -> Path:
+    """A random two-layer Llama (hidden 64, 4 query / 2 KV heads of 16) saved in `directory`: the
+    smallest model the engine-routing tests run end to end."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    return save_checkpoint(tiny_hf_model(config, seed=seed), directory)
 
 
 def save_checkpoint(model: PreTrainedModel, directory: Path, max_shard_size: str | None = None) -> Path:

@@ -13,8 +13,7 @@ from pathlib import Path
 import pydantic
 import pytest
 import torch
-from models_harness import random_prompts, save_checkpoint, tiny_hf_model
-from transformers import LlamaConfig
+from models_harness import random_prompts, save_tiny_llama
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import ForwardContext, forward_context
@@ -446,17 +445,7 @@ class _PiecewiseStandIn(_EagerStandIn):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    return save_checkpoint(tiny_hf_model(config, seed=5), tmp_path_factory.mktemp("llama"))
+    return save_tiny_llama(tmp_path_factory.mktemp("llama"), VOCAB, seed=5)
 
 
 def _llm(checkpoint: Path) -> LLM:

@@ -1,10 +1,10 @@
 """CUDA graphs on a real GPU: greedy tokens with full decode graphs, piecewise graphs and the
-compiled forward equal those of `enforce_eager=True`, for tiny float32 Llama, Mistral (sliding
-window) and Qwen3 models, through a whole-batch prefill that replays a piecewise graph, chunked
-prefill mixed with decodes, preemption, and a step too large for any graph; every
-`cudagraph_mode` on the triton and cuda platforms; the graphs captured are the ones the ladders
-name; a short context replays a full graph planned for its sequence-length bucket; and once the
-engine is built, serving compiles no kernel.
+compiled forward (per layer and whole) equal those of `enforce_eager=True`, for tiny float32
+Llama, Mistral (sliding window) and Qwen3 models, through a whole-batch prefill that replays a
+piecewise graph, chunked prefill mixed with decodes, preemption, and a step too large for any
+graph; every `cudagraph_mode` on the triton and cuda platforms; the graphs captured are the ones
+the ladders name; a short context replays a full graph planned for its sequence-length bucket;
+and once the engine is built, serving compiles no kernel.
 
 Skipped without a CUDA GPU. On a GPU machine run this file in its own pytest process (the
 interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernels on the CPU).
@@ -170,6 +170,21 @@ def test_every_mode_gives_the_eager_tokens(
     if runner.mixed_graphs is not None:
         # The 64-token budget splits the prompts into chunks that run beside decodes.
         assert runner.mixed_graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_both_compile_scopes_give_the_eager_tokens(
+    checkpoints: dict[str, Path], mode: str, scope: str
+) -> None:
+    # "none": every step runs the compiled forward itself; "full": the graphs replay it.
+    path = checkpoints["qwen3"]  # per-head q/k norms inside the first stretch of each layer
+    engine = {"num_kv_blocks": 24, "max_num_batched_tokens": 64, "max_num_seqs": 4}
+    eager, _ = _run(path, PROMPTS, enforce_eager=True, **engine)
+    compiled, llm = _run(path, PROMPTS, cudagraph_mode=mode, gpu_compile_scope=scope, **engine)
+    assert compiled == eager
+    runner = llm.engine.core.runner
+    assert runner.compiled is not None and runner.compiled.scope == scope
 
 
 def test_a_step_beyond_the_ladder_runs_eagerly(checkpoints: dict[str, Path]) -> None:

@@ -139,6 +139,13 @@ class EngineArgs(_Config):
         description="GPU platforms: run the dense parts of the forward through torch.compile "
         "(attention stays the platform's kernels); artifacts are cached on disk",
     )
+    gpu_compile_scope: Literal["layer", "model"] = Field(
+        "layer",
+        description="with gpu_compile: 'layer' compiles each stretch of the decoder between two "
+        "attention calls once and runs it for every layer (start-up grows with one layer, not with "
+        "the depth); 'model' traces the whole forward as one graph (the transformers fallback and "
+        "models without per-layer regions always are)",
+    )
     platform_linear: bool = Field(
         True,
         description="GPU platforms that provide their own GEMM for linear layers (triton, cuda: a "

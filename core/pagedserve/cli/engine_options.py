@@ -34,6 +34,11 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
         str,
         "none, piecewise, full_decode_only, full_and_piecewise or full (default)",
     ),
+    "--gpu-compile-scope": (
+        "gpu_compile_scope",
+        str,
+        "layer (default: each decoder stretch compiled once for all layers) or model (one whole graph)",
+    ),
     "--scheduling-policy": (
         "scheduling_policy",
         str,

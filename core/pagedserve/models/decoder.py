@@ -11,10 +11,11 @@ Parameter names follow the transformers checkpoints except for the two fusions (
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ from pagedserve.models.layers import (
     rope_frequencies,
 )
 from pagedserve.models.packed_int4 import PackedInt4Linear, RecoveredCodes, pack_linear_layers
-from pagedserve.models.spec import ModelSpec, PagedCausalLM
+from pagedserve.models.spec import ModelSpec, PagedCausalLM, RegionCompiler
 from pagedserve.platforms.api import LinearKernel
 
 
@@ -93,12 +94,13 @@ class DecoderAttention(nn.Module):
             sliding_window=options.sliding_windows[layer_idx],
         )
 
-    def forward(
+    def qkv(
         self,
         hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
         cos: torch.Tensor,  # [num_tokens, 1, head_size]
         sin: torch.Tensor,  # [num_tokens, 1, head_size]
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [n, q_size], k [n, kv_size], v [n, kv_size]
+        """The attention's inputs: projected, normed (Qwen3) and rotated. Does not mutate its inputs."""
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         if self.q_norm is None or self.k_norm is None:
@@ -114,11 +116,15 @@ class DecoderAttention(nn.Module):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rotary(self.q_norm(q.view(num_tokens, self.num_heads, self.head_size)), cos, sin)
             k = apply_rotary(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_size)), cos, sin)
-        out = self.attn(q.reshape(num_tokens, self.q_size), k.reshape(num_tokens, self.kv_size), v)
-        return self.o_proj(out)
+        return q.reshape(num_tokens, self.q_size), k.reshape(num_tokens, self.kv_size), v
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer. It carries the residual stream apart from the sublayers' outputs so that
+    each residual add happens right before the norm that reads it (one fused kernel, compiled),
+    and so that everything between two attention calls is one method of one layer
+    (`DecoderRegions`)."""
+
     def __init__(self, config: Any, layer_idx: int, options: DecoderOptions) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, layer_idx, options)
@@ -126,9 +132,71 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def attention_inputs(
+        self,
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size]: the previous sublayer's output
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None in the first layer
+        cos: torch.Tensor,  # [num_tokens, 1, head_size]
+        sin: torch.Tensor,  # [num_tokens, 1, head_size]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
+        """The residual add, the input norm and the attention's q, k, v. Does not mutate its inputs."""
+        residual = hidden_states if residual is None else residual + hidden_states
+        q, k, v = self.self_attn.qkv(self.input_layernorm(residual), cos, sin)
+        return q, k, v, residual
+
+    def after_attention(
+        self,
+        attention: torch.Tensor,  # [num_tokens, q_size]: the attention's output
+        residual: torch.Tensor,  # [num_tokens, hidden_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the MLP's output, residual
+        """The output projection, the residual add, the post-attention norm and the MLP. Does not
+        mutate its inputs."""
+        residual = residual + self.self_attn.o_proj(attention)
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+def embed(
+    model: DecoderModel,
+    input_ids: torch.Tensor,  # [num_tokens]
+    positions: torch.Tensor,  # [num_tokens]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden [n, hidden], cos, sin [n, 1, head_size]
+    """The token embeddings and the step's one cos/sin table, shared by every layer. Pure."""
+    hidden_states = model.embed_tokens(input_ids)
+    cos, sin = model.rotary_emb.cos_sin(positions, hidden_states.dtype)
+    return hidden_states, cos, sin
+
+
+def final_norm(
+    model: DecoderModel,
+    hidden_states: torch.Tensor,  # [num_tokens, hidden_size]: the last sublayer's output
+    residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None for a model without layers
+) -> torch.Tensor:  # [num_tokens, hidden_size]
+    """The last residual add and the final norm. Pure."""
+    return model.norm(hidden_states if residual is None else residual + hidden_states)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderRegions:
+    """The decoder forward between its attention calls, as functions of the module they read.
+
+    Every layer runs the same two functions, so a compiler that takes the module as an argument
+    (`torch.compile` inlines its parameters as inputs) traces and builds each once for the whole
+    stack, instead of once per layer inside one whole-model graph: `regional_forward`. Attention
+    runs between them as it does eagerly."""
+
+    embed: Callable[
+        [DecoderModel, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ]
+    attention_inputs: Callable[
+        [DecoderLayer, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor],
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ]
+    after_attention: Callable[[DecoderLayer, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    final_norm: Callable[[DecoderModel, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+    def map(self, transform: Callable[[Callable[..., Any]], Callable[..., Any]]) -> DecoderRegions:
+        """Every region passed through `transform` (a compiler). Pure."""
+        return DecoderRegions(*(transform(getattr(self, f.name)) for f in fields(self)))
 
 
 class DecoderModel(nn.Module):
@@ -142,12 +210,21 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(*rope_frequencies(config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        # One cos/sin table per step, shared by every layer.
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin)
-        return self.norm(hidden_states)
+        return self.forward_with(EAGER_REGIONS, input_ids, positions)
+
+    def forward_with(
+        self, regions: DecoderRegions, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The forward with its attention-free stretches run by `regions`. Mutates the KV caches."""
+        hidden_states, cos, sin = regions.embed(self, input_ids, positions)
+        residual = None
+        for layer in cast("Iterable[DecoderLayer]", self.layers):
+            q, k, v, residual = regions.attention_inputs(layer, hidden_states, residual, cos, sin)
+            hidden_states, residual = regions.after_attention(layer, layer.self_attn.attn(q, k, v), residual)
+        return regions.final_norm(self, hidden_states, residual)
+
+
+EAGER_REGIONS = DecoderRegions(embed, DecoderLayer.attention_inputs, DecoderLayer.after_attention, final_norm)
 
 
 # checkpoint projection name -> fused module it lives in (the shard name is the projection name)
@@ -212,6 +289,13 @@ class DecoderForCausalLM(PagedCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[num_tokens] ids and positions -> [num_tokens, hidden_size]. Mutates the KV caches."""
         return self.model(input_ids, positions)
+
+    def regional_forward(
+        self, compile_region: RegionCompiler
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The forward with each of its attention-free stretches (`DecoderRegions`) compiled once
+        by `compile_region` and shared by every layer. Does not mutate."""
+        return functools.partial(self.model.forward_with, EAGER_REGIONS.map(compile_region))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_selected, hidden_size] -> [num_selected, vocab_size] float32. Does not mutate."""

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
+
+# A compiler of one region: takes a function (of a module and tensors), returns one that computes
+# the same.
+RegionCompiler = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,15 @@ class PagedCausalLM(nn.Module, ABC):
         positions: torch.Tensor,  # [num_tokens] int64, absolute position of each token in its request
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         """Run the decoder stack. Mutates the KV caches of the open forward context."""
+
+    def regional_forward(
+        self, compile_region: RegionCompiler
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """`forward`, with the stretches it repeats per layer each passed once through
+        `compile_region` (a `torch.compile`), or None when this model has no such regions (it is
+        compiled whole). Why: a compiler that traces a repeated region once builds an L-layer
+        model in about the time of one layer, where a whole-model trace grows with L."""
+        return None
 
     @abstractmethod
     def compute_logits(

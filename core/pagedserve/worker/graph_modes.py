@@ -59,13 +59,17 @@ class GraphPlan:
     programmatic_launch: bool = False
     # capture full graphs for mixed steps up to the token ladder's cap (`full_mixed_graphs`)
     full_mixed: bool = False
+    # what one compilation covers (`gpu_compile.GpuCompiledForward`): a decoder stretch shared by
+    # every layer, or the whole forward
+    compile_scope: Literal["layer", "model"] = "layer"
 
     def describe(self) -> str:
         """One line for the log. Pure."""
         wanted = {"full decode": self.full_decode, "full mixed": self.full_mixed, "piecewise": self.piecewise}
         kinds = [kind for kind, on in wanted.items() if on]
         graphs = " + ".join(kinds) if kinds else "no"
-        text = f"{graphs} CUDA graphs, forward {'compiled' if self.compile else 'not compiled'}"
+        compiled = f"compiled ({self.compile_scope} scope)" if self.compile else "not compiled"
+        text = f"{graphs} CUDA graphs, forward {compiled}"
         if self.compile and self.programmatic_launch:
             text += " (programmatic dependent launches)"
         return text + ("" if not self.notes else " (" + "; ".join(self.notes) + ")")
@@ -82,6 +86,7 @@ def plan_graphs(
     backend_supports_full: bool,
     cache_ops_skip_padding: bool,
     backend_supports_full_mixed: bool = False,
+    compile_scope: Literal["layer", "model"] = "layer",
 ) -> GraphPlan:
     """Turn the engine options into what is built. Raises ValueError for an unknown mode. Pure."""
     try:
@@ -128,7 +133,13 @@ def plan_graphs(
         notes.append(f"programmatic_launch: {unavailable}")
         programmatic = False
     return GraphPlan(
-        piecewise, full, gpu_compile, tuple(notes), programmatic_launch=programmatic, full_mixed=mixed
+        piecewise,
+        full,
+        gpu_compile,
+        tuple(notes),
+        programmatic_launch=programmatic,
+        full_mixed=mixed,
+        compile_scope=compile_scope,
     )
 
 

@@ -270,6 +270,7 @@ def _prepare_graphs(runner: ModelRunner, dm: DeviceModel, args: EngineArgs, devi
         backend_supports_full=dm.backend.supports_full_cuda_graph,
         cache_ops_skip_padding=dm.cache_ops.skips_negative_slots,
         backend_supports_full_mixed=dm.backend.supports_full_cuda_graph_mixed,
+        compile_scope=args.gpu_compile_scope,
     )
     if device.type == "cuda":
         runner.startup_times = prepare_runner(

@@ -317,7 +317,9 @@ def prepare_runner(
     num_batches = 0
     swept: AttentionWarmup | None = None
     if plan.compile:
-        compiled = GpuCompiledForward(runner.model, programmatic_launch=plan.programmatic_launch)
+        compiled = GpuCompiledForward(
+            runner.model, programmatic_launch=plan.programmatic_launch, scope=plan.compile_scope
+        )
         compile_s = compiled.warm_up(runner.kv_caches, runner.backend, runner.cache_ops)
         runner.compiled = compiled
     # Before the sweep: which full graphs will be captured decides which plans it must compile.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import itertools
 import json
@@ -126,9 +127,13 @@ def measure(args: argparse.Namespace, model_dir: str, tp: int) -> dict[str, Any]
             gpu_memory_utilization=args.gpu_memory_utilization,
             cuda_graph_max_tokens=args.cuda_graph_max_tokens,
             cudagraph_mode=args.cudagraph_mode,
+            gpu_compile_scope=args.gpu_compile_scope,
         )
     )
     out: dict[str, Any] = {"tp": tp, "build_s": time.perf_counter() - start}
+    runner = engine.core.runner  # under tensor parallelism the ranks time their own start
+    if isinstance(runner, ModelRunner) and runner.startup_times is not None:
+        out["startup"] = dataclasses.asdict(runner.startup_times)
     out["num_kv_blocks"] = engine.setup.num_kv_blocks
     out["single_stream"] = single_stream(engine, args.prompt_len, args.output_len)
     print(out, flush=True)
@@ -287,6 +292,11 @@ def main() -> None:
         "--cudagraph-mode",
         default=EngineArgs.model_fields["cudagraph_mode"].default,
         help="the engine's cudagraph_mode (e.g. 'full': mixed steps replay whole graphs too)",
+    )
+    parser.add_argument(
+        "--gpu-compile-scope",
+        default=EngineArgs.model_fields["gpu_compile_scope"].default,
+        help="the engine's gpu_compile_scope: 'layer' (each decoder stretch once) or 'model' (whole)",
     )
     parser.add_argument("--bw-mib", type=int, default=256, help="all-reduce size of the bandwidth test")
     parser.add_argument("--json", help="write the results here")

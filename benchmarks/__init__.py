@@ -9,6 +9,7 @@ every throughput number uses.
 What a user runs: the engine against its peers
   gpu_suite.py              every GPU number and the scoreboard, peers in the same run
   gpu_suite_multigpu.py     its multi-GPU stage: tensor and data parallelism against one GPU
+  gpu_suite_serve.py        its serve stage: `pagedserve serve` under load beside the offline engine
   scoreboard_rows.py        the scoreboard's rows and verdicts, shared by the two above
   gpu_async_scheduling.py   single stream (TTFT, TPOT), GPU idle and the decode step, default engine
   gpu_latency.py            what CUDA graphs and compilation buy; the Llama-3.1-8B shapes every GPU
@@ -16,7 +17,7 @@ What a user runs: the engine against its peers
   offline_scheduling.py     offline throughput per scheduling policy, with profiling windows
   gpu_fp8.py                what FP8 weights and an FP8 KV cache buy
   tp_gpu.py                 tensor parallelism: TP=N against TP=1, 8B and 70B shapes
-  serve_throughput.py       output tok/s through `pagedserve serve` (data parallelism against one engine)
+  serve_throughput.py       `pagedserve serve` under one or more `bench serve` loads (tok/s, latencies)
   gpu_engine_check.py       greedy tokens on a GPU platform equal cpu_reference's
   cpu_generate.py           SmolLM2-135M on the CPU against HF transformers
   structured.py             structured outputs: the grammar bitmask's host cost and throughput

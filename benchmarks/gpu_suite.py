@@ -28,6 +28,9 @@ still run:
               (`benchmarks/kernels/programmatic_launch.py`, sm_90+)
   fp8         FP8 weights + FP8 KV cache against bfloat16: KV tokens, TPOT, throughput on the
               256-request workload (`benchmarks/gpu_fp8.py`)
+  serve       `pagedserve serve` loaded by `pagedserve bench serve` (at once, 20 requests/s, one at a
+              time from the first request after ready), started on empty and on warm caches,
+              beside the offline engine under FCFS (`benchmarks/gpu_suite_serve.py`)
   multigpu    on hosts with 2+ GPUs: the all-reduce's paths, Llama-3.1-8B at TP=1/2/4 and 70B at
               TP=2/4, data parallelism over every GPU (`benchmarks/gpu_suite_multigpu.py`)
 
@@ -58,6 +61,7 @@ if str(ROOT) not in sys.path:  # run as a file (or loaded by path) as well as wi
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_suite_multigpu import multigpu_rows, stage_multigpu  # noqa: E402
+from benchmarks.gpu_suite_serve import serve_rows, stage_serve  # noqa: E402
 from benchmarks.scoreboard_rows import Row, dig, fmt, judge  # noqa: E402
 
 WORKLOADS = {
@@ -76,6 +80,7 @@ STAGES = (
     "peers",
     "gemm",
     "fp8",
+    "serve",
     "multigpu",
 )
 PLATFORMS = ("cuda", "triton")
@@ -530,6 +535,7 @@ def scoreboard(stages: dict[str, Any]) -> list[Row]:
         + variant_rows(stages)
         + gemm_rows(stages)
         + fp8_rows(stages)
+        + serve_rows(stages)
         + multigpu_rows(stages)
         + check_rows(stages)
     )
@@ -622,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
             "peers": lambda: stage_peers(suite),
             "gemm": lambda: stage_gemm(suite),
             "fp8": lambda: stage_fp8(suite),
+            "serve": lambda: stage_serve(suite),
             "multigpu": lambda: stage_multigpu(suite),
         }
         # The environment is recorded with every run: stages run apart may meet different hosts.

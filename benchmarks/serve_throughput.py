@@ -21,6 +21,14 @@ on a CPU with the embedded model:
     python benchmarks/serve_throughput.py --workload random --num-prompts 8 --json out.json \\
         --bench-arg=--random-input-len=32 --bench-arg=--random-output-len=16
 
+Several loads against one server (`--load NAME[:BENCH ARGS]`, in order, each a `bench serve` run
+with its own options; `--json` then holds one result per name), e.g. the first requests after
+ready one at a time, then every request at once, then a Poisson rate:
+
+    python benchmarks/serve_throughput.py DIR --workload W --json serve.json \
+        --load "first_48:--max-concurrency=1 --num-prompts=48" --load "at_once" \
+        --load "rate_20:--request-rate=20 --num-prompts=600" --server-arg=...
+
 A SIGTERM or Ctrl-C stops the server too.
 """
 
@@ -99,6 +107,31 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def parse_load(spec: str) -> tuple[str, list[str]]:
+    """ "NAME" or "NAME:ARGS" -> (NAME, ARGS split on blanks). Raises ValueError for a bad name. Pure."""
+    name, _, rest = spec.partition(":")
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(
+            f"--load {spec!r}: the name must be letters, digits, '-' or '_' before an optional ':'"
+        )
+    return name, rest.split()
+
+
+def run_load(base_url: str, workload: str, num_prompts: int, options: list[str]) -> dict[str, Any]:
+    """One `pagedserve bench serve` run against the server; its JSON. Raises SystemExit when it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        bench_json = Path(tmp) / "bench.json"
+        argv = [sys.executable, "-m", "pagedserve.cli.main", "bench", "serve", "--base-url", base_url]
+        argv += ["--dataset", workload, "--num-prompts", str(num_prompts), "--json", str(bench_json)]
+        bench = subprocess.run([*argv, *options], check=False)  # a later --num-prompts wins
+        if bench.returncode != 0 or not bench_json.is_file():
+            raise SystemExit(
+                f"pagedserve bench serve failed (exit status {bench.returncode}): {' '.join(options)}"
+            )
+        result: dict[str, Any] = json.loads(bench_json.read_text())
+        return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -119,6 +152,12 @@ def main() -> None:
     parser.add_argument(
         "--bench-arg", action="append", default=[], help="an option for `pagedserve bench serve`"
     )
+    parser.add_argument(
+        "--load",
+        action="append",
+        default=[],
+        help="NAME[:BENCH ARGS]: a named `bench serve` run (repeatable, run in order against one server)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     parser.add_argument("--log", type=Path, default=None, help="the server's log (default: beside --json)")
     parser.add_argument("--json", type=Path, required=True, help="write the results here")
@@ -131,23 +170,25 @@ def main() -> None:
             num_prompts = len(json.loads(Path(args.workload).read_text())["requests"])
     elif num_prompts is None:
         parser.error("--workload random needs --num-prompts")
+    try:
+        loads = [parse_load(spec) for spec in args.load]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if len({name for name, _ in loads}) != len(loads):
+        parser.error("--load names must differ")
+    default_options = ["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []
     # A SIGTERM (a job's time limit, say) unwinds like Ctrl-C, so the server is stopped too.
     signal.signal(signal.SIGTERM, _interrupt)
     log_path = args.log or args.json.with_suffix(".server.log")
     proc, base_url, ready_s = start(args.model, args.server_arg, log_path, args.startup_timeout)
     print(f"server ready in {ready_s:.1f} s at {base_url}", flush=True)
+    results: dict[str, Any] = {}
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            bench_json = Path(tmp) / "bench.json"
-            argv = [sys.executable, "-m", "pagedserve.cli.main", "bench", "serve", "--base-url", base_url]
-            argv += ["--dataset", args.workload, "--num-prompts", str(num_prompts), "--json", str(bench_json)]
-            if args.max_concurrency is not None:
-                argv += ["--max-concurrency", str(args.max_concurrency)]
-            argv += args.bench_arg
-            bench = subprocess.run(argv, check=False)
-            if bench.returncode != 0 or not bench_json.is_file():
-                raise SystemExit(f"pagedserve bench serve failed (exit status {bench.returncode})")
-            result: dict[str, Any] = json.loads(bench_json.read_text())
+        for name, options in loads or [("default", [])]:
+            print(f"load {name}: {' '.join(options) or 'every request at once'}", flush=True)
+            results[name] = run_load(
+                base_url, args.workload, num_prompts, [*default_options, *options, *args.bench_arg]
+            )
     finally:
         exit_status = stop(proc)
     out = {
@@ -156,10 +197,10 @@ def main() -> None:
         "server_args": args.server_arg,
         "ready_s": ready_s,
         "server_exit_status": exit_status,
-        "bench": result,
+        **({"loads": results} if loads else {"bench": results["default"]}),
     }
     args.json.write_text(json.dumps(out, indent=2))
-    print(json.dumps({k: v for k, v in out.items() if k != "bench"}), flush=True)
+    print(json.dumps({k: v for k, v in out.items() if k not in ("bench", "loads")}), flush=True)
 
 
 if __name__ == "__main__":

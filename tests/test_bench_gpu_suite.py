@@ -239,7 +239,7 @@ def test_multigpu_rows_judge_each_size_against_tp1_of_the_same_run() -> None:
     stages["multigpu"]["dp"]["result"]["result"]["output_tokens_per_s"] = 21000.0  # 1.75x
     rows = {r.benchmark: r for r in suite.scoreboard(stages)}
     assert rows["8B DP=2 output tok/s, 1,000 requests"].verdict == "missed"
-    assert not any("serve" in name for name in rows)  # no server run: no row
+    assert not any("through `serve`" in name for name in rows)  # no data-parallel server run: no row
 
 
 def test_multigpu_rows_judge_data_parallel_serving_against_a_one_engine_server() -> None:
@@ -258,6 +258,50 @@ def test_multigpu_rows_judge_data_parallel_serving_against_a_one_engine_server()
         "8B DP=2 through `serve`, output tok/s, 1,000 requests"
     ]
     assert row.verdict == "missed"
+
+
+def _load_summary(tok_s: float, itl_p99: float, tpot_p99: float, ttft: tuple[float, float]) -> dict[str, Any]:
+    return {
+        "summary": {
+            "output_throughput": tok_s,
+            "itl_ms": {"p99": itl_p99},
+            "tpot_ms": {"p99": tpot_p99},
+            "ttft_ms": {"p50": ttft[0], "p99": ttft[1]},
+        }
+    }
+
+
+def test_serve_rows_judge_the_server_against_the_offline_engine_of_the_same_run() -> None:
+    loads = {
+        "first_48": _load_summary(0, 0, 0, (12.0, 20.0)),
+        "at_once": _load_summary(9800.0, 80.0, 25.0, (5000.0, 9000.0)),
+        "rate_20": _load_summary(0, 0, 0, (27.0, 70.0)),
+    }
+    stages = {
+        "serve": {
+            "cold": {"rc": 0, "result": {"ready_s": 58.0, "loads": loads}},
+            "warm": {"rc": 0, "result": {"ready_s": 21.0, "loads": {}}},
+            "offline_fcfs": {"rc": 0, "result": {"result": {"output_tokens_per_s": 10000.0}}},
+        }
+    }
+    rows = {r.benchmark: r for r in suite.scoreboard(stages)}
+    assert rows["serve ready, cold caches"].verdict == "met"
+    assert rows["serve ready, warm caches"].verdict == "missed"  # 21 > 20 s
+    at_once = rows["serve, 1,000 requests at once, output tok/s"]
+    assert at_once.verdict == "met" and "98% of offline" in at_once.ours  # 9,800 / 10,000 >= 97%
+    assert "10,000" in at_once.peer
+    assert rows["serve, 1,000 at once, ITL p99"].verdict == "met"
+    assert rows["serve, 1,000 at once, TPOT p99"].verdict == "met"
+    assert rows["serve, first 48 requests one at a time, TTFT p50 / p99"].verdict == "met"  # 20 <= 2 x 12
+    assert rows["serve, 20 requests/s, TTFT p99"].verdict == "missed"  # 70 > 60 ms
+    stages["serve"]["offline_fcfs"]["result"]["result"]["output_tokens_per_s"] = 10200.0  # 96%
+    rows = {r.benchmark: r for r in suite.scoreboard(stages)}
+    assert rows["serve, 1,000 requests at once, output tok/s"].verdict == "missed"
+
+
+def test_serve_rows_say_not_run_without_the_stage() -> None:
+    rows = [r for r in suite.scoreboard({}) if "serve" in r.benchmark and "through" not in r.benchmark]
+    assert [r.verdict for r in rows] == ["not run"]
 
 
 def test_multigpu_rows_say_not_run_on_one_gpu() -> None:

@@ -67,6 +67,25 @@ def test_bench_serve_workload_file_with_poisson_rate(server: ServerProcess, tmp_
     assert summary["completed"] == 4 and summary["total_output_tokens"] == 12
 
 
+def test_bench_serve_over_two_client_processes(server: ServerProcess, tmp_path: Path) -> None:
+    out = _pagedserve(
+        "bench", "serve", "--base-url", server.base_url, "--num-prompts", "7", "--client-processes", "2",
+        "--max-concurrency", "3", "--random-input-len", "8", "--random-output-len", "4",
+        "--vocab-size", "49152", "--json", str(tmp_path / "p.json"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr + out.stdout
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["config"]["client_processes"] == 2
+    summary = doc["summary"]
+    assert summary["completed"] == 7 and summary["total_output_tokens"] == 7 * 4
+    assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"] <= summary["duration_s"] * 1000
+
+
+def test_bench_serve_client_processes_must_be_positive(server: ServerProcess) -> None:
+    out = _pagedserve("bench", "serve", "--base-url", server.base_url, "--client-processes", "0")
+    assert out.returncode == 2 and "--client-processes must be >= 1" in out.stderr
+
+
 def test_bench_serve_reports_failures(server: ServerProcess) -> None:
     # 300 prompt tokens do not fit max_model_len 256: every request fails with the server's 400.
     out = _pagedserve("bench", "serve", "--base-url", server.base_url, "--num-prompts", "2",
@@ -79,6 +98,9 @@ def test_bench_serve_reports_failures(server: ServerProcess) -> None:
 def test_bench_serve_unreachable_server() -> None:
     out = _pagedserve("bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1")
     assert out.returncode == 1 and "cannot benchmark" in out.stderr
+    split = _pagedserve("bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2",
+                        "--client-processes", "2")  # fmt: skip
+    assert split.returncode == 1 and "client process 0 of 2 failed" in split.stderr
 
 
 def test_bench_throughput(model_dir: Path, tmp_path: Path) -> None:

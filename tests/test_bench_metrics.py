@@ -10,6 +10,7 @@ import pytest
 from pagedserve.bench.datasets import BenchRequest, fit_vocab, load_workload, random_requests
 from pagedserve.bench.metrics import Distribution, RequestResult, summarize
 from pagedserve.bench.report import format_table, plot_latencies, write_json
+from pagedserve.bench.serve_client import default_client_processes, split_load
 
 
 def test_random_requests_lengths_and_ids() -> None:
@@ -86,6 +87,22 @@ def test_summarize_computes_latencies_and_throughput() -> None:
     assert s.itl_ms.mean == pytest.approx(100.0)
     assert s.e2e_ms.p99 == pytest.approx(1096.0)  # numpy's linear interpolation between 700 and 1100
     assert s.errors == ["HTTP 400: bad"]
+
+
+def test_split_load_deals_requests_rate_and_concurrency() -> None:
+    shares = split_load(10, 3, 30.0, 7)
+    assert [s.request_ids for s in shares] == [(0, 3, 6, 9), (1, 4, 7), (2, 5, 8)]
+    assert [s.request_rate for s in shares] == [10.0] * 3
+    assert [s.max_concurrency for s in shares] == [3, 2, 2]  # sums to 7
+    assert len(split_load(10, 4, float("inf"), 1)) == 1  # one stream at a time: one process
+    assert len(split_load(2, 4, float("inf"), None)) == 2
+    assert [s.max_concurrency for s in split_load(5, 2, float("inf"), None)] == [None, None]
+
+
+def test_default_client_processes() -> None:
+    assert default_client_processes(1000, 1) == 1
+    assert default_client_processes(48, None) == 1
+    assert 1 <= default_client_processes(1000, None) <= 4
 
 
 def test_distribution_of_nothing_is_zero() -> None:

@@ -203,14 +203,28 @@ async def _serve(
     sock: socket.socket | None = None,  # bound already (`--api-server-count`); None: bind here
     barrier: Barrier | None = None,  # the API-server processes start serving together
 ) -> int:
-    # Heavy imports here: `pagedserve --help` must stay fast.
-    import uvicorn
+    # A one-replica server's engine core starts first: its imports and CUDA start overlap this
+    # process's (`server.early_core`).
+    from pagedserve.server.early_core import spawn_early_core
 
-    from pagedserve.server.api_server import ServerConfig, build_app
-    from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError
+    early = None
+    if engine_args.data_parallel_size == 1:
+        early = spawn_early_core(
+            engine_args.model_dump_json(), tensor_parallel_size=engine_args.tensor_parallel_size
+        )
+    try:
+        # Heavy imports here: `pagedserve --help` must stay fast.
+        import uvicorn
+
+        from pagedserve.server.api_server import ServerConfig, build_app
+        from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError
+    except BaseException:
+        if early is not None:
+            early.stop()
+        raise
 
     try:
-        engine = await AsyncLLMEngine.launch(engine_args)
+        engine = await AsyncLLMEngine.launch(engine_args, early=early)
     except (EngineDeadError, ValueError) as exc:  # ValueError: too few GPUs for the replicas
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 1

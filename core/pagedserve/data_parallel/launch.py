@@ -25,20 +25,25 @@ from pagedserve.data_parallel.placement import ReplicaPlan, plan_replicas
 from pagedserve.data_parallel.replica_handle import ReplicaGroup, ReplicaHandle
 from pagedserve.executor.multiproc import spawn_environment
 from pagedserve.models.loader import load_tokenizer, resolve_model_source
+from pagedserve.server.early_core import EarlyCore, core_addresses
 from pagedserve.server.engine_proc import CoreProcessRole, run_engine_core
 
 logger = logging.getLogger(__name__)
 
 
-def open_replicas(args: EngineArgs) -> ReplicaGroup:
+def open_replicas(args: EngineArgs, early: EarlyCore | None = None) -> ReplicaGroup:
     """The replicas `args` asks for: Ray actors anywhere in a Ray cluster with
     `distributed_executor_backend="ray"` and `data_parallel_size > 1`, else processes on this
-    host. Refuses (ValueError) before anything starts when they cannot all be placed."""
+    host, the first of them `early` when it was started ahead (`server.early_core`; the group
+    owns it from then on). Refuses (ValueError) before anything starts when they cannot all be
+    placed."""
     if args.data_parallel_size > 1 and args.distributed_executor_backend == "ray":
+        if early is not None:
+            raise ValueError("an engine core started ahead cannot join a Ray data-parallel group")
         from pagedserve.data_parallel.ray_replicas import RayReplicas
 
         return RayReplicas(args)
-    return LocalReplicas(args)
+    return LocalReplicas(args, early)
 
 
 class ProcessReplica(ReplicaHandle):
@@ -81,11 +86,16 @@ class LocalReplicas(ReplicaGroup):
     """Replicas as spawned processes on this host, each on its own GPUs (`placement`), reached
     over IPC sockets in a private directory."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, early: EarlyCore | None = None) -> None:
         self.args = args
+        if early is not None and args.data_parallel_size != 1:
+            raise ValueError("an engine core started ahead serves a one-replica engine only")
         self.plans = plan_replicas(args)  # refuses too few GPUs before anything starts
         self.size = len(self.plans)
-        self._ipc_dir: str | None = tempfile.mkdtemp(prefix="pagedserve-zmq-")
+        self._ipc_dir: str | None = (
+            tempfile.mkdtemp(prefix="pagedserve-zmq-") if early is None else early.ipc_dir
+        )
+        self._early = early  # replica 0, running already until `start` adopts it
 
     def start(
         self, index: int, to_core: zmq.Socket[Any], from_core: zmq.Socket[Any], *, offline: bool
@@ -94,23 +104,21 @@ class LocalReplicas(ReplicaGroup):
         to_addr, from_addr = core_addresses(self._ipc_dir, index)
         to_core.bind(to_addr)
         from_core.bind(from_addr)
-        proc = start_core_process(self.args, self.plans[index], to_addr, from_addr, offline=offline)
+        if index == 0 and self._early is not None:
+            if offline:
+                raise ValueError("an engine core started ahead serves the server, not the offline engine")
+            proc, self._early = self._early.process, None  # dialling these addresses since its start
+        else:
+            proc = start_core_process(self.args, self.plans[index], to_addr, from_addr, offline=offline)
         return ProcessReplica(index, proc)
 
     def close(self) -> None:
+        if self._early is not None:  # never adopted: nothing else will stop it
+            self._early.stop()
+            self._early = None
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
-
-
-def core_addresses(ipc_dir: str, replica: int) -> tuple[str, str]:
-    """The IPC addresses (to the core, from the core) of one replica's sockets in `ipc_dir`. The
-    only replica of an engine keeps the names it has always had."""
-    suffix = "" if replica == 0 else f"_{replica}"
-    return (
-        f"ipc://{os.path.join(ipc_dir, 'to_core' + suffix)}",
-        f"ipc://{os.path.join(ipc_dir, 'from_core' + suffix)}",
-    )
 
 
 def start_core_process(

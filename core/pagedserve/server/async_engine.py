@@ -56,6 +56,7 @@ from pagedserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutpu
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server import serialization as wire
+from pagedserve.server.early_core import EarlyCore
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.types import RequestId
@@ -154,20 +155,33 @@ class AsyncLLMEngine:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     @classmethod
-    async def launch(cls, args: EngineArgs, *, startup_timeout_s: float = 900.0) -> AsyncLLMEngine:
-        """Start the core process(es), wait until every model is loaded, load the tokenizer
+    async def launch(
+        cls, args: EngineArgs, *, startup_timeout_s: float = 900.0, early: EarlyCore | None = None
+    ) -> AsyncLLMEngine:
+        """Start the core process(es), or adopt `early`, the one started ahead (the engine owns
+        it from then on, failure included); wait until every model is loaded, load the tokenizer
         here. Raises ValueError when data_parallel_size x tensor_parallel_size GPUs are not there."""
-        engine = cls(args)
         try:
-            await engine._start(startup_timeout_s)
+            engine = cls(args)
+        except BaseException:
+            if early is not None:
+                early.stop()
+            raise
+        try:
+            await engine._start(startup_timeout_s, early)
         except BaseException:
             await engine.shutdown()
             raise
         return engine
 
-    async def _start(self, timeout_s: float) -> None:
+    async def _start(self, timeout_s: float, early: EarlyCore | None) -> None:
         # Refuses what cannot be placed (too few GPUs, a Ray cluster too small) before any start.
-        self._group = group = open_replicas(self.args)
+        try:
+            self._group = group = open_replicas(self.args, early)
+        except BaseException:
+            if early is not None:
+                early.stop()
+            raise
         for core in self._cores:
             core.handle = group.start(core.index, core.to_core, core.from_core, offline=False)
         if len(self._cores) == 1:

@@ -102,18 +102,15 @@ def serve_rows(stages: dict[str, Any]) -> list[Row]:
     def load(run: str, name: str, *keys: str) -> Any:
         return dig(serve, run, "result", "loads", name, "summary", *keys)
 
-    rows = []
-    for kind, goal in (("cold", READY_COLD_S), ("warm", READY_WARM_S)):
-        ready = dig(serve, kind, "result", "ready_s")
-        rows.append(
-            Row(
-                f"serve ready, {kind} caches",
-                fmt(ready, ".1f", " s"),
-                "",
-                f"<= {goal:.0f} s",
-                judge(ready, "<=", goal),
-            )
+    def at_most(benchmark: str, value: float | None, goal: float, unit: str) -> Row:
+        return Row(
+            benchmark, fmt(value, ".1f", f" {unit}"), "", f"<= {goal:.0f} {unit}", judge(value, "<=", goal)
         )
+
+    rows = [
+        at_most(f"serve ready, {kind} caches", dig(serve, kind, "result", "ready_s"), goal, "s")
+        for kind, goal in (("cold", READY_COLD_S), ("warm", READY_WARM_S))
+    ]
     offline = dig(serve, "offline_fcfs", "result", "result", "output_tokens_per_s")
     served = load("cold", "at_once", "output_throughput")
     ratio = None if served is None or not offline else served / offline
@@ -127,24 +124,8 @@ def serve_rows(stages: dict[str, Any]) -> list[Row]:
         )
     )
     itl, tpot = load("cold", "at_once", "itl_ms", "p99"), load("cold", "at_once", "tpot_ms", "p99")
-    rows.append(
-        Row(
-            "serve, 1,000 at once, ITL p99",
-            fmt(itl, ".1f", " ms"),
-            "",
-            f"<= {ITL_P99_MS:.0f} ms",
-            judge(itl, "<=", ITL_P99_MS),
-        )
-    )
-    rows.append(
-        Row(
-            "serve, 1,000 at once, TPOT p99",
-            fmt(tpot, ".1f", " ms"),
-            "",
-            f"<= {TPOT_P99_MS:.0f} ms",
-            judge(tpot, "<=", TPOT_P99_MS),
-        )
-    )
+    rows.append(at_most("serve, 1,000 at once, ITL p99", itl, ITL_P99_MS, "ms"))
+    rows.append(at_most("serve, 1,000 at once, TPOT p99", tpot, TPOT_P99_MS, "ms"))
     p50, p99 = load("cold", "first_48", "ttft_ms", "p50"), load("cold", "first_48", "ttft_ms", "p99")
     spread = None if p50 is None or p99 is None or not p50 else p99 / p50
     rows.append(
@@ -157,15 +138,7 @@ def serve_rows(stages: dict[str, Any]) -> list[Row]:
         )
     )
     rate = load("cold", "rate_20", "ttft_ms", "p99")
-    rows.append(
-        Row(
-            "serve, 20 requests/s, TTFT p99",
-            fmt(rate, ".1f", " ms"),
-            "",
-            f"<= {RATE_20_TTFT_P99_MS:.0f} ms",
-            judge(rate, "<=", RATE_20_TTFT_P99_MS),
-        )
-    )
+    rows.append(at_most("serve, 20 requests/s, TTFT p99", rate, RATE_20_TTFT_P99_MS, "ms"))
     for budget in BUDGETS:
         tok = load(f"budget_{budget}", "at_once", "output_throughput")
         itl_b = load(f"budget_{budget}", "at_once", "itl_ms", "p99")

@@ -291,19 +291,19 @@ class SamplingParams:
     @property
     def stop_strings(self) -> tuple[str, ...]:
         """The stop strings as a tuple (possibly empty)."""
-        return cast(tuple[str, ...], self.stop)
+        return cast("tuple[str, ...]", self.stop)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """The stop token ids as a tuple (possibly empty)."""
-        return cast(tuple[int, ...], self.stop_token_ids)
+        return cast("tuple[int, ...]", self.stop_token_ids)
 
     @property
     def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:
         """The token sequences bad_words ban (possibly empty: none, or not recorded yet). The
         sampler sets a sequence's last token to -inf wherever the tokens generated so far end with
         the rest of it; a one-token sequence is banned everywhere."""
-        return cast(tuple[tuple[int, ...], ...], self._bad_words_token_ids or ())
+        return cast("tuple[tuple[int, ...], ...]", self._bad_words_token_ids or ())
 
     @property
     def sampling_type(self) -> SamplingType:

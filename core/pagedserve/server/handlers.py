@@ -127,8 +127,12 @@ async def gather_or_cancel(awaitables: Sequence[Awaitable[T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# One encoder for every event: `json.dumps` with options builds a new encoder per call.
+_EVENT_JSON = json.JSONEncoder(ensure_ascii=False)
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_EVENT_JSON.encode(payload)}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

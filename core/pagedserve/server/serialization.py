@@ -215,7 +215,7 @@ def _output_from_wire(wire: list[Any]) -> EngineCoreOutput:
     return EngineCoreOutput(
         req_id=RequestId(req_id),
         new_token_ids=list(new_ids),
-        finish_reason=cast(FinishReason | None, finish),
+        finish_reason=cast("FinishReason | None", finish),
         stop_token_id=stop_id,
         logprobs=_logprobs_from_wire(logprobs),
         prompt_logprobs=_logprobs_from_wire(prompt_logprobs),

@@ -149,7 +149,12 @@ def test_generate_with_delta_yields_what_is_new_and_merges_what_waited(tmp_path:
                     await asyncio.sleep(1.0)
         finally:
             await engine.shutdown()
-        assert len(parts) > 1 and all(len(s.token_ids) <= 1 for o in parts[1:] for s in o.outputs)
+        # Each part holds only tokens no earlier part held: per sample they add up to the 12
+        # generated (cumulative outputs would repeat them). How many parts a consumer gets
+        # depends on whether it keeps up with the engine; a loaded host may merge two steps.
+        assert len(parts) > 1
+        for index in range(params.n):
+            assert sum(len(s.token_ids) for o in parts for s in o.outputs if s.index == index) == 12
         for merged in (merge_deltas(parts), merge_deltas(slow)):
             assert merged.finished
             for a, b in zip(merged.outputs, whole[-1].outputs, strict=True):

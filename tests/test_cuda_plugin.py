@@ -4,10 +4,14 @@ NVRTC compilation of every kernel family when libnvrtc is installed (skipped oth
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import struct
+import threading
+import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import PLUGIN_API_VERSION, AttentionLayerShape, UnsupportedCase
 from pagedserve.platforms.tuned_configs import TunedConfigError, TunedConfigs
-from pagedserve_cuda import compiler, plugin
+from pagedserve_cuda import compiler, launcher, plugin
 from pagedserve_cuda.attention import CudaPagedAttentionBackend
 from pagedserve_cuda.cache_ops import CudaCacheOps, contiguous_runs, copy_unit
 from pagedserve_cuda.compiler import CudaCompileError, CudaToolError, KernelSource
@@ -336,6 +340,66 @@ def test_kernel_launch_packs_every_argument_into_its_slot() -> None:
     assert struct.unpack("<f", second[3][:4])[0] == 4.0
     with pytest.raises(ValueError, match="unknown argument kinds"):
         CudaKernel(driver, object(), "k", "pz")  # type: ignore[arg-type]
+
+
+def test_threads_launching_one_kernel_each_pass_their_own_arguments() -> None:
+    # The start-up sweep launches from several threads; one kernel's parameter block is shared.
+    mismatches: list[tuple[int, int]] = []
+
+    def fake_launch(func: object, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
+                    stream: int, params: int, extra: int) -> tuple[int]:  # fmt: skip
+        slot = ctypes.c_void_p.from_address(params).value or 0
+        before = struct.unpack("<q", ctypes.string_at(slot, 8))[0]
+        time.sleep(0.0005)  # the driver reading the block; another thread may run meanwhile
+        after = struct.unpack("<q", ctypes.string_at(slot, 8))[0]
+        if before != after or before != gx:
+            mismatches.append((gx, after))
+        return (0,)
+
+    driver = types.SimpleNamespace(
+        cuLaunchKernel=fake_launch, CUresult=types.SimpleNamespace(CUDA_SUCCESS=0), cuGetErrorName=None
+    )
+    kernel = CudaKernel(driver, object(), "k", "q")  # type: ignore[arg-type]
+
+    def launch_many(first: int) -> None:
+        for value in range(first, first + 40):
+            kernel.launch((value, 1, 1), 32, 0, 0, value)  # the grid says which argument it passed
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(launch_many, (1, 1001, 2001, 3001)))
+    assert mismatches == []
+
+
+def test_the_loader_compiles_different_modules_at_once_and_one_module_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    both_compiling = threading.Barrier(2, timeout=10)  # broken unless two compiles overlap
+    compiled: list[KernelSource] = []
+
+    def fake_cubin(source: KernelSource, arch: str) -> bytes:
+        compiled.append(source)
+        if source.file != "same.cu":
+            both_compiling.wait()
+        return b"cubin"
+
+    driver = types.SimpleNamespace(
+        cuModuleLoadData=lambda cubin: (0, object()),
+        cuModuleGetFunction=lambda module, name: (0, object()),
+        cuLaunchKernel=None,
+        CUresult=types.SimpleNamespace(CUDA_SUCCESS=0),
+    )
+    monkeypatch.setattr(launcher, "cached_cubin", fake_cubin)
+    monkeypatch.setattr(launcher, "device_arch", lambda device: "sm_90")
+    monkeypatch.setattr(launcher, "load_driver", lambda: driver)
+    monkeypatch.setattr(launcher, "_make_primary_context_current", lambda driver, index: None)
+    monkeypatch.setattr(launcher.torch.cuda, "device", lambda index: contextlib.nullcontext())
+    loader = launcher.KernelLoader()
+    device = torch.device("cuda", 0)
+    sources = [KernelSource("a.cu", ()), KernelSource("b.cu", ())] + [KernelSource("same.cu", ())] * 4
+    with ThreadPoolExecutor(6) as pool:
+        kernels = list(pool.map(lambda src: loader.kernel(src, "f", "p", device), sources))
+    assert sorted(s.file for s in compiled) == ["a.cu", "b.cu", "same.cu"]
+    assert len({id(k) for k in kernels[2:]}) == 1  # one module, one function object for "same.cu"
 
 
 # --- NVRTC -------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from pagedserve.config import EngineArgs
 from pagedserve.models.loader import load_model
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape
+from pagedserve.worker.attention_sweep import WarmupBatch, attention_warmup_batches, warm_up_attention
 from pagedserve.worker.cuda_graphs import default_graph_sizes, padded_size
 from pagedserve.worker.full_cuda_graphs import (
     PADDING_SLOT,
@@ -41,7 +42,7 @@ from pagedserve.worker.gpu_compile import (
 )
 from pagedserve.worker.graph_modes import GraphPlan, no_programmatic_launch, plan_graphs, step_path
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.warmup import WarmupBatch, attention_warmup_batches, prepare_runner, warm_up_attention
+from pagedserve.worker.warmup import prepare_runner
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 

@@ -32,6 +32,12 @@ import pagedserve_triton.ragged_prefill_sm90 as ragged_sm90
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, AttentionLayerShape
+from pagedserve.worker.attention_sweep import (
+    WarmupBatch,
+    attention_warmup_batches,
+    warm_up_attention,
+    warmup_metadata,
+)
 from pagedserve.worker.buffers import PackedUpload
 from pagedserve.worker.cuda_graphs import default_graph_sizes
 from pagedserve.worker.full_cuda_graphs import (
@@ -41,7 +47,6 @@ from pagedserve.worker.full_cuda_graphs import (
     forward_graph_key,
     seq_len_buckets,
 )
-from pagedserve.worker.warmup import WarmupBatch, attention_warmup_batches, warm_up_attention, warmup_metadata
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 from pagedserve_triton.attention import SplitPlan, TritonUnifiedAttentionBackend, choose_split
 from pagedserve_triton.compile_keys import launch_variant
@@ -314,13 +319,19 @@ class _KeysOnly(AttentionBackend):
         self.inner = inner
         self.asked: list[frozenset[Hashable] | None] = []
         self.ran: list[frozenset[Hashable] | None] = []
+        # (metadata, window) -> the key given for that call: the sweep asks every key first
+        self._given: dict[tuple[int, object], frozenset[Hashable] | None] = {}
+
+    def key_for(self, *args: Any, **kwargs: Any) -> frozenset[Hashable] | None:
+        return self.inner.compile_key(*args, **kwargs)
 
     def compile_key(self, *args: Any, **kwargs: Any) -> frozenset[Hashable] | None:  # type: ignore[override]
-        self.asked.append(self.inner.compile_key(*args, **kwargs))
+        self.asked.append(self.key_for(*args, **kwargs))
+        self._given[id(args[2]), kwargs.get("sliding_window")] = self.asked[-1]
         return self.asked[-1]
 
     def forward(self, query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
-        self.ran.append(self.asked[-1])
+        self.ran.append(self._given.get((id(args[1]), kwargs.get("sliding_window"))))
         return query
 
 
@@ -382,9 +393,8 @@ def test_a_call_runs_when_it_needs_any_variant_not_run_yet() -> None:
     planned = [{"a"}, {"a", "b"}, {"b"}, {"c", "a"}, set(), {"a", "c"}, {"d"}]
 
     class Planned(_KeysOnly):
-        def compile_key(self, *args: Any, **kwargs: Any) -> frozenset[Hashable] | None:  # type: ignore[override]
-            self.asked.append(frozenset(planned[len(self.asked)]))
-            return self.asked[-1]
+        def key_for(self, *args: Any, **kwargs: Any) -> frozenset[Hashable] | None:
+            return frozenset(planned[len(self.asked)])
 
     batches = [WarmupBatch((1,), (n,)) for n in range(1, len(planned) + 1)]
     backend = Planned(TritonUnifiedAttentionBackend())
@@ -403,8 +413,7 @@ def test_without_keys_every_call_runs() -> None:
     )  # fmt: skip
 
     class Unkeyed(_KeysOnly):
-        def compile_key(self, *args: Any, **kwargs: Any) -> frozenset[Hashable] | None:  # type: ignore[override]
-            self.asked.append(None)
+        def key_for(self, *args: Any, **kwargs: Any) -> frozenset[Hashable] | None:
             return None
 
     batches = attention_warmup_batches(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16)

@@ -146,6 +146,14 @@ class EngineArgs(_Config):
         "the depth); 'model' traces the whole forward as one graph (the transformers fallback and "
         "models without per-layer regions always are)",
     )
+    attention_warmup_threads: int | None = Field(
+        None,
+        ge=1,
+        description="GPU start-up: threads that run the attention-kernel sweep (each call JITs new "
+        "kernel variants), beside the forward's compilation; 1 runs it on one thread after the "
+        "compile; None: min(8, CPUs / 2) where the attention backend declares concurrent_batches "
+        "(plugin API 1.11), else 1",
+    )
     platform_linear: bool = Field(
         True,
         description="GPU platforms that provide their own GEMM for linear layers (triton, cuda: a "

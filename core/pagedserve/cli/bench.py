@@ -160,6 +160,8 @@ def _startup(engine: OfflineEngine, build_s: float) -> dict[str, float]:
     times = runner.startup_times if isinstance(runner, ModelRunner) else None
     if times is not None:
         out.update(compile_s=times.compile_s, attention_kernels_s=times.kernels_s, capture_s=times.capture_s)
+        # The sweep's seconds on its threads while the forward compiled: not in `total_s`.
+        out["attention_kernels_beside_compile_s"] = times.kernels_beside_compile_s
         # The attention sweep: its batch shapes, and the compiled variants and calls they came to.
         out.update(attention_batch_shapes=times.num_warmup_batches, attention_calls=times.num_warmup_calls)
         if times.num_attention_variants is not None:

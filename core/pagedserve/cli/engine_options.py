@@ -39,6 +39,11 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
         str,
         "layer (default: each decoder stretch compiled once for all layers) or model (one whole graph)",
     ),
+    "--attention-warmup-threads": (
+        "attention_warmup_threads",
+        int,
+        "start-up: threads JIT-compiling attention kernels beside the forward's compile (1: serial)",
+    ),
     "--scheduling-policy": (
         "scheduling_policy",
         str,

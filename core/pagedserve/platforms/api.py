@@ -74,6 +74,10 @@ requests and a `max_query_len` bound replays correctly any batch with at most as
 requests and queries no longer than the bound: prefill chunks beside decodes, not only decode
 batches. With it, `cudagraph_mode="full"` replays such steps as one graph each. The default
 (False) keeps them on piecewise graphs.
+Parallel start-up JIT (API 1.11): `AttentionBackend.concurrent_batches` promises that calls for
+different batches (different metadata objects) may run `forward` on several host threads at once.
+The start-up sweep then runs its calls on a pool of threads, beside the forward's compilation, so
+the kernel variants compile in parallel. The default (False) keeps one thread, after the compile.
 """
 
 from __future__ import annotations
@@ -89,9 +93,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.10"
+PLUGIN_API_VERSION = "1.11"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.10"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.11"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -232,8 +236,9 @@ class AttentionBackend(ABC):
     sees key positions `<= ` its own, and with a sliding window `W` only the last `W` of those
     (keys in `[p - W + 1, p]` for a query at position `p`).
 
-    The host constructs a backend with no arguments, once per engine, and calls it from one thread;
-    a backend reads its launch parameters (tuned configs) and grid order itself at construction.
+    The host constructs a backend with no arguments, once per engine, and calls it from one thread
+    (a backend that declares `concurrent_batches` excepted, during the start-up sweep); a backend
+    reads its launch parameters (tuned configs) and grid order itself at construction.
     """
 
     name: ClassVar[str]
@@ -254,6 +259,13 @@ class AttentionBackend(ABC):
     # belong to no request, and no kernel writes their output rows with anything a real row reads).
     # Full graphs of mixed steps (`pagedserve.worker.full_mixed_graphs`) need it.
     supports_full_cuda_graph_mixed: ClassVar[bool] = False
+    # API 1.11. True promises that `forward` may run on several host threads at once for calls of
+    # different batches (distinct metadata objects), each thread's current CUDA device being the
+    # tensors'; calls that share a metadata object (the layers of one step) still come from one
+    # thread, in order. The engine's start-up sweep (`pagedserve.worker.attention_sweep`) then runs its
+    # calls on a thread pool beside the forward's compilation, so their JIT compiles (Triton,
+    # NVRTC: native code that leaves Python's lock) run in parallel.
+    concurrent_batches: ClassVar[bool] = False
 
     def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> Hashable | None:
         """API 1.2. What this backend's launches for `metadata` on a layer of shape `layer` depend
@@ -306,7 +318,7 @@ class AttentionBackend(ABC):
         options; an NVRTC module's source and defines). The promise: once calls launching a
         variant have run, a call whose variants are all among them compiles and loads nothing.
         An empty set: `forward` launches nothing. The engine's start-up warm-up
-        (`pagedserve.worker.warmup`) runs only the calls of its sweep that need a variant no
+        (`pagedserve.worker.attention_sweep`) runs only the calls of its sweep that need a variant no
         earlier call did.
 
         Host-only: reads the metadata's host fields and the tensors' layouts (shapes, strides,

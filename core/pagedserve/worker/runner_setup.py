@@ -8,6 +8,7 @@ the same functions, so a rank is set up exactly as a single device would be.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -22,6 +23,7 @@ from pagedserve.models.platform_linear import route_linear_layers, route_lm_head
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
 from pagedserve.platforms.loaded_platform import LoadedPlatform
+from pagedserve.worker.attention_sweep import attention_warmup_threads
 from pagedserve.worker.cpu_compile import compile_reason
 from pagedserve.worker.gpu_compile import PROGRAMMATIC_MAX_TOKENS, configure_compile_caches
 from pagedserve.worker.graph_modes import no_programmatic_launch, plan_graphs
@@ -280,6 +282,9 @@ def _prepare_graphs(runner: ModelRunner, dm: DeviceModel, args: EngineArgs, devi
             max_num_batched_tokens=dm.max_num_batched_tokens,
             max_model_len=dm.max_model_len,
             cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+            attention_warmup_threads=attention_warmup_threads(
+                args.attention_warmup_threads, dm.backend, os.cpu_count()
+            ),
         )
     else:
         logger.info("no CUDA graphs: %s", graph_plan.describe())

@@ -90,6 +90,10 @@ class CudaPagedAttentionBackend(AttentionBackend):
     supports_full_cuda_graph: ClassVar[bool] = True
     # A batch whose `max_query_len` bound is above 1 always goes to Triton, which declares it.
     supports_full_cuda_graph_mixed: ClassVar[bool] = True
+    # Decision caches are dicts a second thread may fill again; the loader compiles different NVRTC
+    # modules at once and a kernel's parameter block is packed under its lock (`launcher`); the
+    # Triton backend declares the same.
+    concurrent_batches: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -6,9 +6,13 @@ Launches happen once per layer per step, so the hot path is short: a `CudaKernel
 `CUfunction` and a preallocated parameter block (one 8-byte slot per argument plus the `void*`
 array pointing at the slots). A launch is one `struct.pack_into` of the arguments into that block
 and one `cuLaunchKernel` call with the block's address; the driver copies the parameters during
-the call, so the block is reusable at once. Nothing here synchronises with the device.
+the call, so the block is reusable at once. Nothing here synchronises with the device. The block
+is one per kernel, so packing and launching hold the kernel's lock: the start-up sweep launches
+from several threads (an uncontended lock costs well under a microsecond; a launch, several).
 
-Modules are loaded once per (kernel source, device) and kept for the life of the process.
+Modules are loaded once per (kernel source, device) and kept for the life of the process. Different
+modules compile at the same time on different threads (NVRTC runs outside Python's lock); one module
+compiles once.
 """
 
 from __future__ import annotations
@@ -74,6 +78,18 @@ def _make_primary_context_current(driver: ModuleType, index: int) -> None:
     _check(driver, err, "cuCtxSetCurrent")
 
 
+def _dependent_launch_config(driver: ModuleType) -> Any:
+    """A `CUlaunchConfig` that makes a launch a programmatic dependent one; the caller fills in
+    the grid, block, shared memory and stream per launch."""
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config
+
+
 class CudaKernel:
     """One `__global__` function of a loaded module, with its preallocated parameter block."""
 
@@ -82,6 +98,7 @@ class CudaKernel:
         "_driver",
         "_func",
         "_launch",
+        "_lock",
         "_params",
         "_ptrs",
         "_slots",
@@ -106,6 +123,7 @@ class CudaKernel:
         self._ptrs = (ctypes.c_void_p * len(signature))(*(base + 8 * i for i in range(len(signature))))
         self._params = ctypes.addressof(self._ptrs)
         self._dependent_config: Any = None  # built at the first programmatic dependent launch
+        self._lock = threading.Lock()  # the parameter block and launch configuration are shared
 
     def launch(
         self,
@@ -117,10 +135,11 @@ class CudaKernel:
     ) -> None:
         """Launch on `stream` (a raw `cudaStream_t`, e.g. `torch.cuda.current_stream().cuda_stream`).
         Asynchronous; mutates only the parameter block (copied by the driver before returning)."""
-        self._struct.pack_into(self._slots, 0, *args)
-        (err,) = self._launch(
-            self._func, grid[0], grid[1], grid[2], threads, 1, 1, shared_bytes, stream, self._params, 0
-        )
+        with self._lock:
+            self._struct.pack_into(self._slots, 0, *args)
+            (err,) = self._launch(
+                self._func, grid[0], grid[1], grid[2], threads, 1, 1, shared_bytes, stream, self._params, 0
+            )
         if err != self._success:
             _check(self._driver, err, f"cuLaunchKernel({self.name}, grid={grid}, threads={threads})")
 
@@ -136,22 +155,16 @@ class CudaKernel:
         previous kernel on `stream` drains, so the kernel must have been compiled with DEPENDENT=1
         (its CTAs wait on the device before touching memory: `kernels/programmatic.cuh`).
         Asynchronous; mutates the parameter block and the kernel's launch configuration."""
-        config = self._dependent_config
-        if config is None:
-            driver = self._driver
-            attribute = driver.CUlaunchAttribute()
-            attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attribute.value.programmaticStreamSerializationAllowed = 1
-            config = driver.CUlaunchConfig()
-            config.attrs = [attribute]
-            config.numAttrs = 1
-            self._dependent_config = config
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-        config.sharedMemBytes = shared_bytes
-        config.hStream = stream
-        self._struct.pack_into(self._slots, 0, *args)
-        (err,) = self._driver.cuLaunchKernelEx(config, self._func, self._params, 0)
+        with self._lock:
+            config = self._dependent_config
+            if config is None:
+                config = self._dependent_config = _dependent_launch_config(self._driver)
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+            config.sharedMemBytes = shared_bytes
+            config.hStream = stream
+            self._struct.pack_into(self._slots, 0, *args)
+            (err,) = self._driver.cuLaunchKernelEx(config, self._func, self._params, 0)
         if err != self._success:
             _check(self._driver, err, f"cuLaunchKernelEx({self.name}, grid={grid}, programmatic dependent)")
 
@@ -161,9 +174,12 @@ class KernelLoader:
     Thread-safe; `kernel` mutates only the loader's caches."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dicts below
         self._modules: dict[tuple[KernelSource, int], Any] = {}  # (source, device index) -> CUmodule
         self._kernels: dict[tuple[KernelSource, int, str], CudaKernel] = {}
+        # (source, device index) -> the lock held while that module compiles and loads: one lock
+        # for all would make the start-up sweep's threads compile one module at a time
+        self._module_locks: dict[tuple[KernelSource, int], threading.Lock] = {}
 
     def kernel(self, source: KernelSource, function: str, signature: str, device: torch.device) -> CudaKernel:
         """The `extern "C"` function `function` of `source` on `device`. The first call per source and
@@ -173,11 +189,11 @@ class KernelLoader:
         found = self._kernels.get(key)
         if found is not None:
             return found
+        driver = load_driver()
+        module = self._module(driver, source, index)
         with self._lock:
             found = self._kernels.get(key)
             if found is None:
-                driver = load_driver()
-                module = self._module(driver, source, index)
                 err, func = driver.cuModuleGetFunction(module, function.encode())
                 _check(driver, err, f"cuModuleGetFunction({function} in {source.file})")
                 found = CudaKernel(driver, func, function, signature)
@@ -185,15 +201,22 @@ class KernelLoader:
         return found
 
     def _module(self, driver: ModuleType, source: KernelSource, index: int) -> Any:
-        module = self._modules.get((source, index))
-        if module is None:
-            device = torch.device("cuda", index)
-            cubin = cached_cubin(source, device_arch(device))
-            with torch.cuda.device(index):
-                _make_primary_context_current(driver, index)
-                err, module = driver.cuModuleLoadData(cubin)
-                _check(driver, err, f"cuModuleLoadData({source.file}, {dict(source.defines)})")
-            self._modules[(source, index)] = module
+        with self._lock:
+            module = self._modules.get((source, index))
+            lock = self._module_locks.setdefault((source, index), threading.Lock())
+        if module is not None:
+            return module
+        with lock:  # this module only: others compile meanwhile
+            module = self._modules.get((source, index))
+            if module is None:
+                device = torch.device("cuda", index)
+                cubin = cached_cubin(source, device_arch(device))
+                with torch.cuda.device(index):
+                    _make_primary_context_current(driver, index)
+                    err, module = driver.cuModuleLoadData(cubin)
+                    _check(driver, err, f"cuModuleLoadData({source.file}, {dict(source.defines)})")
+                with self._lock:
+                    self._modules[(source, index)] = module
         return module
 
 

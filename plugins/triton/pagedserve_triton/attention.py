@@ -158,8 +158,10 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
     """Unified paged attention for V1 batches on any GPU Triton targets (one launch per layer for
     the 2D kernel, two for the 3D kernel plus its reduction).
 
-    An instance keeps the current step's launches and split buffers, so one instance must not run
-    two calls at once (from two threads), nor the layers of one step on different streams."""
+    An instance keeps the current step's launches and split buffers, so the layers of one step must
+    run from one thread, on one stream. Calls of different steps (distinct metadata objects) may run
+    on different threads at once (`concurrent_batches`): each holds its own step's plan and buffers
+    in a local, and the instance's caches only lose an entry when two threads fill them."""
 
     name: ClassVar[str] = "triton_unified"
     capabilities: ClassVar[AttentionCapabilities] = UNIFIED_ATTENTION_CAPABILITIES
@@ -173,6 +175,10 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
     # both correct for shorter queries. Only the ragged prefill kernel plans from host query
     # lengths, and it runs only when the call passes new keys and values (never in a full graph).
     supports_full_cuda_graph_mixed: ClassVar[bool] = True
+    # `forward` reads `self._step` once into a local and plans a new step object for new metadata,
+    # so two threads with different batches never share a plan or a split buffer; Triton's own
+    # kernel cache takes concurrent compiles of different variants.
+    concurrent_batches: ClassVar[bool] = True
 
     def __init__(
         self,

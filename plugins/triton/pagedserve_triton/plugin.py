@@ -17,7 +17,7 @@ from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, L
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_triton.launch_params import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.10"
+PAGEDSERVE_PLUGIN_API = "1.11"
 
 PLATFORM_NAME = "triton"
 

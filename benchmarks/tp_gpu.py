@@ -128,6 +128,7 @@ def measure(args: argparse.Namespace, model_dir: str, tp: int) -> dict[str, Any]
             cuda_graph_max_tokens=args.cuda_graph_max_tokens,
             cudagraph_mode=args.cudagraph_mode,
             gpu_compile_scope=args.gpu_compile_scope,
+            attention_warmup_threads=args.attention_warmup_threads,
         )
     )
     out: dict[str, Any] = {"tp": tp, "build_s": time.perf_counter() - start}
@@ -297,6 +298,12 @@ def main() -> None:
         "--gpu-compile-scope",
         default=EngineArgs.model_fields["gpu_compile_scope"].default,
         help="the engine's gpu_compile_scope: 'layer' (each decoder stretch once) or 'model' (whole)",
+    )
+    parser.add_argument(
+        "--attention-warmup-threads",
+        type=int,
+        default=None,
+        help="threads of the start-up attention sweep (default: the engine's; 1: one, after the compile)",
     )
     parser.add_argument("--bw-mib", type=int, default=256, help="all-reduce size of the bandwidth test")
     parser.add_argument("--json", help="write the results here")

@@ -21,6 +21,7 @@ from pagedserve.worker.attention_sweep import (
     SweepInBackground,
     WarmupBatch,
     attention_warmup_threads,
+    thread_on,
     warm_up_attention,
 )
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
@@ -163,3 +164,15 @@ def test_a_sweep_not_started_runs_on_the_caller_and_failures_surface() -> None:
         background.finish()
     with pytest.raises(RuntimeError, match="started already"):
         background.start()
+
+
+def test_pool_threads_go_to_the_callers_device_even_when_it_is_named_without_an_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # the caller's, under tensor parallelism
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    thread_on(torch.device("cuda"))()
+    thread_on(torch.device("cuda", 1))()
+    thread_on(torch.device("cpu"))()
+    assert chosen == [3, 1]

@@ -244,6 +244,16 @@ def attention_warmup_threads(requested: int | None, backend: AttentionBackend, c
     return max(1, min(DEFAULT_MAX_THREADS, (cpu_count or 2) // 2))
 
 
+def thread_on(device: torch.device) -> Callable[[], None]:
+    """A thread initializer that makes `device` the new thread's current device: a new thread
+    starts on device 0 whatever its parent's. An index-less "cuda" is the caller's current device,
+    read now, on the caller's thread."""
+    if device.type != "cuda":
+        return lambda: None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return lambda: torch.cuda.set_device(index)
+
+
 @dataclass(frozen=True, slots=True)
 class _BatchCalls:
     """The sweep's calls for one batch, in layer-layout order: they share its metadata, so one
@@ -269,14 +279,11 @@ def _run_calls(
         run(work[0])
         progress.update()
 
-        def on_device() -> None:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # a new thread starts on device 0
-
         def one(item: _BatchCalls) -> None:
             run(item)
             progress.update()
 
+        on_device = thread_on(device)
         with ThreadPoolExecutor(threads, thread_name_prefix="attention-sweep", initializer=on_device) as pool:
             for _ in pool.map(one, work[1:]):  # re-raises the first failure
                 pass
@@ -385,16 +392,12 @@ class SweepInBackground:
         result = self._sweep()
         return result, start, time.perf_counter()
 
-    def _on_device(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)  # a new thread starts on device 0
-
     def start(self) -> None:
         """Start the sweep on its own thread. Call at most once."""
         if self._future is not None:
             raise RuntimeError("the attention sweep has started already")
         self._pool = ThreadPoolExecutor(
-            1, thread_name_prefix="attention-sweep-main", initializer=self._on_device
+            1, thread_name_prefix="attention-sweep-main", initializer=thread_on(self._device)
         )
         self._future = self._pool.submit(self._timed)
 

@@ -266,6 +266,14 @@ def test_models_health_version(client: openai.OpenAI, server: ServerProcess) -> 
     assert "version" in httpx.get(f"{server.base_url}/version").json()
 
 
+def test_engine_core_warmed_up_before_ready(server: ServerProcess) -> None:
+    # The first client request must not pay the first step's one-time work (`EngineCore.warm_up`).
+    log = list(server.log)
+    warmed = [i for i, line in enumerate(log) if "[engine-core] warm-up requests:" in line]
+    ready = [i for i, line in enumerate(log) if "pagedserve: serving" in line]
+    assert warmed and ready and warmed[0] < ready[0], "".join(log[:40])
+
+
 def test_extra_fields_ignored(server: ServerProcess) -> None:
     r = httpx.post(
         f"{server.base_url}/v1/completions",

@@ -218,6 +218,7 @@ async def _serve(
 
         from pagedserve.server.api_server import ServerConfig, build_app
         from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError
+        from pagedserve.server.warm_start import warm_up_streaming
     except BaseException:
         if early is not None:
             early.stop()
@@ -250,6 +251,8 @@ async def _serve(
             chat_template_timeout_s=args.chat_template_timeout,
         )
         app = build_app(engine, config)
+        # Not in the first streamed response's time to first token (`server.warm_start`).
+        await warm_up_streaming()
         drain_s = max(args.shutdown_timeout, 0.1)
         server = _graceful_server(
             uvicorn.Config(

@@ -59,6 +59,7 @@ from pagedserve.server import serialization as wire
 from pagedserve.server.early_core import EarlyCore
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
+from pagedserve.server.warm_start import warm_up_tokenizer
 from pagedserve.types import RequestId
 from pagedserve.worker.startup_heap import freeze_startup_heap
 
@@ -186,8 +187,9 @@ class AsyncLLMEngine:
             core.handle = group.start(core.index, core.to_core, core.from_core, offline=False)
         if len(self._cores) == 1:
             logger.info("engine core process pid %s", self.core_pid)
-        # The tokenizer loads here while the cores load the model.
-        tokenizer_task = asyncio.create_task(asyncio.to_thread(front_end_tokenizer, self.args))
+        # The tokenizer loads, and does its first-use work, on the tokenizer thread while the
+        # cores load the model (`warm_start`).
+        tokenizer_task = asyncio.get_running_loop().run_in_executor(self._cpu, _load_tokenizer, self.args)
         waits = [asyncio.create_task(self._await_ready(core, timeout_s)) for core in self._cores]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
@@ -195,7 +197,7 @@ class AsyncLLMEngine:
             for wait in waits:
                 wait.cancel()  # the others, once one failed: every core is stopped next
             await asyncio.gather(*waits, return_exceptions=True)
-            self.tokenizer = await tokenizer_task
+            self.tokenizer, token_bytes = await tokenizer_task
         for wait in waits:  # all done; any cancelled one was cancelled after another failed
             error = None if wait.cancelled() else wait.exception()
             if error is not None:
@@ -212,6 +214,7 @@ class AsyncLLMEngine:
             vocab_size=info.vocab_size,
             max_logprobs=self.args.max_logprobs,
             max_model_len=info.max_model_len,
+            token_bytes=token_bytes,
         )
         self._processor = OutputProcessor(
             self.tokenizer,
@@ -696,6 +699,13 @@ class AsyncLLMEngine:
             self._mark_dead(core.name(msg.text or "the engine core failed"))
         else:
             raise wire.WireError(f"the API server cannot handle a {msg.kind.name} message")
+
+
+def _load_tokenizer(args: EngineArgs) -> tuple[PreTrainedTokenizerBase | None, int | None]:
+    """The front end's tokenizer (None with skip_tokenizer_init), its first-use work done, and
+    the length of its longest token (`warm_start.warm_up_tokenizer`). Slow: on the tokenizer thread."""
+    tokenizer = front_end_tokenizer(args)
+    return tokenizer, warm_up_tokenizer(tokenizer) if tokenizer is not None else None
 
 
 def _check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:

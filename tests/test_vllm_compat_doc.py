@@ -4,6 +4,8 @@ under that name in pagedserve, and every row marked absent names something that 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm_compat.md"
+# Where the rows of kind "class" are looked up (the modules vLLM users import them from, renamed).
+_CLASS_MODULES = ("pagedserve", "pagedserve.sampling_params", "pagedserve.lora.request")
 
 
 def _rows() -> list[tuple[str, str, str]]:
@@ -34,6 +38,10 @@ def _exists(name: str, kind: str) -> bool:
     if kind == "SamplingParams field":
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         return name in names or name in SamplingParams.__dataclass_fields__
+    if kind == "generate argument":
+        return name in inspect.signature(LLM.generate).parameters
+    if kind == "class":
+        return any(hasattr(importlib.import_module(module), name) for module in _CLASS_MODULES)
     if kind == "server field":
         return name in CompletionRequest.model_fields or name in ChatCompletionRequest.model_fields
     raise AssertionError(f"unknown kind {kind!r} in {DOC.name}")
@@ -41,7 +49,14 @@ def _exists(name: str, kind: str) -> bool:
 
 def test_the_table_has_rows_of_every_kind() -> None:
     kinds = {kind for _, kind, _ in _rows()}
-    assert kinds == {"LLM method", "LLM argument", "SamplingParams field", "server field"}
+    assert kinds == {
+        "LLM method",
+        "LLM argument",
+        "generate argument",
+        "class",
+        "SamplingParams field",
+        "server field",
+    }
 
 
 @pytest.mark.parametrize(("name", "kind", "status"), _rows())

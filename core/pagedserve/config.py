@@ -59,6 +59,9 @@ class SchedulerConfig(_Config):
         description="makespan policy: the widest step the spread of prompt work asks for while "
         "requests decode (None: max_num_batched_tokens)",
     )
+    max_loras: int | None = Field(
+        None, ge=1, description="most distinct LoRA adapters running at once (None: LoRA is off)"
+    )
 
     @model_validator(mode="after")
     def _budget_fits_prompts(self) -> SchedulerConfig:
@@ -229,6 +232,29 @@ class EngineArgs(_Config):
     max_logprobs: int = Field(
         20, ge=0, description="most logprobs / prompt_logprobs a request may ask for (larger: refused)"
     )
+    enable_lora: bool = Field(
+        False,
+        description="serve PEFT LoRA adapters per request (`lora_request=`; offline engine, CPU "
+        "platforms, native decoders, one device, eager forward)",
+    )
+    max_loras: int = Field(1, ge=1, description="with enable_lora: most distinct adapters running at once")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="with enable_lora: the largest adapter rank")
+
+    @model_validator(mode="after")
+    def _lora_runs_alone(self) -> EngineArgs:
+        if not self.enable_lora:
+            return self
+        # The adapters' slots live in one process's model; ranks and replicas would need them too.
+        for name, value in (
+            ("tensor_parallel_size", self.tensor_parallel_size),
+            ("data_parallel_size", self.data_parallel_size),
+        ):
+            if value > 1:
+                raise ValueError(f"enable_lora=True needs {name}=1 (got {value}): LoRA runs on one device")
+        if self.cpu_compile:
+            # The compiled graphs would freeze one step's grouping of tokens by adapter.
+            raise ValueError("enable_lora=True runs the forward eagerly: drop cpu_compile (--cpu-compile)")
+        return self
 
     @model_validator(mode="after")
     def _lm_head_quantization_needs_fp8_weights(self) -> EngineArgs:

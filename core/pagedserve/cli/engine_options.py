@@ -69,6 +69,8 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
         "engine replicas, each on its own GPU (or tensor-parallel group), behind one server",
     ),
     "--max-logprobs": ("max_logprobs", int, "most logprobs a request may ask for (default 20)"),
+    "--max-loras": ("max_loras", int, "with --enable-lora: most distinct adapters running at once"),
+    "--max-lora-rank": ("max_lora_rank", int, "with --enable-lora: the largest adapter rank (default 16)"),
 }
 _SWITCHES: dict[str, tuple[str, bool, str]] = {
     "--quantize-lm-head": (
@@ -111,6 +113,7 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
         True,
         "tensor parallelism on NVIDIA: every all-reduce through NCCL (no peer-memory all-reduce)",
     ),
+    "--enable-lora": ("enable_lora", True, "serve PEFT LoRA adapters per request (offline engine only)"),
     "--skip-tokenizer-init": ("skip_tokenizer_init", True, "no tokenizer: token-id prompts only"),
     "--async-scheduling": ("async_scheduling", True, "schedule step N+1 while step N runs (default on GPUs)"),
     "--no-async-scheduling": ("async_scheduling", False, "every step synchronous (for debugging)"),

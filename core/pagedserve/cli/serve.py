@@ -116,6 +116,13 @@ def default_served_name(model: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args, args.model)
+    if engine_args.enable_lora:
+        print(
+            "pagedserve serve: --enable-lora is for the offline engine (LLM(..., enable_lora=True)) "
+            "only; the server has no --lora-modules yet",
+            file=sys.stderr,
+        )
+        return 2
     if not 0 <= args.port <= 65535:
         print(f"pagedserve serve: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2

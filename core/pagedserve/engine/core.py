@@ -125,6 +125,7 @@ class EngineCore:
             cache_salt=req.cache_salt,
             priority=req.priority,
             pooling_params=req.pooling_params,
+            lora_request=req.lora_request,
         )
         if params.structured_outputs is None:
             self.scheduler.add_request(request, fork_of=req.fork_of)

@@ -16,6 +16,7 @@ from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_to
 from pagedserve.engine.output_processor import OutputProcessor, take_pooled
 from pagedserve.engine.protocol import POOLING_ROW, EngineCoreRequest
 from pagedserve.engine.setup import EngineSetup, build_engine
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
@@ -63,11 +64,15 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         *,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request: generation with `SamplingParams`, or pooling (its prompt's embedding;
-        `step` returns a `PoolingRequestOutput`) with `PoolingParams`. Raises ValueError naming
-        the problem when it can never run (empty prompt, token ids outside the vocabulary, prompt
-        + max_tokens beyond max_model_len...)."""
+        `step` returns a `PoolingRequestOutput`) with `PoolingParams`; `lora_request`: the PEFT
+        adapter a generation request runs with (enable_lora). Raises ValueError naming the
+        problem when it can never run (empty prompt, token ids outside the vocabulary, prompt
+        + max_tokens beyond max_model_len, an adapter this engine cannot apply...)."""
+        if lora_request is not None:
+            self._check_lora(lora_request, params)
         if isinstance(params, PoolingParams):
             self._add_pooling_request(request_id, prompt, params, cache_salt)
             return
@@ -85,12 +90,28 @@ class LLMEngine:
                         eos_token_ids=self.eos_token_ids,
                         fork_of=seq_ids[0] if i else None,
                         cache_salt=cache_salt,
+                        lora_request=lora_request,
                     )
                 )
         except RequestRejected:
             self.core.abort(seq_ids)
             self.processor.abort(request_id)
             raise
+
+    def _check_lora(self, lora_request: LoRARequest, params: SamplingParams | PoolingParams) -> None:
+        """Raise ValueError unless `lora_request`'s adapter can run in this engine: LoRA is
+        enabled, the request generates, and the adapter fits the model (read once per id)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        lora = self.setup.lora
+        if lora is None:
+            raise ValueError(
+                f"lora_request={lora_request.lora_name!r} given but this engine was built without LoRA: "
+                "build it with enable_lora=True (--enable-lora)"
+            )
+        if isinstance(params, PoolingParams):
+            raise ValueError("lora_request is for generation; pooling requests run the base model only")
+        lora.check(lora_request)
 
     def _add_pooling_request(
         self, request_id: str, prompt: str | Sequence[int], params: PoolingParams, cache_salt: str | None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import FinishReason, Logprob
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class EngineCoreRequest:
     # Set for a pooling request (`LLM.embed`): it generates nothing (sampling_params only fills
     # the worker's row) and its output carries the pooled vector.
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass(frozen=True, slots=True)

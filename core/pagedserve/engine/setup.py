@@ -17,6 +17,7 @@ from pagedserve.config import CacheConfig, EngineArgs, SchedulerConfig, Scheduli
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.executor.base import StepRunner, WorkerReport
+from pagedserve.lora.manager import LoRAManager
 from pagedserve.models.loader import LoadedModel, load_config, load_tokenizer, resolve_model_source
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend
@@ -67,6 +68,7 @@ class EngineSetup:
     max_model_len: int
     num_kv_blocks: int
     core: EngineCore
+    lora: LoRAManager | None = None  # with enable_lora: the adapters and their slots
 
 
 def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
@@ -76,10 +78,18 @@ def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
     requests; it decides what `scheduling_policy="auto"` means."""
     platform = load_platforms().select(args.platform)
     policy = scheduling_policy(args.scheduling_policy, offline=offline)
+    if args.enable_lora:
+        _check_lora_runs(args, offline=offline, device=platform.device)
     if args.tensor_parallel_size > 1:
         return _build_parallel_engine(args, platform, policy)
     device = platform.device
     dm = load_device_model(args, platform, device)
+    # Before the KV cache is sized, so that the adapters' slots are counted as used memory.
+    lora = (
+        LoRAManager(dm.loaded.model, max_loras=args.max_loras, max_rank=args.max_lora_rank)
+        if args.enable_lora
+        else None
+    )
     spec = dm.loaded.spec
     num_blocks = args.num_kv_blocks or fit_kv_blocks(dm, args, device)
     _check_num_blocks(args, num_blocks, dm.max_model_len)
@@ -87,6 +97,7 @@ def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or dm.loaded.source)
     eos = eos_token_ids(dm.loaded.hf_config, tokenizer.eos_token_id if tokenizer is not None else None)
     runner = build_runner(dm, args, device, num_kv_blocks=num_blocks, eos_token_ids=eos)
+    runner.lora = lora
     scheduler = _scheduler(
         args, policy, spec, num_blocks, dm.max_model_len, dm.max_num_batched_tokens, dm.kv_cache_dtype
     )
@@ -96,8 +107,24 @@ def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
     if args.freeze_startup_heap:
         freeze_startup_heap()
     return EngineSetup(
-        platform, spec, dm.loaded, dm.backend, tokenizer, eos, dm.max_model_len, num_blocks, core
+        platform, spec, dm.loaded, dm.backend, tokenizer, eos, dm.max_model_len, num_blocks, core, lora
     )
+
+
+def _check_lora_runs(args: EngineArgs, *, offline: bool, device: torch.device) -> None:
+    """Raise ValueError where `enable_lora=True` cannot run yet, saying what to change."""
+    if not offline:
+        raise ValueError(
+            "enable_lora=True is for the offline engine (LLM, LLMEngine) only: the server has no "
+            "--lora-modules yet"
+        )
+    if device.type != "cpu":
+        # No batched LoRA kernel, no place in CUDA graphs or the compiled forward (they would
+        # freeze one step's grouping of tokens by adapter), and never run on a GPU: not offered.
+        raise ValueError(
+            f"enable_lora=True runs on CPU platforms only for now (this engine's device is "
+            f"{device.type}): pick a CPU platform (--platform cpu_reference) or drop enable_lora"
+        )
 
 
 def _build_parallel_engine(
@@ -237,6 +264,7 @@ def _scheduler(
         policy=policy,
         # Steps wider than this run without CUDA graphs, where their host time shows.
         widest_decoding_step=args.cuda_graph_max_tokens,
+        max_loras=args.max_loras if args.enable_lora else None,
     )
     logger.info("scheduling policy: %s", policy.value)
     cache_config = CacheConfig(

@@ -27,6 +27,7 @@ from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.inputs import PromptType, is_single_prompt, to_engine_prompt
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams, PoolingTask
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
@@ -87,13 +88,17 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt: one prompt or a list of them, each a string, a list of token
         ids, a `TextPrompt` (`{"prompt": text}`) or a `TokensPrompt` (`{"prompt_token_ids": ids}`);
-        returns one finished `RequestOutput` per prompt, in input order."""
+        returns one finished `RequestOutput` per prompt, in input order. `lora_request`: one
+        `LoRARequest` for every prompt, or one per prompt (None: the base model); needs an engine
+        built with enable_lora=True."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(self._or_default(sampling_params), len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm)
+        lora_list = _as_lora_list(lora_request, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm, lora_list)
 
     def beam_search(
         self,
@@ -158,6 +163,7 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -168,7 +174,8 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `continue_final_message` continues the last (assistant) message instead of opening a new
         turn; `tools` (JSON-schema function definitions) and `chat_template_kwargs` reach the
-        template as variables, as with vLLM."""
+        template as variables, as with vLLM. `lora_request`: as in `generate`, one per
+        conversation."""
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message=True continues the last message; it cannot be combined with "
@@ -201,7 +208,7 @@ class LLM:
             # The template already holds any BOS token, so encode without adding special tokens.
             prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
         params_list = _as_params_list(self._or_default(sampling_params), len(prompts))
-        return self._run(prompts, params_list, use_tqdm)
+        return self._run(prompts, params_list, use_tqdm, _as_lora_list(lora_request, len(prompts)))
 
     def encode(
         self,
@@ -270,7 +277,11 @@ class LLM:
         return self.get_default_sampling_params() if params is None else params
 
     def _run(
-        self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptInput],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
@@ -280,8 +291,14 @@ class LLM:
                 request_id = f"gen-{next(self._ids)}"
                 # generate() returns finished requests only: skip building per-step partial outputs.
                 final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                lora = loras[index] if loras is not None else None
                 try:
-                    engine.add_request(request_id, prompt, final_only)
+                    if lora is None:
+                        engine.add_request(request_id, prompt, final_only)
+                    elif isinstance(engine, LLMEngine):
+                        engine.add_request(request_id, prompt, final_only, lora_request=lora)
+                    else:  # EngineArgs refuses enable_lora with data_parallel_size > 1
+                        raise ValueError("lora_request needs data_parallel_size=1")
                 except ValueError as exc:
                     raise ValueError(f"prompt {index}: {exc}") from None
                 order[request_id] = index
@@ -344,6 +361,25 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
     return plist
+
+
+def _as_lora_list(
+    loras: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None] | None:
+    """One LoRARequest (or None) per prompt; None when no prompt has one. Raises ValueError."""
+    if loras is None:
+        return None
+    if isinstance(loras, LoRARequest):
+        return [loras] * n
+    if isinstance(loras, str | bytes) or not isinstance(loras, Sequence):
+        raise ValueError(f"lora_request must be a LoRARequest or a list of them, got {type(loras).__name__}")
+    llist = list(loras)
+    if len(llist) != n:
+        raise ValueError(f"got {len(llist)} lora_requests for {n} prompts: give one, or one per prompt")
+    for i, lora in enumerate(llist):
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request[{i}] must be a LoRARequest or None, got {type(lora).__name__}")
+    return llist
 
 
 def _as_pooling_list(params: PoolingParams | Sequence[PoolingParams] | None, n: int) -> list[PoolingParams]:

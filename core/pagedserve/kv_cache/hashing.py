@@ -28,18 +28,22 @@ ROOT_PARENT_HASH = BlockHash(hashlib.sha256(b"pagedserve prefix-cache root").dig
 """The 'parent' of every request's first block."""
 
 
-def extra_hash_key(engine_salt: str | None, request_salt: str | None) -> bytes:
+def extra_hash_key(engine_salt: str | None, request_salt: str | None, lora_int_id: int = 0) -> bytes:
     """Bytes mixed into every block hash of a request. Pure function.
 
-    Today only cache salts: the engine-wide one (`CacheConfig.cache_salt`) and the request's own;
-    requests with different salts never share KV. LoRA adapter ids and multimodal input hashes
-    would be appended here. Each field is length-prefixed so that fields can never run into each
-    other ("ab" + "c" differs from "a" + "bc")."""
+    The cache salts (the engine-wide one, `CacheConfig.cache_salt`, and the request's own) and
+    the request's LoRA adapter id (0: none): requests with different salts or adapters never share
+    KV, since an adapter changes the keys and values of every token. Multimodal input hashes would
+    be appended here. Each field is tagged and length-prefixed so that fields can never run into
+    each other ("ab" + "c" differs from "a" + "bc"); the base model adds nothing, so its hashes are
+    those of an engine without LoRA."""
     out = b""
     for tag, salt in ((b"E", engine_salt), (b"R", request_salt)):
         if salt is not None:
             raw = salt.encode("utf-8")
             out += tag + len(raw).to_bytes(4, "little") + raw
+    if lora_int_id:
+        out += b"L" + lora_int_id.to_bytes(8, "little")
     return out
 
 

@@ -91,7 +91,8 @@ class KVCacheManager:
         self.swap_pool = SwapPool(num_swap_blocks)
         self.counters = KVCacheCounters()
         self._held: dict[RequestId, _Holding] = {}
-        self._extra_keys: dict[str | None, bytes] = {}  # request salt -> extra hash key
+        # (request salt, LoRA id) -> extra hash key
+        self._extra_keys: dict[tuple[str | None, int], bytes] = {}
         self._hash_blocks = make_block_hasher(block_size)
         # hash of a run's first block -> holdings with a deferred run starting with that block
         self._deferred: dict[BlockHash, list[_Holding]] = {}
@@ -282,9 +283,12 @@ class KVCacheManager:
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         """Hash the request's blocks up to `num_blocks` (exclusive) that are not hashed yet.
         Mutates `request.block_hashes`."""
-        extra = self._extra_keys.get(request.cache_salt)
+        key = (request.cache_salt, request.lora_int_id)
+        extra = self._extra_keys.get(key)
         if extra is None:
-            extra = self._extra_keys[request.cache_salt] = extra_hash_key(self.cache_salt, request.cache_salt)
+            extra = self._extra_keys[key] = extra_hash_key(
+                self.cache_salt, request.cache_salt, request.lora_int_id
+            )
         hashes = request.block_hashes
         parent = hashes[-1] if hashes else ROOT_PARENT_HASH
         hashes.extend(self._hash_blocks(parent, request.all_token_ids, len(hashes), num_blocks, extra))

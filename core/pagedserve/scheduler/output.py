@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.scheduler.request import RequestStatus
 from pagedserve.types import BlockId, RequestId
@@ -40,6 +41,7 @@ class NewRequestData:
     # Set for a pooling request: the worker samples nothing for it and returns its pooled vector
     # in the step that computes the end of its prompt.
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter the worker applies to its tokens
 
 
 class CachedRequestData(NamedTuple):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.types import BlockHash, RequestId
 
@@ -74,6 +75,7 @@ class Request:
         "block_hashes",
         "cache_salt",
         "id",
+        "lora_request",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_output_placeholders",
@@ -99,6 +101,7 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -108,6 +111,8 @@ class Request:
         # Set for a pooling request (`LLM.embed`): it samples nothing and finishes once its prompt
         # is computed, with the pooled vector the worker returns for it.
         self.pooling_params = pooling_params
+        # The adapter it runs with (None: the base model); its id is mixed into the block hashes.
+        self.lora_request = lora_request
         # Larger value = less urgent: preempted first among running requests (ties: latest arrival).
         self.priority = priority
         self.output_token_ids: list[int] = []  # appended by the scheduler from sampled tokens
@@ -133,6 +138,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus output tokens known so far (drafts excluded)."""
         return len(self.all_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -106,10 +106,14 @@ class Scheduler:
             parent = self.requests.get(fork_of)
             if parent is None:
                 raise RequestRejected(f"fork_of={fork_of!r} is not an unfinished request")
-            if parent.prompt_token_ids != request.prompt_token_ids or parent.cache_salt != request.cache_salt:
+            if (
+                parent.prompt_token_ids != request.prompt_token_ids
+                or parent.cache_salt != request.cache_salt
+                or parent.lora_int_id != request.lora_int_id
+            ):
                 raise RequestRejected(
-                    f"request {request.id!r} forks {fork_of!r} but its prompt or cache salt differs: "
-                    "a fork shares the parent's prompt KV, so both must be equal"
+                    f"request {request.id!r} forks {fork_of!r} but its prompt or cache salt differs (or "
+                    "its LoRA adapter does): a fork shares the parent's prompt KV, so both must be equal"
                 )
             self._fork_parent[request.id] = fork_of
         request.arrival_index = next(self._arrivals)
@@ -324,10 +328,21 @@ class Scheduler:
             if not ready:
                 not_ready.append(self.waiting.popleft())
                 continue
-            if not self._admit(request, parent, budget, step):
+            if not self._adapter_fits(request) or not self._admit(request, parent, budget, step):
                 break  # first come, first served: nobody overtakes a request that does not fit
             self.waiting.popleft()
         self.waiting.extendleft(reversed(not_ready))
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether `request`'s LoRA adapter may run now: it is the base model's, its adapter runs
+        already, or fewer than `max_loras` distinct adapters run (the worker has that many
+        slots). Does not mutate."""
+        limit = self.config.max_loras
+        lora_id = request.lora_int_id
+        if limit is None or lora_id == 0:
+            return True
+        running = {r.lora_int_id for r in self.running if not r.is_finished} - {0}
+        return lora_id in running or len(running) < limit
 
     def _fork_readiness(self, request: Request, step: _StepBuilder) -> tuple[bool, Request | None]:
         """(may it be admitted now, the parent to fork from). A fork child waits until its
@@ -404,6 +419,7 @@ class Scheduler:
                 num_computed_tokens=num_computed,
                 resumed_from_preemption=resumed,
                 pooling_params=pooling,
+                lora_request=request.lora_request,
             )
         )
         return True

@@ -158,6 +158,12 @@ def _logprobs_from_wire(wire: list[list[list[Any]]] | None) -> list[TokenLogprob
 
 
 def _request_to_wire(req: EngineCoreRequest) -> list[Any]:
+    if req.lora_request is not None:
+        # EngineArgs and `build_engine` keep LoRA in-process; refuse rather than drop the adapter.
+        raise ValueError(
+            "a request with a lora_request cannot cross to an engine-core process: LoRA runs in the "
+            "offline engine with data_parallel_size=1 only"
+        )
     return [
         req.req_id,
         req.prompt_token_ids,

@@ -32,6 +32,7 @@ class RowState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     sample_index: int  # which of its request's n samples this row is
+    lora_int_id: int = 0  # its LoRA adapter's id; 0: the base model
     # Prompt logprobs gathered chunk by chunk (token id -> Logprob per prompt token after the first),
     # sent once when the prompt is complete.
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)

@@ -18,12 +18,14 @@ import itertools
 import operator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.lora.request import LoRARequest
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.pooling_params import PoolingParams
@@ -49,6 +51,9 @@ from pagedserve.worker.full_mixed_graphs import FullMixedGraphs
 from pagedserve.worker.gpu_compile import GpuCompiledForward
 from pagedserve.worker.input_batch import InputBatch, RowState
 from pagedserve.worker.startup_times import StartupTimes
+
+if TYPE_CHECKING:
+    from pagedserve.lora.manager import LoRAManager
 
 
 @dataclass(slots=True)
@@ -130,6 +135,8 @@ class ModelRunner:
         self._last: PendingOutput | None = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pools: dict[RequestId, _PoolState] = {}  # req_id -> pooling request mid-prompt
+        # Set by `build_engine` with enable_lora: the adapters' slots; None keeps LoRA out of the step.
+        self.lora: LoRAManager | None = None
 
     def drop_graphs(self) -> None:
         """Forget every captured CUDA graph; later steps run the compiled or eager forward. Waits
@@ -247,12 +254,23 @@ class ModelRunner:
                 prompt_token_ids=list(new.prompt_token_ids),
                 sampling_params=params,
                 sample_index=_sample_index(new.req_id),
+                lora_int_id=self._place_adapter(new.lora_request),
             )
             batch.add(state, new.all_token_ids, new.num_computed_tokens, new.block_ids)
             if new.pooling_params is not None:
                 self._start_pooling(new.req_id, new.pooling_params, new.num_computed_tokens)
         if so.scheduled_cached_reqs:
             self._apply_cached(so.scheduled_cached_reqs)
+
+    def _place_adapter(self, lora_request: LoRARequest | None) -> int:
+        """Put a new row's adapter into a slot (before the row is added); returns its
+        lora_int_id (0: none). Mutates the LoRA slots."""
+        if lora_request is None:
+            return 0
+        if self.lora is None:
+            raise RuntimeError("a request with a LoRA adapter reached a runner built without enable_lora")
+        self.lora.acquire(lora_request, (row.lora_int_id for row in self.batch.rows))
+        return lora_request.lora_int_id
 
     def _apply_cached(self, cached: list[CachedRequestData]) -> None:
         """Apply the running requests' diffs. This runs for every running request every step, so
@@ -349,6 +367,14 @@ class ModelRunner:
             plan.query_start.astype(np.int32), seq_lens
         )
         batch.upload_fence.record()
+        if self.lora is not None:
+            slot_of = self.lora.slot_of
+            row_slots = np.fromiter(
+                (slot_of(batch.rows[row].lora_int_id) for row in plan.rows.tolist()),
+                dtype=np.int64,
+                count=len(plan.rows),
+            )
+            self.lora.set_step(np.repeat(row_slots, plan.num_sched), self.device)
         metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_actual_tokens=len(input_ids),

@@ -1,0 +1,335 @@
+"""Multi-LoRA serving in the offline engine: greedy tokens under each adapter equal transformers'
+greedy generation of the same model with that adapter's deltas merged into its weights."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models_harness import TINY_DECODER, hf_greedy, random_prompts, save_checkpoint, tiny_hf_model
+from safetensors.torch import save_file
+from torch import nn
+from transformers import LlamaConfig, PreTrainedModel
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineArgs
+from pagedserve.engine.setup import _check_lora_runs
+from pagedserve.kv_cache.hashing import extra_hash_key
+from pagedserve.lora.manager import LoRAManager
+from pagedserve.lora.request import LoRARequest
+
+VOCAB = 256
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+_MODULE_OWNER = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+
+def _config() -> LlamaConfig:
+    return LlamaConfig(**(TINY_DECODER | {"vocab_size": VOCAB, "intermediate_size": 128}))
+
+
+def _write_adapter(
+    folder: Path,
+    model: PreTrainedModel,
+    *,
+    rank: int,
+    alpha: float,
+    targets: list[str],
+    seed: int,
+    rslora: bool = False,
+    config_extra: dict[str, Any] | None = None,
+    layers: range | None = None,
+) -> Path:
+    """A random PEFT adapter for `model` (non-zero B, so it changes the outputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    num_layers = model.config.num_hidden_layers
+    for layer in layers if layers is not None else range(num_layers):
+        for proj in targets:
+            base = model.model.layers[min(layer, num_layers - 1)].get_submodule(
+                f"{_MODULE_OWNER[proj]}.{proj}"
+            )
+            out_features, in_features = base.weight.shape
+            prefix = f"base_model.model.model.layers.{layer}.{_MODULE_OWNER[proj]}.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * 0.2
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.2
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": targets,
+        "use_rslora": rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "peft_type": "LORA",
+    } | (config_extra or {})
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+@torch.no_grad()
+def _merged(model: PreTrainedModel, folder: Path) -> PreTrainedModel:
+    """`model` with the adapter in `folder` merged: W + scaling * B @ A for every pair."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    rank = config["r"]
+    scaling = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    merged = copy.deepcopy(model)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    for name, a in tensors.items():
+        if ".lora_A." not in name:
+            continue
+        b = tensors[name.replace(".lora_A.", ".lora_B.")]
+        module_path = name.removeprefix("base_model.model.").split(".lora_A.")[0]
+        merged.get_submodule(module_path).weight += scaling * (b @ a)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> PreTrainedModel:
+    return tiny_hf_model(_config(), seed=21)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf_model: PreTrainedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(hf_model, tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_model: PreTrainedModel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "x": _write_adapter(
+            root / "x", hf_model, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=1
+        ),
+        "y": _write_adapter(
+            root / "y",
+            hf_model,
+            rank=8,
+            alpha=16,
+            targets=["k_proj", "o_proj", "gate_proj", "up_proj"],
+            seed=2,
+            rslora=True,
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def requests(adapters: dict[str, Path]) -> dict[str, LoRARequest]:
+    return {
+        "x": LoRARequest("x", 1, str(adapters["x"])),
+        "y": LoRARequest("y", 2, str(adapters["y"])),
+    }
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model: PreTrainedModel, adapters: dict[str, Path]) -> dict[str | None, PreTrainedModel]:
+    """The model each request should behave as: the base (None) or an adapter's merged model."""
+    return {None: hf_model} | {name: _merged(hf_model, folder) for name, folder in adapters.items()}
+
+
+def _lora_llm(checkpoint: Path, **kwargs: Any) -> LLM:
+    options: dict[str, Any] = dict(
+        skip_tokenizer_init=True, dtype="float32", max_model_len=64, block_size=4, enable_lora=True
+    )
+    return LLM(str(checkpoint), **(options | kwargs))
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint: Path) -> LLM:
+    return _lora_llm(checkpoint, max_loras=2, max_lora_rank=8)
+
+
+def _generate(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None]) -> list[list[int]]:
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _names(loras: list[LoRARequest | None]) -> list[str | None]:
+    return [None if lora is None else lora.lora_name for lora in loras]
+
+
+def test_mixed_batch_matches_merged_models(
+    llm: LLM, requests: dict[str, LoRARequest], expected: dict[str | None, PreTrainedModel]
+) -> None:
+    prompts = random_prompts(VOCAB, [7, 12, 5, 9, 14, 6], seed=4)
+    loras = [None, requests["x"], requests["y"], requests["x"], requests["y"], None]
+    got = _generate(llm, prompts, loras)
+    for prompt, name, tokens in zip(prompts, _names(loras), got, strict=True):
+        assert tokens == hf_greedy(expected[name], [prompt], MAX_TOKENS)[0], name
+    # The adapters matter: each changes some answer of the base model.
+    for name in ("x", "y"):
+        assert hf_greedy(expected[name], prompts, MAX_TOKENS) != hf_greedy(
+            expected[None], prompts, MAX_TOKENS
+        )
+
+
+def test_prefix_cache_is_not_shared_between_adapters(
+    llm: LLM, requests: dict[str, LoRARequest], expected: dict[str | None, PreTrainedModel]
+) -> None:
+    prompt = random_prompts(VOCAB, [13], seed=9)[0]  # three full blocks of 4 tokens
+    want = {name: hf_greedy(model, [prompt], MAX_TOKENS)[0] for name, model in expected.items()}
+    assert len(set(map(tuple, want.values()))) == 3
+    for _ in range(2):  # the second round reads each adapter's own cached blocks
+        for lora in (None, requests["x"], requests["y"]):
+            name = None if lora is None else lora.lora_name
+            out = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0]
+            assert list(out.outputs[0].token_ids) == want[name], name
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=requests["x"])[0]
+    assert again.num_cached_tokens == 12  # the cache serves an adapter its own blocks
+
+
+def test_one_slot_runs_adapters_in_turn(
+    checkpoint: Path, requests: dict[str, LoRARequest], expected: dict[str | None, PreTrainedModel]
+) -> None:
+    """With max_loras=1 the requests of a second adapter wait for the first adapter's to finish."""
+    llm = _lora_llm(checkpoint, max_loras=1, max_lora_rank=8)
+    prompts = random_prompts(VOCAB, [6, 8, 10, 7], seed=5)
+    loras = [requests["x"], requests["y"], None, requests["x"]]
+    got = _generate(llm, prompts, loras)
+    for prompt, name, tokens in zip(prompts, _names(loras), got, strict=True):
+        assert tokens == hf_greedy(expected[name], [prompt], MAX_TOKENS)[0], name
+
+
+def test_block_hash_key_depends_on_adapter() -> None:
+    assert extra_hash_key(None, None, 0) == extra_hash_key(None, None) == b""
+    assert extra_hash_key(None, None, 1) != extra_hash_key(None, None, 2)
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+
+
+def test_lora_int_id_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="lora_int_id must be an int >= 1"):
+        LoRARequest("a", 0, "/nowhere")
+
+
+def _refused(llm: LLM, lora: LoRARequest, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=lora)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ({"rank": 16}, "more than max_lora_rank=8"),
+        ({"targets": ["lm_head"]}, "not supported"),
+        ({"config_extra": {"bias": "all"}}, "bias='all' is not supported"),
+        ({"config_extra": {"fan_in_fan_out": True}}, "fan_in_fan_out=True"),
+        ({"layers": range(3)}, "weights for layer 2, the model only 2 layers"),
+    ],
+)
+def test_bad_adapters_are_refused(
+    llm: LLM, hf_model: PreTrainedModel, tmp_path: Path, case: dict[str, Any], match: str
+) -> None:
+    options: dict[str, Any] = {"rank": 4, "alpha": 4, "targets": ["q_proj"], "seed": 3} | case
+    targets = options["targets"]
+    if targets == ["lm_head"]:  # no tensors to write: only the config names it
+        tmp_path.mkdir(exist_ok=True)
+        (tmp_path / "adapter_config.json").write_text(
+            json.dumps({"r": 4, "lora_alpha": 4, "target_modules": targets})
+        )
+        save_file({}, str(tmp_path / "adapter_model.safetensors"))
+    else:
+        _write_adapter(tmp_path, hf_model, **options)
+    _refused(llm, LoRARequest("bad", 90, str(tmp_path)), match)
+
+
+def test_missing_files_and_mismatched_shapes_are_refused(
+    llm: LLM, hf_model: PreTrainedModel, tmp_path: Path
+) -> None:
+    _refused(llm, LoRARequest("none", 91, str(tmp_path / "absent")), "no adapter_config.json")
+    folder = _write_adapter(tmp_path / "no_tensors", hf_model, rank=4, alpha=4, targets=["q_proj"], seed=1)
+    (folder / "adapter_model.safetensors").unlink()
+    _refused(llm, LoRARequest("no_tensors", 92, str(folder)), "no adapter_model.safetensors")
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "adapter_config.json").write_text(
+        json.dumps({"r": 4, "lora_alpha": 4, "target_modules": ["q_proj"]})
+    )
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file(
+        {f"{key}.lora_A.weight": torch.zeros(4, 32), f"{key}.lora_B.weight": torch.zeros(64, 4)},
+        str(wide / "adapter_model.safetensors"),
+    )
+    _refused(llm, LoRARequest("wide", 93, str(wide)), "maps 32 -> 64 features, the model's 64 -> 64")
+
+
+def test_one_id_names_one_adapter(llm: LLM, requests: dict[str, LoRARequest]) -> None:
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=requests["x"])  # id 1 is known
+    _refused(llm, LoRARequest("x2", 1, requests["y"].lora_path), "lora_int_id=1 already names adapter")
+
+
+def test_lora_request_needs_enable_lora(checkpoint: Path, requests: dict[str, LoRARequest]) -> None:
+    plain = LLM(str(checkpoint), skip_tokenizer_init=True, dtype="float32", max_model_len=64)
+    _refused(plain, requests["x"], "built without LoRA: build it with enable_lora=True")
+
+
+def test_lora_request_list_must_match_prompts(llm: LLM, requests: dict[str, LoRARequest]) -> None:
+    with pytest.raises(ValueError, match="got 2 lora_requests for 1 prompts"):
+        llm.generate([[1, 2]], GREEDY, use_tqdm=False, lora_request=[requests["x"], None])
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"tensor_parallel_size": 2}, "needs tensor_parallel_size=1"),
+        ({"data_parallel_size": 2}, "needs data_parallel_size=1"),
+        ({"cpu_compile": True}, "drop cpu_compile"),
+    ],
+)
+def test_unsupported_engines_are_refused(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(enable_lora=True, **options)
+
+
+def test_server_and_gpus_are_refused() -> None:
+    args = EngineArgs(enable_lora=True)
+    with pytest.raises(ValueError, match="no --lora-modules yet"):
+        _check_lora_runs(args, offline=False, device=torch.device("cpu"))
+    for eager in (False, True):
+        with pytest.raises(ValueError, match=r"CPU platforms only .*device is cuda"):
+            _check_lora_runs(
+                EngineArgs(enable_lora=True, enforce_eager=eager), offline=True, device=torch.device("cuda")
+            )
+    _check_lora_runs(args, offline=True, device=torch.device("cpu"))
+
+
+def test_serve_cli_refuses_enable_lora(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedserve.cli.main import main
+
+    assert main(["serve", "--enable-lora"]) == 2
+    assert "no --lora-modules yet" in capsys.readouterr().err
+
+
+def test_transformers_fallback_is_refused() -> None:
+    with pytest.raises(ValueError, match="transformers fallback"):
+        LoRAManager(nn.Linear(2, 2), max_loras=1, max_rank=4)
+
+
+def test_engine_core_messages_refuse_lora() -> None:
+    from pagedserve.engine.protocol import EngineCoreRequest
+    from pagedserve.server.serialization import _request_to_wire
+    from pagedserve.types import RequestId
+
+    request = EngineCoreRequest(
+        RequestId("a"), [1], GREEDY, frozenset(), lora_request=LoRARequest("x", 1, "/nowhere")
+    )
+    with pytest.raises(ValueError, match="cannot cross to an engine-core process"):
+        _request_to_wire(request)

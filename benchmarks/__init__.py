@@ -17,6 +17,7 @@ What a user runs: the engine against its peers
   offline_scheduling.py     offline throughput per scheduling policy, with profiling windows
   gpu_fp8.py                what FP8 weights and an FP8 KV cache buy
   tp_gpu.py                 tensor parallelism: TP=N against TP=1, 8B and 70B shapes
+  lora_gpu.py               what 8 LoRA adapters across 64 requests cost a decode step
   serve_throughput.py       `pagedserve serve` under one or more `bench serve` loads (tok/s, latencies)
   gpu_engine_check.py       greedy tokens on a GPU platform equal cpu_reference's
   cpu_generate.py           SmolLM2-135M on the CPU against HF transformers

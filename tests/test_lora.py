@@ -3,14 +3,13 @@ greedy generation of the same model with that adapter's deltas merged into its w
 
 from __future__ import annotations
 
-import copy
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from lora_support import merged_model, write_adapter
 from models_harness import TINY_DECODER, hf_greedy, random_prompts, save_checkpoint, tiny_hf_model
 from safetensors.torch import save_file
 from torch import nn
@@ -18,7 +17,6 @@ from transformers import LlamaConfig, PreTrainedModel
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineArgs
-from pagedserve.engine.setup import _check_lora_runs
 from pagedserve.kv_cache.hashing import extra_hash_key
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.request import LoRARequest
@@ -26,78 +24,10 @@ from pagedserve.lora.request import LoRARequest
 VOCAB = 256
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
-_MODULE_OWNER = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
 
 
 def _config() -> LlamaConfig:
     return LlamaConfig(**(TINY_DECODER | {"vocab_size": VOCAB, "intermediate_size": 128}))
-
-
-def _write_adapter(
-    folder: Path,
-    model: PreTrainedModel,
-    *,
-    rank: int,
-    alpha: float,
-    targets: list[str],
-    seed: int,
-    rslora: bool = False,
-    config_extra: dict[str, Any] | None = None,
-    layers: range | None = None,
-) -> Path:
-    """A random PEFT adapter for `model` (non-zero B, so it changes the outputs)."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    num_layers = model.config.num_hidden_layers
-    for layer in layers if layers is not None else range(num_layers):
-        for proj in targets:
-            base = model.model.layers[min(layer, num_layers - 1)].get_submodule(
-                f"{_MODULE_OWNER[proj]}.{proj}"
-            )
-            out_features, in_features = base.weight.shape
-            prefix = f"base_model.model.model.layers.{layer}.{_MODULE_OWNER[proj]}.{proj}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * 0.2
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.2
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {
-        "r": rank,
-        "lora_alpha": alpha,
-        "target_modules": targets,
-        "use_rslora": rslora,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "peft_type": "LORA",
-    } | (config_extra or {})
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    return folder
-
-
-@torch.no_grad()
-def _merged(model: PreTrainedModel, folder: Path) -> PreTrainedModel:
-    """`model` with the adapter in `folder` merged: W + scaling * B @ A for every pair."""
-    from safetensors.torch import load_file
-
-    config = json.loads((folder / "adapter_config.json").read_text())
-    rank = config["r"]
-    scaling = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    merged = copy.deepcopy(model)
-    tensors = load_file(str(folder / "adapter_model.safetensors"))
-    for name, a in tensors.items():
-        if ".lora_A." not in name:
-            continue
-        b = tensors[name.replace(".lora_A.", ".lora_B.")]
-        module_path = name.removeprefix("base_model.model.").split(".lora_A.")[0]
-        merged.get_submodule(module_path).weight += scaling * (b @ a)
-    return merged
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +44,10 @@ def checkpoint(hf_model: PreTrainedModel, tmp_path_factory: pytest.TempPathFacto
 def adapters(hf_model: PreTrainedModel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
     return {
-        "x": _write_adapter(
+        "x": write_adapter(
             root / "x", hf_model, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=1
         ),
-        "y": _write_adapter(
+        "y": write_adapter(
             root / "y",
             hf_model,
             rank=8,
@@ -140,7 +70,7 @@ def requests(adapters: dict[str, Path]) -> dict[str, LoRARequest]:
 @pytest.fixture(scope="module")
 def expected(hf_model: PreTrainedModel, adapters: dict[str, Path]) -> dict[str | None, PreTrainedModel]:
     """The model each request should behave as: the base (None) or an adapter's merged model."""
-    return {None: hf_model} | {name: _merged(hf_model, folder) for name, folder in adapters.items()}
+    return {None: hf_model} | {name: merged_model(hf_model, folder) for name, folder in adapters.items()}
 
 
 def _lora_llm(checkpoint: Path, **kwargs: Any) -> LLM:
@@ -177,6 +107,20 @@ def test_mixed_batch_matches_merged_models(
         assert hf_greedy(expected[name], prompts, MAX_TOKENS) != hf_greedy(
             expected[None], prompts, MAX_TOKENS
         )
+
+
+def test_compiled_cpu_forward_gives_the_merged_tokens(
+    checkpoint: Path, requests: dict[str, LoRARequest], expected: dict[str | None, PreTrainedModel]
+) -> None:
+    """The adapters' mapping is data the compiled forward reads each step: one compilation serves
+    every mix of adapters."""
+    llm = _lora_llm(checkpoint, max_loras=2, max_lora_rank=8, cpu_compile=True)
+    assert llm.engine.core.runner.compiled is not None
+    prompts = random_prompts(VOCAB, [7, 12, 5, 9], seed=5)
+    for loras in ([requests["y"], None, requests["x"], requests["y"]], [None, requests["x"], None, None]):
+        got = _generate(llm, prompts, loras)
+        for prompt, name, tokens in zip(prompts, _names(loras), got, strict=True):
+            assert tokens == hf_greedy(expected[name], [prompt], MAX_TOKENS)[0], name
 
 
 def test_prefix_cache_is_not_shared_between_adapters(
@@ -247,7 +191,7 @@ def test_bad_adapters_are_refused(
         )
         save_file({}, str(tmp_path / "adapter_model.safetensors"))
     else:
-        _write_adapter(tmp_path, hf_model, **options)
+        write_adapter(tmp_path, hf_model, **options)
     _refused(llm, LoRARequest("bad", 90, str(tmp_path)), match)
 
 
@@ -255,7 +199,7 @@ def test_missing_files_and_mismatched_shapes_are_refused(
     llm: LLM, hf_model: PreTrainedModel, tmp_path: Path
 ) -> None:
     _refused(llm, LoRARequest("none", 91, str(tmp_path / "absent")), "no adapter_config.json")
-    folder = _write_adapter(tmp_path / "no_tensors", hf_model, rank=4, alpha=4, targets=["q_proj"], seed=1)
+    folder = write_adapter(tmp_path / "no_tensors", hf_model, rank=4, alpha=4, targets=["q_proj"], seed=1)
     (folder / "adapter_model.safetensors").unlink()
     _refused(llm, LoRARequest("no_tensors", 92, str(folder)), "no adapter_model.safetensors")
     wide = tmp_path / "wide"
@@ -291,7 +235,6 @@ def test_lora_request_list_must_match_prompts(llm: LLM, requests: dict[str, LoRA
     [
         ({"tensor_parallel_size": 2}, "needs tensor_parallel_size=1"),
         ({"data_parallel_size": 2}, "needs data_parallel_size=1"),
-        ({"cpu_compile": True}, "drop cpu_compile"),
     ],
 )
 def test_unsupported_engines_are_refused(options: dict[str, Any], match: str) -> None:
@@ -299,37 +242,6 @@ def test_unsupported_engines_are_refused(options: dict[str, Any], match: str) ->
         EngineArgs(enable_lora=True, **options)
 
 
-def test_server_and_gpus_are_refused() -> None:
-    args = EngineArgs(enable_lora=True)
-    with pytest.raises(ValueError, match="no --lora-modules yet"):
-        _check_lora_runs(args, offline=False, device=torch.device("cpu"))
-    for eager in (False, True):
-        with pytest.raises(ValueError, match=r"CPU platforms only .*device is cuda"):
-            _check_lora_runs(
-                EngineArgs(enable_lora=True, enforce_eager=eager), offline=True, device=torch.device("cuda")
-            )
-    _check_lora_runs(args, offline=True, device=torch.device("cpu"))
-
-
-def test_serve_cli_refuses_enable_lora(capsys: pytest.CaptureFixture[str]) -> None:
-    from pagedserve.cli.main import main
-
-    assert main(["serve", "--enable-lora"]) == 2
-    assert "no --lora-modules yet" in capsys.readouterr().err
-
-
 def test_transformers_fallback_is_refused() -> None:
     with pytest.raises(ValueError, match="transformers fallback"):
-        LoRAManager(nn.Linear(2, 2), max_loras=1, max_rank=4)
-
-
-def test_engine_core_messages_refuse_lora() -> None:
-    from pagedserve.engine.protocol import EngineCoreRequest
-    from pagedserve.server.serialization import _request_to_wire
-    from pagedserve.types import RequestId
-
-    request = EngineCoreRequest(
-        RequestId("a"), [1], GREEDY, frozenset(), lora_request=LoRARequest("x", 1, "/nowhere")
-    )
-    with pytest.raises(ValueError, match="cannot cross to an engine-core process"):
-        _request_to_wire(request)
+        LoRAManager(nn.Linear(2, 2), max_loras=1, max_rank=4, max_tokens=8)

@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import Logprob
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
@@ -49,6 +50,42 @@ def test_add_round_trip_keeps_every_sampling_field() -> None:
     msg = wire.decode(wire.encode_add(req))
     assert msg.kind is MessageType.ADD
     assert msg.request == req
+
+
+def test_lora_request_round_trip() -> None:
+    """A request's adapter crosses to the core with the request, every sample of it; the other
+    fields keep their places."""
+    lora = LoRARequest("sql", 3, "/adapters/sql")
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=4)
+    reqs = [
+        EngineCoreRequest(RequestId("r#0"), [1, 2], params, frozenset({2}), lora_request=lora),
+        EngineCoreRequest(
+            RequestId("r#1"), [1, 2], params, frozenset({2}), RequestId("r#0"), lora_request=lora
+        ),
+        EngineCoreRequest(RequestId("b"), [1, 2], params, frozenset({2}), cache_salt="s", priority=1),
+    ]
+    for req in reqs:
+        assert wire.decode(wire.encode_add(req)).request == req
+    assert wire.decode(wire.encode_add_many(reqs)).requests == reqs
+    raw = msgspec.msgpack.decode(wire.encode_add(reqs[0]))
+    assert raw[1][8] == ["sql", 3, "/adapters/sql"] and raw[1][5:8] == [None, 0, None]
+    raw[1][8][1] = 0  # 0 stands for "no adapter": never an adapter's id
+    with pytest.raises(WireError, match="lora_int_id"):
+        wire.decode(msgspec.msgpack.encode(raw))
+
+
+def test_lora_load_messages_round_trip() -> None:
+    lora = LoRARequest("chat", 2, "/adapters/chat")
+    added = wire.decode(wire.encode_add_lora(lora))
+    assert added.kind is MessageType.ADD_LORA and added.lora == lora
+    ok = wire.decode(wire.encode_lora_added(2, None))
+    assert ok.kind is MessageType.LORA_ADDED and ok.count == 2 and ok.text is None
+    failed = wire.decode(wire.encode_lora_added(2, "LoRA adapter /adapters/chat: no adapter_config.json"))
+    assert failed.count == 2 and failed.text == "LoRA adapter /adapters/chat: no adapter_config.json"
+    with pytest.raises(WireError, match="names no adapter"):
+        wire.decode(msgspec.msgpack.encode([MessageType.ADD_LORA, None]))
+    with pytest.raises(WireError, match="not an error message"):
+        wire.decode(msgspec.msgpack.encode([MessageType.LORA_ADDED, 2, 7]))
 
 
 def test_outputs_round_trip_with_logprobs_and_stats() -> None:

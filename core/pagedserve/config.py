@@ -251,9 +251,6 @@ class EngineArgs(_Config):
         ):
             if value > 1:
                 raise ValueError(f"enable_lora=True needs {name}=1 (got {value}): LoRA runs on one device")
-        if self.cpu_compile:
-            # The compiled graphs would freeze one step's grouping of tokens by adapter.
-            raise ValueError("enable_lora=True runs the forward eagerly: drop cpu_compile (--cpu-compile)")
         return self
 
     @model_validator(mode="after")

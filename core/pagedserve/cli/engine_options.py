@@ -113,7 +113,7 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
         True,
         "tensor parallelism on NVIDIA: every all-reduce through NCCL (no peer-memory all-reduce)",
     ),
-    "--enable-lora": ("enable_lora", True, "serve PEFT LoRA adapters per request (offline engine only)"),
+    "--enable-lora": ("enable_lora", True, "serve PEFT LoRA adapters per request (serve: --lora-modules)"),
     "--skip-tokenizer-init": ("skip_tokenizer_init", True, "no tokenizer: token-id prompts only"),
     "--async-scheduling": ("async_scheduling", True, "schedule step N+1 while step N runs (default on GPUs)"),
     "--no-async-scheduling": ("async_scheduling", False, "every step synchronous (for debugging)"),

@@ -6,7 +6,9 @@ the log line says which. SIGTERM or Ctrl-C stop accepting connections, let reque
 finish for up to `--shutdown-timeout` seconds, then answer the rest with OpenAI's 503 error (an
 error event and `data: [DONE]` on a stream), abort them and stop the engine core.
 `--api-server-count N` runs N such servers on the port, each over its share of the
-data-parallel replicas (`server.api_servers`).
+data-parallel replicas (`server.api_servers`). `--enable-lora --lora-modules name=path ...` serves
+PEFT adapters beside the model, each under its own model name (`server.lora_modules`); every
+adapter is read and checked in the engine core before the port opens.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedserve.cli.engine_options import add_engine_options, engine_args_from
 from pagedserve.config import EngineArgs
+from pagedserve.server.lora_modules import LoRAModule, parse_lora_modules
 from pagedserve.server.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
@@ -102,6 +105,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default="auto",
         help="uvicorn's HTTP implementation: auto takes httptools when it is installed",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="with --enable-lora: PEFT adapters served under their own model names, as name=path or "
+        'vLLM\'s JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'; requests select one by '
+        "sending its name as model",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level")
     add_engine_options(parser)
     parser.set_defaults(handler=run)
@@ -116,12 +128,10 @@ def default_served_name(model: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args, args.model)
-    if engine_args.enable_lora:
-        print(
-            "pagedserve serve: --enable-lora is for the offline engine (LLM(..., enable_lora=True)) "
-            "only; the server has no --lora-modules yet",
-            file=sys.stderr,
-        )
+    try:
+        lora_modules = _lora_modules(args, engine_args)
+    except ValueError as exc:
+        print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 2
     if not 0 <= args.port <= 65535:
         print(f"pagedserve serve: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
@@ -144,11 +154,22 @@ def run(args: argparse.Namespace) -> int:
         return 1
     logging.getLogger("pagedserve").setLevel(logging.INFO)
     if args.api_server_count != 1:
-        return _serve_many(args, engine_args)
+        return _serve_many(args, engine_args, lora_modules)
     try:
-        return _run(_serve(args, engine_args), args.loop)
+        return _run(_serve(args, engine_args, lora_modules), args.loop)
     except KeyboardInterrupt:
         return 0
+
+
+def _lora_modules(args: argparse.Namespace, engine_args: EngineArgs) -> tuple[LoRAModule, ...]:
+    """The adapters of `--lora-modules` (lora_int_id 1..n in order). Raises ValueError (one line)
+    for entries given without --enable-lora, a malformed entry, a duplicate name or the served
+    model's name."""
+    entries: list[str] = args.lora_modules or []
+    if entries and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (the engine must be built with LoRA layers)")
+    served = args.served_model_name or default_served_name(engine_args.model)
+    return parse_lora_modules(entries, served)
 
 
 def _run(main: Coroutine[Any, Any, int], loop: str) -> int:
@@ -169,7 +190,9 @@ def _run(main: Coroutine[Any, Any, int], loop: str) -> int:
         return runner.run(main)
 
 
-def _serve_many(args: argparse.Namespace, engine_args: EngineArgs) -> int:
+def _serve_many(
+    args: argparse.Namespace, engine_args: EngineArgs, lora_modules: tuple[LoRAModule, ...]
+) -> int:
     """`--api-server-count N`: N API-server processes on one port (`server.api_servers`)."""
     from pagedserve.server.api_servers import plan_api_servers, run_api_servers
 
@@ -185,11 +208,17 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         return 1
     with sock:
         return run_api_servers(
-            functools.partial(_serve_one, args), plans, sock, max(args.shutdown_timeout, 0.1)
+            functools.partial(_serve_one, args, lora_modules), plans, sock, max(args.shutdown_timeout, 0.1)
         )
 
 
-def _serve_one(args: argparse.Namespace, plan: ApiServerPlan, sock: socket.socket, barrier: Barrier) -> int:
+def _serve_one(
+    args: argparse.Namespace,
+    lora_modules: tuple[LoRAModule, ...],
+    plan: ApiServerPlan,
+    sock: socket.socket,
+    barrier: Barrier,
+) -> int:
     """One API-server process of `--api-server-count` (spawned: a fresh interpreter)."""
     from pagedserve.server.api_servers import enter_process
 
@@ -197,7 +226,7 @@ def _serve_one(args: argparse.Namespace, plan: ApiServerPlan, sock: socket.socke
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [api server {plan.index}] %(message)s")
     logging.getLogger("pagedserve").setLevel(logging.INFO)
     try:
-        status = _run(_serve(args, plan.engine_args, sock=sock, barrier=barrier), args.loop)
+        status = _run(_serve(args, plan.engine_args, lora_modules, sock=sock, barrier=barrier), args.loop)
     except KeyboardInterrupt:
         status = 0
     sys.exit(status)
@@ -206,6 +235,7 @@ def _serve_one(args: argparse.Namespace, plan: ApiServerPlan, sock: socket.socke
 async def _serve(
     args: argparse.Namespace,
     engine_args: EngineArgs,
+    lora_modules: tuple[LoRAModule, ...],
     *,
     sock: socket.socket | None = None,  # bound already (`--api-server-count`); None: bind here
     barrier: Barrier | None = None,  # the API-server processes start serving together
@@ -237,6 +267,20 @@ async def _serve(
         print(f"pagedserve serve: {exc}", file=sys.stderr)
         return 1
     try:
+        # Every adapter is read and checked by the engine core now: a bad one stops the start,
+        # naming it, instead of failing the first request that names it.
+        for module in lora_modules:
+            try:
+                await engine.add_lora(module.lora_request)
+            except (EngineDeadError, ValueError) as exc:
+                print(f"pagedserve serve: --lora-modules {module.name}={module.path}: {exc}", file=sys.stderr)
+                return 1
+            logger.info(
+                "LoRA adapter %r (lora_int_id %d) loaded from %s",
+                module.name,
+                module.lora_int_id,
+                module.path,
+            )
         try:
             sock = sock if sock is not None else listening_socket(args.host, args.port)
         except OSError as exc:
@@ -256,6 +300,7 @@ async def _serve(
             max_n=args.max_n,
             trust_request_chat_template=args.trust_request_chat_template,
             chat_template_timeout_s=args.chat_template_timeout,
+            lora_modules=lora_modules,
         )
         app = build_app(engine, config)
         # Not in the first streamed response's time to first token (`server.warm_start`).

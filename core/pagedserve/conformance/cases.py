@@ -16,6 +16,9 @@ seed. The matrix is derived from what a backend *declares*, intersected with fix
   `UnsupportedCase`.
 * `engine_smoke` (`EngineCase`): a few greedy tokens of a tiny random model per backend and
   declared engine dtype, run through the model's attention layers as the engine runs them.
+* `lora` (`LoRACase`, platforms with a `LoRAKernel`): one call adding several adapters' deltas
+  to a mixed batch: a decode-sized step in every dtype, a prefill-sized one, one adapter for
+  every token, no adapter at all, and widths that are not powers of two.
 
 `quick=True` keeps every group and every declared dtype but fewer head sizes, block sizes, windows
 and softcaps, and no long-sequence cases: small enough for the Triton interpreter in CI.
@@ -511,3 +514,58 @@ def _fp8_cache_op_cases(
         swaps = (CacheOp.SWAP_SAME_DEVICE, CacheOp.SWAP_TO_HOST, CacheOp.SWAP_FROM_HOST)
         for op in swaps[2:] if quick else swaps:
             add(op, kv_name, dtype=d, kv_cache_dtype=kv, num_items=4)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRACase:
+    """One call of a platform's `LoRAKernel.op`, compared with the float64 torch formulation."""
+
+    variant: str
+    num_tokens: int  # rows of x and y
+    num_slots: int  # adapter slots: lora_a / lora_b's first dimension
+    rank: int  # R: the width of a slot's stacked A rows
+    in_features: int  # K
+    out_features: int  # N
+    dtype: torch.dtype
+    used_slots: int  # distinct slots the tokens use (the first ones of a shuffled order)
+    base_tokens: bool  # some tokens have no adapter
+    seed: int
+
+    @property
+    def group(self) -> str:
+        return "lora"
+
+    @property
+    def case_id(self) -> str:
+        return f"{self.group}[{self.variant}]"
+
+    @property
+    def description(self) -> str:
+        return (
+            f"lora: tokens={self.num_tokens} slots={self.used_slots}/{self.num_slots} rank={self.rank} "
+            f"{self.in_features}->{self.out_features} {dtype_name(self.dtype)}"
+            + (" with base-model tokens" if self.base_tokens else "")
+        )
+
+
+def lora_cases(dtypes: Iterable[torch.dtype], *, quick: bool, seed: int = 0) -> list[LoRACase]:
+    """LoRA-kernel cases for a platform computing in `dtypes`. A `LoRAKernel` declares no
+    capabilities: every case must pass. Pure."""
+    dtype_list = sorted({d for d in dtypes if d in TOLERANCES and d != torch.float64}, key=dtype_name)
+    d0 = dtype_list[0] if dtype_list else torch.float32
+    base = LoRACase("", 12, 4, 48, 96, 80, d0, 3, True, 0)
+    cases: list[LoRACase] = []
+
+    def add(variant: str, **changes: Any) -> None:
+        cases.append(replace(base, variant=variant, seed=_seed(f"lora[{variant}]", seed), **changes))
+
+    for d in dtype_list:
+        add(f"decode_{dtype_name(d)}", dtype=d)
+    # Past 128 rows, where kernels tend to switch to larger row blocks.
+    add("prefill", num_tokens=200, num_slots=2, rank=16, in_features=64, out_features=72, used_slots=2)
+    add("one_adapter", num_tokens=20, num_slots=3, rank=8, used_slots=1, base_tokens=False)
+    add("no_adapter", num_tokens=9, used_slots=0)
+    if not quick:
+        add("odd_widths", num_tokens=33, num_slots=3, rank=12, in_features=100, out_features=33, used_slots=3)
+        add("one_token", num_tokens=1, num_slots=2, used_slots=1, base_tokens=False)
+    return cases

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.lora.reference import MASKED_LORA_KERNEL
+from pagedserve.platforms.api import AttentionBackend, CacheOps, LoRAKernel
 from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.registry import PlatformRegistry, load_platforms
 
@@ -18,6 +19,7 @@ class Oracle:
 
     attention: AttentionBackend
     cache_ops: CacheOps
+    lora: LoRAKernel = MASKED_LORA_KERNEL  # run on float64 CPU tensors
 
     @classmethod
     def find(cls, registry: PlatformRegistry | None = None) -> Oracle:
@@ -31,7 +33,8 @@ class Oracle:
                 continue
             backends = platform.attention_backends()
             backend = next((b for b in backends if b.name == ORACLE_PLATFORM), backends[0])
-            return cls(attention=backend(), cache_ops=platform.cache_ops())
+            lora = platform.lora_kernel() or MASKED_LORA_KERNEL
+            return cls(attention=backend(), cache_ops=platform.cache_ops(), lora=lora)
         raise PlatformError(
             f"the conformance suite compares against the {ORACLE_PLATFORM!r} platform, which is not "
             "installed: reinstall pagedserve (it ships the pagedserve_cpu_reference plugin)"

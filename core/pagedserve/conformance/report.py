@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.conformance.cases import AttentionCase, EngineCase, dtype_name
+from pagedserve.conformance.cases import AttentionCase, EngineCase, LoRACase, dtype_name
 from pagedserve.conformance.results import CaseResult, Status
 
 
@@ -306,6 +306,12 @@ def matrix_section(info: RunInfo, results: list[CaseResult]) -> str:
                 "",
                 *_group_rows(groups),
             ]
+        elif isinstance(mine[0].case, LoRACase):
+            lines += ["", "### LoRA kernel", "", "Compared with the float64 torch formulation.", ""]
+            lines += ["| case | passed | failed | shape |", "|---|---|---|---|"]
+            for r in mine:
+                passed, failed = int(r.status is Status.PASSED), int(r.status is Status.FAILED)
+                lines.append(f"| {r.case.case_id} | {passed} | {failed} | {r.case.description} |")
         else:
             lines += [
                 "",

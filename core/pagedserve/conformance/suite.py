@@ -10,7 +10,8 @@ third-party plugin author runs exactly the items and checks that pagedserve's CI
 An item is one case for one component: every attention backend of the platform gets the attention
 case matrix derived from its declared capabilities and the engine smoke cases (a tiny model's
 greedy tokens in each declared engine dtype, with the platform's cache ops); the platform's cache
-ops get the cache-op cases for the platform's dtypes and its backends' block sizes.
+ops get the cache-op cases for the platform's dtypes and its backends' block sizes; a platform with
+a `LoRAKernel` gets the LoRA cases in its dtypes.
 """
 
 from __future__ import annotations
@@ -26,14 +27,18 @@ from pagedserve.conformance.cases import (
     AttentionCase,
     CacheOpCase,
     EngineCase,
+    LoRACase,
     attention_cases,
     cache_op_cases,
     engine_cases,
+    lora_cases,
 )
 from pagedserve.conformance.engine_check import check_engine_case
+from pagedserve.conformance.lora_check import COMPONENT as LORA_COMPONENT
+from pagedserve.conformance.lora_check import check_lora_case
 from pagedserve.conformance.oracle import Oracle
 from pagedserve.conformance.results import CaseResult
-from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.api import AttentionBackend, CacheOps, LoRAKernel
 from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.registry import LoadedPlatform, PlatformRegistry, load_platforms
 
@@ -42,8 +47,8 @@ from pagedserve.platforms.registry import LoadedPlatform, PlatformRegistry, load
 class SuiteItem:
     """One case for one component of the platform."""
 
-    component: str  # attention backend name, or "cache_ops"
-    case: AttentionCase | CacheOpCase | EngineCase
+    component: str  # attention backend name, "cache_ops" or "lora"
+    case: AttentionCase | CacheOpCase | EngineCase | LoRACase
 
     @property
     def item_id(self) -> str:
@@ -81,6 +86,8 @@ class ConformanceSuite:
             raise PlatformError(f"platform {platform.name!r} has two attention backends with one name")
         self._backends: dict[str, AttentionBackend] = {}  # name -> instance, made on first use
         self._cache_ops: CacheOps | None = None
+        self._lora: LoRAKernel | None = None
+        self._lora_asked = False
 
     @classmethod
     def for_platform(
@@ -116,7 +123,8 @@ class ConformanceSuite:
         return list(self._backend_classes)
 
     def items(self) -> list[SuiteItem]:
-        """Every item, attention backends first (in the platform's order), then cache ops. Pure."""
+        """Every item, attention backends first (in the platform's order), then cache ops, then the
+        LoRA kernel's. Pure (asks the plugins for their LoRA kernel)."""
         found: list[SuiteItem] = []
         for name, backend in self._backend_classes.items():
             found += [
@@ -145,6 +153,11 @@ class ConformanceSuite:
                 kv_cache_dtypes=kv_cache_dtypes,
             )
         ]
+        if self._lora_kernel() is not None:
+            found += [
+                SuiteItem(LORA_COMPONENT, c)
+                for c in lora_cases(self.platform.info.supported_dtypes, quick=self.quick, seed=self.seed)
+            ]
         return found
 
     def run_item(self, item: SuiteItem) -> CaseResult:
@@ -152,6 +165,10 @@ class ConformanceSuite:
         suite itself (a broken oracle) propagate."""
         if isinstance(item.case, CacheOpCase):
             return check_cache_case(self._ops(), item.case, self.device, self.oracle)
+        if isinstance(item.case, LoRACase):
+            kernel = self._lora_kernel()
+            assert kernel is not None, "LoRA items come only from a platform with a LoRA kernel"
+            return check_lora_case(kernel, item.case, self.device, self.oracle.lora)
         if isinstance(item.case, EngineCase):
             # A fresh backend, as an engine constructs one: the check asks `enable_new_kv_reads`.
             engine_backend = self._backend_classes[item.component]()
@@ -168,6 +185,12 @@ class ConformanceSuite:
             backend = self._backend_classes[name]()
             self._backends[name] = backend
         return backend
+
+    def _lora_kernel(self) -> LoRAKernel | None:
+        if not self._lora_asked:
+            self._lora = self.platform.lora_kernel()
+            self._lora_asked = True
+        return self._lora
 
     def _ops(self) -> CacheOps:
         if self._cache_ops is None:

@@ -78,15 +78,20 @@ def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
     requests; it decides what `scheduling_policy="auto"` means."""
     platform = load_platforms().select(args.platform)
     policy = scheduling_policy(args.scheduling_policy, offline=offline)
-    if args.enable_lora:
-        _check_lora_runs(args, offline=offline, device=platform.device)
     if args.tensor_parallel_size > 1:
         return _build_parallel_engine(args, platform, policy)
     device = platform.device
     dm = load_device_model(args, platform, device)
     # Before the KV cache is sized, so that the adapters' slots are counted as used memory.
     lora = (
-        LoRAManager(dm.loaded.model, max_loras=args.max_loras, max_rank=args.max_lora_rank)
+        LoRAManager(
+            dm.loaded.model,
+            max_loras=args.max_loras,
+            max_rank=args.max_lora_rank,
+            # Every forward's tokens: the largest step, and the padded sizes graphs capture.
+            max_tokens=max(dm.max_num_batched_tokens, args.max_num_seqs, args.cuda_graph_max_tokens),
+            kernel=platform.lora_kernel(),
+        )
         if args.enable_lora
         else None
     )
@@ -109,22 +114,6 @@ def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
     return EngineSetup(
         platform, spec, dm.loaded, dm.backend, tokenizer, eos, dm.max_model_len, num_blocks, core, lora
     )
-
-
-def _check_lora_runs(args: EngineArgs, *, offline: bool, device: torch.device) -> None:
-    """Raise ValueError where `enable_lora=True` cannot run yet, saying what to change."""
-    if not offline:
-        raise ValueError(
-            "enable_lora=True is for the offline engine (LLM, LLMEngine) only: the server has no "
-            "--lora-modules yet"
-        )
-    if device.type != "cpu":
-        # No batched LoRA kernel, no place in CUDA graphs or the compiled forward (they would
-        # freeze one step's grouping of tokens by adapter), and never run on a GPU: not offered.
-        raise ValueError(
-            f"enable_lora=True runs on CPU platforms only for now (this engine's device is "
-            f"{device.type}): pick a CPU platform (--platform cpu_reference) or drop enable_lora"
-        )
 
 
 def _build_parallel_engine(

@@ -8,26 +8,60 @@ rank block per checkpoint projection, with B block-diagonal so each projection's
 its own output rows: one pair of products per slot serves the whole fused layer. An adapter of
 a smaller rank (or one that skips a projection) leaves its blocks zero, which adds nothing.
 
-Tokens are grouped by slot once per step (`LoRAStep`, built on the host from the batch's rows),
-so a layer loops over the slots in use with no device-to-host sync.
+The step's token -> slot mapping (`LoRAMapping`) lives in fixed device buffers every layer reads,
+written once per step by the model runner; the platform's `LoRAKernel` reads it on the device, so
+a step needs no sync and the same launches serve every step in CUDA graphs and compiled forwards.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
+from pagedserve.platforms.api import LoRAOp
 
-class LoRAStep:
-    """The step's token groups, shared by every `LoRALinear` of a model: (slot, token indices)
-    per slot in use; empty when no scheduled token has an adapter. Set by the model runner
-    before each forward."""
+NO_SLOT = -1
+"""The token slot of a request without an adapter."""
 
-    def __init__(self) -> None:
-        self.segments: list[tuple[int, torch.Tensor]] = []
-        self.num_tokens = 0
+
+class LoRAMapping:
+    """Which adapter slot each token of a step uses, in one int32 device buffer shared by every
+    `LoRALinear` of a model (fixed addresses, so CUDA graphs read the current step's mapping):
+
+        slot_starts [max_loras + 1]: slot s's tokens are token_order[slot_starts[s]:slot_starts[s + 1]]
+        token_slots [max_tokens]:    slot of token t, NO_SLOT for the base model (and padding)
+        token_order [max_tokens]:    the tokens with an adapter, grouped by slot
+
+    `pack` builds a step's buffer on the host; the runner uploads it into `buffer`."""
+
+    def __init__(self, max_loras: int, max_tokens: int, device: torch.device) -> None:
+        self.max_loras = max_loras
+        self.max_tokens = max_tokens
+        self.buffer = torch.from_numpy(self.pack(np.zeros(0, dtype=np.int64))).to(device)
+        self.slot_starts = self.buffer[: max_loras + 1]
+        self.token_slots = self.buffer[max_loras + 1 : max_loras + 1 + max_tokens]
+        self.token_order = self.buffer[max_loras + 1 + max_tokens :]
+
+    def pack(self, token_slots: np.ndarray) -> np.ndarray:  # [max_loras + 1 + 2 * max_tokens] int32
+        """The buffer's contents for a step whose tokens use `token_slots` ([num_tokens], NO_SLOT
+        for none). Raises ValueError for more tokens than the buffers hold. Pure."""
+        n, s, cap = len(token_slots), self.max_loras, self.max_tokens
+        if n > cap:
+            raise ValueError(f"a step of {n} tokens exceeds the LoRA mapping's {cap} tokens")
+        packed = np.empty(s + 1 + 2 * cap, dtype=np.int32)
+        with_adapter = np.flatnonzero(token_slots != NO_SLOT)
+        slots = token_slots[with_adapter]
+        order = with_adapter[np.argsort(slots, kind="stable")]
+        packed[0] = 0
+        np.cumsum(np.bincount(slots, minlength=s)[:s], out=packed[1 : s + 1])
+        packed[s + 1 : s + 1 + n] = token_slots
+        packed[s + 1 + n : s + 1 + cap] = NO_SLOT
+        packed[s + 1 + cap : s + 1 + cap + len(order)] = order
+        packed[s + 1 + cap + len(order) :] = 0
+        return packed
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +84,13 @@ class LoRALinear(nn.Module):
     lora_b: torch.Tensor  # [max_loras, out_features, shards * max_rank], scaling included
 
     def __init__(
-        self, base: nn.Module, in_features: int, shards: dict[str, int], shape: SlotShape, step: LoRAStep
+        self,
+        base: nn.Module,
+        in_features: int,
+        shards: dict[str, int],
+        shape: SlotShape,
+        mapping: LoRAMapping,
+        op: LoRAOp,
     ) -> None:
         super().__init__()
         self.base = base
@@ -58,7 +98,8 @@ class LoRALinear(nn.Module):
         self.shards = dict(shards)
         self.out_features = sum(shards.values())
         self.max_rank = shape.max_rank
-        self.step = step
+        self.mapping = mapping
+        self.op = op
         width = len(shards) * shape.max_rank
         device, dtype = shape.device, shape.dtype
         # Buffers, not parameters: the adapters are data the engine swaps, never trained here.
@@ -95,14 +136,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, out_features]
         """Does not mutate `x`."""
         y = self.base(x)
-        step = self.step
-        if not step.segments:
-            return y
-        for slot, tokens in step.segments:
-            if tokens.numel() == step.num_tokens:  # every token on one adapter: no gather
-                return y + (x @ self.lora_a[slot].t()) @ self.lora_b[slot].t()
-            rows = x.index_select(0, tokens)
-            y = y.index_add(0, tokens, (rows @ self.lora_a[slot].t()) @ self.lora_b[slot].t())
+        m = self.mapping
+        self.op(y, x, self.lora_a, self.lora_b, m.token_slots, m.token_order, m.slot_starts)
         return y
 
     def extra_repr(self) -> str:

@@ -19,27 +19,25 @@ import torch
 from torch import nn
 
 from pagedserve.lora.adapter import LoRAAdapter, load_adapter
-from pagedserve.lora.layers import LoRALinear, LoRAStep, SlotShape
+from pagedserve.lora.layers import NO_SLOT, LoRALinear, LoRAMapping, SlotShape
+from pagedserve.lora.reference import MASKED_LORA_KERNEL
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.decoder import DecoderForCausalLM, DecoderLayer
-
-NO_SLOT = -1
-"""The token slot of a request without an adapter."""
-
-
-def _wrap(
-    owner: nn.Module, attr: str, in_features: int, shards: dict[str, int], shape: SlotShape, step: LoRAStep
-) -> LoRALinear:
-    """Replace `owner.attr` by a `LoRALinear` around it; return the wrapper. Mutates `owner`."""
-    layer = LoRALinear(getattr(owner, attr), in_features, shards, shape, step)
-    setattr(owner, attr, layer)
-    return layer
+from pagedserve.platforms.api import LoRAKernel
 
 
 class LoRAManager:
     """Wraps the linear layers of `model` and fills their slots. Not thread-safe."""
 
-    def __init__(self, model: nn.Module, *, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_loras: int,
+        max_rank: int,
+        max_tokens: int,
+        kernel: LoRAKernel | None = None,  # the platform's; None: the core's torch formulation
+    ) -> None:
         if not isinstance(model, DecoderForCausalLM):
             raise ValueError(
                 f"enable_lora=True needs one of pagedserve's native decoders (Llama, Mistral, Qwen2, "
@@ -48,21 +46,29 @@ class LoRAManager:
             )
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.step = LoRAStep()
+        self.kernel = kernel or MASKED_LORA_KERNEL
         weight = model.model.embed_tokens.weight
         shape = SlotShape(max_loras, max_rank, weight.device, weight.dtype)
-        step = self.step
+        self.mapping = LoRAMapping(max_loras, max_tokens, weight.device)
+        op = self.kernel.op
+
+        def wrap(owner: nn.Module, attr: str, in_features: int, shards: dict[str, int]) -> LoRALinear:
+            """Replace `owner.attr` by a `LoRALinear` around it. Mutates `owner`."""
+            layer = LoRALinear(getattr(owner, attr), in_features, shards, shape, self.mapping, op)
+            setattr(owner, attr, layer)
+            return layer
+
         # layer index -> checkpoint projection -> the wrapped layer holding it
         self.targets: list[dict[str, LoRALinear]] = []
         for layer in cast("Iterable[DecoderLayer]", model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             hidden = attn.qkv_proj.in_features
             q, kv = attn.q_size, attn.kv_size
-            qkv = _wrap(attn, "qkv_proj", hidden, {"q_proj": q, "k_proj": kv, "v_proj": kv}, shape, step)
-            o = _wrap(attn, "o_proj", q, {"o_proj": hidden}, shape, step)
+            qkv = wrap(attn, "qkv_proj", hidden, {"q_proj": q, "k_proj": kv, "v_proj": kv})
+            o = wrap(attn, "o_proj", q, {"o_proj": hidden})
             inter = mlp.intermediate_size
-            gate_up = _wrap(mlp, "gate_up_proj", hidden, {"gate_proj": inter, "up_proj": inter}, shape, step)
-            down = _wrap(mlp, "down_proj", inter, {"down_proj": hidden}, shape, step)
+            gate_up = wrap(mlp, "gate_up_proj", hidden, {"gate_proj": inter, "up_proj": inter})
+            down = wrap(mlp, "down_proj", inter, {"down_proj": hidden})
             # The fused platform operators read the base weights directly and would skip the
             # deltas: LoRA runs the plain gate/up, activation, down path.
             mlp.silu_gate = mlp.gated_down = None
@@ -146,13 +152,7 @@ class LoRAManager:
                 target.set_slot(slot, shard_pieces)
 
     # ---- steps ---------------------------------------------------------------------------------
-    def set_step(self, token_slots: np.ndarray, device: torch.device) -> None:
-        """Group the step's tokens by slot (`token_slots`: [num_tokens], NO_SLOT for the base
-        model) for every wrapped layer. Mutates the shared `LoRAStep`."""
-        step = self.step
-        step.num_tokens = len(token_slots)
-        step.segments = [
-            (int(slot), torch.from_numpy(np.nonzero(token_slots == slot)[0]).to(device))
-            for slot in np.unique(token_slots)
-            if slot != NO_SLOT
-        ]
+    def pack_step(self, token_slots: np.ndarray) -> np.ndarray:
+        """The mapping buffer of a step whose tokens use `token_slots` ([num_tokens], NO_SLOT for
+        the base model), to upload into `mapping.buffer` (`LoRAMapping.pack`). Pure."""
+        return self.mapping.pack(token_slots)

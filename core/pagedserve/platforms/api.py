@@ -78,6 +78,13 @@ Parallel start-up JIT (API 1.11): `AttentionBackend.concurrent_batches` promises
 different batches (different metadata objects) may run `forward` on several host threads at once.
 The start-up sweep then runs its calls on a pool of threads, beside the forward's compilation, so
 the kernel variants compile in parallel. The default (False) keeps one thread, after the compile.
+
+Batched LoRA (API 1.12): a platform may add the deltas of many LoRA adapters to a linear layer's
+output in one operator (`LoRAKernel`, hook `pagedserve_lora_kernel`): every token with its own
+request's adapter, tokens of several adapters in one step. The engine calls it behind every wrapped
+linear layer when `EngineArgs.enable_lora` is on, in eager steps, compiled forwards and CUDA graphs
+alike. No answer: the core's torch formulation (`pagedserve.lora.reference`), which computes every
+slot for every token and masks.
 """
 
 from __future__ import annotations
@@ -93,9 +100,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.11"
+PLUGIN_API_VERSION = "1.12"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.11"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.12"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -202,6 +209,40 @@ class LinearKernel:
     # Optional (API 1.5): `silu_gate_op` launched the way `dependent_op` launches `op`; used
     # instead of it when `EngineArgs.programmatic_launch` is on. None: `silu_gate_op` everywhere.
     dependent_silu_gate_op: LinearOp | None = None
+
+
+# (y [M, N], x [M, K], lora_a [S, R, K], lora_b [S, N, R], token_slots [T >= M] int32,
+#  token_order [T] int32, slot_starts [S + 1] int32) -> None; adds the LoRA deltas into y
+LoRAOp = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAKernel:
+    """The deltas of many LoRA adapters on one linear layer, for a batch that mixes them (API 1.12).
+
+    `op(y, x, lora_a, lora_b, token_slots, token_order, slot_starts)` adds, in place, to every row
+    `t` of `y` whose token has an adapter slot `s = token_slots[t] >= 0`:
+
+        y[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T
+
+    and leaves the other rows of `y` untouched (bit for bit). The same tokens, grouped: slot `s`'s
+    tokens are `token_order[slot_starts[s]:slot_starts[s + 1]]` (ascending within a slot; slots in
+    order, so `slot_starts` is non-decreasing, starts at 0 and ends at the number of tokens with an
+    adapter). A kernel reads whichever of the two forms suits it; both describe the same step.
+    `token_slots` and `token_order` may be longer than `y` has rows (fixed-size buffers): only the
+    first M entries of `token_slots` and the first `slot_starts[S]` of `token_order` count, and the
+    latter are < M. `x`, `y`: the activation dtype; `lora_a`, `lora_b`: the same dtype, contiguous;
+    products accumulate in float32 (the intermediate `x @ A.T` may be rounded to the dtype once).
+
+    It must not sync (it reads the mapping on the device), may allocate only within the call, and
+    must be recordable in a CUDA graph and replayable for any mapping of the same shapes; it must
+    be a torch operator that `torch.compile` keeps opaque (a `torch.library.custom_op` that
+    declares `y` mutated) or plain torch code that dynamo traces."""
+
+    name: str  # for logs, e.g. "triton segmented LoRA (shrink + expand)"
+    op: LoRAOp
 
 
 @dataclass(frozen=True, slots=True)

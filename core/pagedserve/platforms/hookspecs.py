@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pluggy
 
-from pagedserve.platforms.api import AttentionBackend, CacheOps, GridOrder, LinearKernel, PlatformInfo
+from pagedserve.platforms.api import (
+    AttentionBackend,
+    CacheOps,
+    GridOrder,
+    LinearKernel,
+    LoRAKernel,
+    PlatformInfo,
+)
 
 PROJECT_NAME = "pagedserve"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -52,6 +59,12 @@ def pagedserve_grid_order(platform: str, device_name: str) -> GridOrder | None:
 def pagedserve_linear_kernel(platform: str) -> LinearKernel | None:
     """Return the `LinearKernel` that runs the linear layers of models on `platform` (API 1.2), or
     None to leave them to torch (cuBLAS on NVIDIA). The first non-None answer wins."""
+
+
+@hookspec(firstresult=True)
+def pagedserve_lora_kernel(platform: str) -> LoRAKernel | None:
+    """Return the `LoRAKernel` that adds LoRA adapters' deltas to linear layers on `platform` (API
+    1.12), or None to leave them to the core's torch formulation. The first non-None answer wins."""
 
 
 @hookspec

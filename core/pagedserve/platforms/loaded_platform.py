@@ -18,6 +18,7 @@ from pagedserve.platforms.api import (
     CacheOps,
     GridOrder,
     LinearKernel,
+    LoRAKernel,
     PlatformInfo,
 )
 from pagedserve.platforms.discovery import AcceptedPlugin, PluginProblems, call_each
@@ -159,6 +160,22 @@ class LoadedPlatform:
                 return result
             self._problems.report(
                 plugin, f"pagedserve_linear_kernel({self.name!r}) returned {result!r}, not a LinearKernel"
+            )
+        return None
+
+    def lora_kernel(self) -> LoRAKernel | None:
+        """The platform's `LoRAKernel` (API 1.12), or None when no plugin provides one (LoRA deltas
+        then take the core's torch formulation). A malformed answer is reported as the plugin's
+        problem and skipped. Asks the plugins on every call."""
+        for plugin, result in call_each(
+            self._pm, self._problems, "pagedserve_lora_kernel", platform=self.name
+        ):
+            if result is None:
+                continue
+            if isinstance(result, LoRAKernel) and callable(result.op):
+                return result
+            self._problems.report(
+                plugin, f"pagedserve_lora_kernel({self.name!r}) returned {result!r}, not a LoRAKernel"
             )
         return None
 

@@ -97,7 +97,9 @@ def _add_info_routes(
     created: int,
     check_model: Callable[[str | None], None],
 ) -> None:
-    """Add the routes describing the server: health, version, metrics and the model list."""
+    """Add the routes describing the server: health, version, metrics and the model list (the
+    served model, then each LoRA adapter with its folder as `root` and its base as `parent`, as
+    vLLM lists them)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -114,20 +116,30 @@ def _add_info_routes(
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(config.served_model_name), media_type=CONTENT_TYPE)
 
-    def card() -> dict[str, Any]:
+    def card(model_id: str, root: str | None, parent: str | None) -> dict[str, Any]:
         return {
-            "id": config.served_model_name,
+            "id": model_id,
             "object": "model",
             "created": created,
             "owned_by": "pagedserve",
+            "root": root,
+            "parent": parent,
             "max_model_len": engine.max_model_len,
         }
 
+    def cards() -> dict[str, dict[str, Any]]:
+        """Model id -> its card: the served model first, then the adapters in flag order."""
+        served = config.served_model_name
+        found = {served: card(served, engine.args.model, None)}
+        for module in config.lora_modules:
+            found[module.name] = card(module.name, module.path, module.base_model_name or served)
+        return found
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": list(cards().values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        check_model(model_id)
-        return card()
+        check_model(model_id)  # the 404 the generation routes give for an unknown model
+        return cards()[model_id]

@@ -52,6 +52,7 @@ from pagedserve.data_parallel.replica_handle import (
 from pagedserve.engine.input_processor import InputProcessor, ParamError, detokenizer_eos_token_id
 from pagedserve.engine.output_processor import OutputProcessor, merge_deltas
 from pagedserve.engine.protocol import POOLING_ROW, EngineCoreOutput, EngineCoreRequest
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
@@ -148,6 +149,8 @@ class AsyncLLMEngine:
         self._seq_owner: dict[RequestId, str] = {}  # core sequence id -> request id
         self._seqs: dict[str, list[RequestId]] = {}  # request id -> its core sequence ids
         self._dead: str | None = None  # why the core is gone; None while it is alive
+        # (replica, lora_int_id) -> what `add_lora` awaits: the core's error, None once loaded
+        self._lora_waits: dict[tuple[int, int], asyncio.Future[str | None]] = {}
         self._closed = False
         # Tokenizing, rendering chat templates, detokenizing whole texts and checking grammars
         # take the CPU for up to seconds; they run here, never on the event loop. One thread:
@@ -264,6 +267,7 @@ class AsyncLLMEngine:
         self._closed = True
         for request_id in self._in_flight():
             self._fail(request_id, EngineDeadError("the server is shutting down"))
+        self._fail_lora_waits("the server is shutting down")
         loop = asyncio.get_running_loop()
         handles = [core.handle for core in self._cores if core.handle is not None]
         for core in self._cores:
@@ -365,6 +369,47 @@ class AsyncLLMEngine:
                     request_shutdown(core.handle, core.to_core)
         for request_id in self._in_flight():
             self._fail(request_id, EngineDeadError(reason))
+        self._fail_lora_waits(reason)
+
+    def _fail_lora_waits(self, reason: str) -> None:
+        for future in self._lora_waits.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+
+    # ---- LoRA adapters -----------------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Have every core read and check `lora_request`'s adapter now (vLLM's `add_lora`), so that
+        a bad adapter is an error here rather than at the first request naming it, and that
+        request does not wait for the files. The adapter stays loaded (by lora_int_id). Raises
+        ValueError naming the problem (the engine was built without enable_lora, a missing file,
+        a rank above max_lora_rank, weights for another model), EngineDeadError when a core is
+        gone."""
+        self._check_open()
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"add_lora takes a LoRARequest, got {type(lora_request).__name__}")
+        if not self.args.enable_lora:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r}: this engine was built without LoRA: "
+                "start it with enable_lora=True (--enable-lora)"
+            )
+        loop = asyncio.get_running_loop()
+        keys = [(core.index, lora_request.lora_int_id) for core in self._cores]
+        if any(key in self._lora_waits for key in keys):
+            raise ValueError(f"lora_int_id={lora_request.lora_int_id} is being added already")
+        waits: list[asyncio.Future[str | None]] = []
+        for core, key in zip(self._cores, keys, strict=True):
+            future: asyncio.Future[str | None] = loop.create_future()
+            self._lora_waits[key] = future
+            waits.append(future)
+            core.to_core.send(wire.encode_add_lora(lora_request))
+        try:
+            errors = await asyncio.gather(*waits)
+        finally:
+            for key in keys:
+                self._lora_waits.pop(key, None)
+        for core, error in zip(self._cores, errors, strict=True):
+            if error is not None:
+                raise ValueError(core.name(error))
 
     # ---- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
@@ -380,7 +425,13 @@ class AsyncLLMEngine:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, functools.partial(fn, *args))
 
     async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str, *, delta: bool = False
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its `RequestOutput`s until it finishes: cumulative ones, or
         with `delta` what is new since the previous one yielded (text, token ids, logprobs), which
@@ -388,10 +439,23 @@ class AsyncLLMEngine:
         outputs waiting are yielded as one (the latest cumulative one, or the deltas merged).
         Raises `InvalidRequest` for a request that can never run, `EngineDeadError` when the core
         is gone. Stopping the iteration early aborts the request. The prompt is tokenized and
-        the parameters checked on the tokenizer thread (`run_cpu`), not on the event loop."""
+        the parameters checked on the tokenizer thread (`run_cpu`), not on the event loop.
+        `lora_request`: the PEFT adapter it runs with (enable_lora; None: the base model), read
+        by the core when first named unless `add_lora` loaded it before."""
         self._check_open()
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise InvalidRequest(
+                    f"lora_request must be a LoRARequest, got {type(lora_request).__name__}", "model"
+                )
+            if not self.args.enable_lora:
+                raise InvalidRequest(
+                    f"LoRA adapter {lora_request.lora_name!r}: this engine was built without LoRA: "
+                    "start it with enable_lora=True (--enable-lora)",
+                    "model",
+                )
         ids = await self.run_cpu(self._checked_ids, prompt, params)
-        queue = self._add(prompt, ids, params, request_id, delta)
+        queue = self._add(prompt, ids, params, request_id, delta, lora_request)
         try:
             while True:
                 item = await queue.get()
@@ -502,6 +566,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str,
         delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> asyncio.Queue[RequestOutput | BaseException]:
         self._check_open()  # again: the core may have died while the prompt was tokenized
         info = self._require_info()
@@ -526,6 +591,7 @@ class AsyncLLMEngine:
                 sampling_params=params,
                 eos_token_ids=info.eos_token_ids,
                 fork_of=seq_ids[0] if i else None,
+                lora_request=lora_request,  # every sample: a fork shares its parent's prompt KV
             )
             to_core.send(wire.encode_add(core_request))
         return queue
@@ -695,6 +761,11 @@ class AsyncLLMEngine:
             # Its other samples may have been admitted (or wait on the rejected one): drop them.
             core.to_core.send(wire.encode_ids(MessageType.ABORT, self._seqs.get(request_id, [])))
             self._fail(request_id, InvalidRequest(msg.text or "the engine rejected the request"))
+        elif msg.kind is MessageType.LORA_ADDED:
+            assert msg.count is not None
+            waiting = self._lora_waits.get((core.index, msg.count))
+            if waiting is not None and not waiting.done():
+                waiting.set_result(msg.text)
         elif msg.kind is MessageType.FAILED:
             self._mark_dead(core.name(msg.text or "the engine core failed"))
         else:

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.chat_template import TemplateTimeout, render_messages, render_within
@@ -41,7 +42,7 @@ class ChatHandler(GenerationHandler):
         self.tool_parser: ToolCallParser | None = get_parser(name) if name is not None else None
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.resolve_model(body.model)
         self.check_alive()
         self.check_n(body.n)
         plan = plan_tools(body, self.tool_parser)
@@ -51,10 +52,10 @@ class ChatHandler(GenerationHandler):
         params = self._sampling_params(body, plan, structured)
         ids = self.truncated(ids, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self.start(request_id, [ids], params)
+        streams = self.start(request_id, [ids], params, lora)
         try:
             if body.stream:
-                return await self._stream(body, request, streams, request_id, params, plan, len(ids))
+                return await self._stream(body, request, streams, request_id, params, plan, len(ids), lora)
             (final,) = await self.collect(request, streams)
         except APIError as err:
             if err.param == "max_tokens" and body.max_completion_tokens is not None:
@@ -68,7 +69,7 @@ class ChatHandler(GenerationHandler):
                     "id": request_id,
                     "object": "chat.completion",
                     "created": int(time.time()),
-                    "model": self.config.served_model_name,
+                    "model": self.response_model(lora),
                     "choices": [self._choice(sample, params, plan) for sample in final.outputs],
                     "usage": usage(len(ids), completion_tokens),
                 }
@@ -115,6 +116,7 @@ class ChatHandler(GenerationHandler):
         params: SamplingParams,
         plan: ToolPlan | None,
         num_prompt_tokens: int,
+        lora: LoRARequest | None,
     ) -> StreamingResponse:
         """The server-sent event stream of chat.completion.chunk objects; waits for the first
         output so that an error before it is still an HTTP error, not an event."""
@@ -123,7 +125,7 @@ class ChatHandler(GenerationHandler):
             "id": request_id,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
-            "model": self.config.served_model_name,
+            "model": self.response_model(lora),
         }
         events = stream_choices(
             merged,

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedserve.detokenizer import IncrementalDetokenizer, decode_text
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, invalid
@@ -69,10 +70,10 @@ class _Prompt:
 
 class CompletionsHandler(GenerationHandler):
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.resolve_model(body.model)
         self.check_alive()
         if body.use_beam_search:
-            return await self._beam_search(body, request)
+            return await self._beam_search(body, request, lora)
         if body.best_of is not None and body.best_of > 1:
             raise APIError(
                 400,
@@ -105,7 +106,7 @@ class CompletionsHandler(GenerationHandler):
             # Cut here, so usage and echo describe the prompt the engine runs on.
             prompts = [_Prompt(self.truncated(p.engine_prompt, params), None) for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self.start(request_id, [p.engine_prompt for p in prompts], params)
+        streams = self.start(request_id, [p.engine_prompt for p in prompts], params, lora)
         if body.stream:
             merged = await self.first(request, streams)
             # Echoing decodes a prompt given as token ids: CPU work as long as the prompt.
@@ -119,7 +120,7 @@ class CompletionsHandler(GenerationHandler):
                 "id": request_id,
                 "object": "text_completion",
                 "created": int(time.time()),
-                "model": self.config.served_model_name,
+                "model": self.response_model(lora),
             }
             events = stream_choices(
                 merged,
@@ -134,10 +135,12 @@ class CompletionsHandler(GenerationHandler):
         # The body grows with the prompts and outputs (logprobs objects, echoed prompts decoded
         # token by token), and so does its encoding: both off the event loop.
         return await self.engine.run_cpu(
-            lambda: JSONResponse(self._response(request_id, body, prompts, params, finals))
+            lambda: JSONResponse(self._response(request_id, body, prompts, params, finals, lora))
         )
 
-    async def _beam_search(self, body: CompletionRequest, request: Request) -> Response:
+    async def _beam_search(
+        self, body: CompletionRequest, request: Request, lora: LoRARequest | None
+    ) -> Response:
         """The n best of best_of (default n) beams per prompt, `LLM.beam_search`'s search run on
         the async engine: each step sends every live beam as a one-token request with logprobs."""
         for name in _NOT_WITH_BEAMS:
@@ -206,7 +209,9 @@ class CompletionsHandler(GenerationHandler):
         step = 0
         while batch := search.batch():
             streams = [
-                self.engine.generate(tokens, search.step_params, f"{request_id}-{step}-{k}")
+                self.engine.generate(
+                    tokens, search.step_params, f"{request_id}-{step}-{k}", lora_request=lora
+                )
                 for k, tokens in enumerate(batch)
             ]
             # Leaving early (a disconnect) closes every stream, which aborts the step's requests.
@@ -214,11 +219,16 @@ class CompletionsHandler(GenerationHandler):
             step += 1
         found = search.results(None)
         return await self.engine.run_cpu(
-            lambda: JSONResponse(self._beam_response(request_id, body, prompts, found))
+            lambda: JSONResponse(self._beam_response(request_id, body, prompts, found, lora))
         )
 
     def _beam_response(
-        self, request_id: str, body: CompletionRequest, prompts: list[_Prompt], found: list[BeamSearchOutput]
+        self,
+        request_id: str,
+        body: CompletionRequest,
+        prompts: list[_Prompt],
+        found: list[BeamSearchOutput],
+        lora: LoRARequest | None,
     ) -> dict[str, Any]:
         """The completion body of a beam search: prompt i's j-th best beam is choice i * n + j.
         CPU-bound (decodes every beam): call it on the tokenizer thread."""
@@ -245,7 +255,7 @@ class CompletionsHandler(GenerationHandler):
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.config.served_model_name,
+            "model": self.response_model(lora),
             "choices": choices,
             "usage": usage(sum(len(p.engine_prompt) for p in prompts), completion_tokens),
         }
@@ -371,6 +381,7 @@ class CompletionsHandler(GenerationHandler):
         prompts: list[_Prompt],
         params: SamplingParams,
         finals: list[RequestOutput],
+        lora: LoRARequest | None,
     ) -> dict[str, Any]:
         choices = []
         completion_tokens = 0
@@ -402,7 +413,7 @@ class CompletionsHandler(GenerationHandler):
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.config.served_model_name,
+            "model": self.response_model(lora),
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens),
         }

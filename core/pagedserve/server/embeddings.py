@@ -36,7 +36,13 @@ class EmbeddingsHandler(GenerationHandler):
     """The route's handler; reuses the generation handlers' model, health and tokenizer plumbing."""
 
     async def __call__(self, body: EmbeddingRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        if self.resolve_model(body.model) is not None:
+            raise APIError(
+                400,
+                f"model {body.model!r} is a LoRA adapter, and LoRA adapters serve generation only: "
+                f"embeddings run the base model; send model {self.config.served_model_name!r}",
+                param="model",
+            )
         self.check_alive()
         if body.dimensions is not None:
             raise APIError(

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -24,9 +25,13 @@ import zmq
 from pagedserve.config import EngineArgs
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.protocol import EngineCoreRequest
+from pagedserve.lora.request import LoRARequest
 from pagedserve.scheduler.admission import RequestRejected
 from pagedserve.server import serialization as wire
 from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
+
+if TYPE_CHECKING:
+    from pagedserve.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +103,7 @@ def serve_engine_core(
         return
     outbox.send(wire.encode_ready(info))
     try:
-        EngineCoreLoop(setup.core, inbox, outbox, parent_pid).run()
+        EngineCoreLoop(setup.core, inbox, outbox, parent_pid, lora=setup.lora).run()
     except Exception as exc:
         logger.exception("the engine core failed")
         outbox.send(wire.encode_failed(f"the engine core failed: {type(exc).__name__}: {exc}"))
@@ -112,15 +117,24 @@ def _close(ctx: zmq.Context[zmq.Socket[bytes]], *sockets: zmq.Socket[bytes]) -> 
 
 
 class EngineCoreLoop:
-    """Feeds messages to an `EngineCore` and steps it. `run` mutates the core until SHUTDOWN."""
+    """Feeds messages to an `EngineCore` and steps it. `run` mutates the core until SHUTDOWN.
+    `lora`: the engine's adapters (enable_lora), which ADD_LORA loads and requests are checked
+    against; None: requests naming an adapter are rejected."""
 
     def __init__(
-        self, core: EngineCore, inbox: zmq.Socket[bytes], outbox: zmq.Socket[bytes], parent_pid: int
+        self,
+        core: EngineCore,
+        inbox: zmq.Socket[bytes],
+        outbox: zmq.Socket[bytes],
+        parent_pid: int,
+        *,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.core = core
         self.inbox = inbox
         self.outbox = outbox
         self.parent_pid = parent_pid
+        self.lora = lora
         self._stopping = False
 
     def run(self) -> None:
@@ -170,13 +184,45 @@ class EngineCoreLoop:
             self.core.finish(msg.req_ids)
         elif msg.kind is MessageType.RESET_PREFIX_CACHE:
             self.outbox.send(wire.encode_prefix_cache_reset(self.core.reset_prefix_cache()))
+        elif msg.kind is MessageType.ADD_LORA:
+            assert msg.lora is not None
+            error = self._lora_problem(msg.lora)
+            self.outbox.send(wire.encode_lora_added(msg.lora.lora_int_id, error))
         elif msg.kind is MessageType.SHUTDOWN:
             self._stopping = True
         else:
             raise wire.WireError(f"the engine core cannot handle a {msg.kind.name} message")
 
     def _add(self, request: EngineCoreRequest) -> None:
+        lora = request.lora_request
+        if lora is not None:
+            # Checked here, not left to the model runner: an adapter it cannot load would fail
+            # the step, and with it every request in the batch.
+            problem = (
+                "a pooling request runs the base model only: it cannot name a LoRA adapter"
+                if request.pooling_params is not None
+                else self._lora_problem(lora)
+            )
+            if problem is not None:
+                self.outbox.send(wire.encode_rejected(request.req_id, problem))
+                return
         try:
             self.core.add_request(request)
         except RequestRejected as exc:
             self.outbox.send(wire.encode_rejected(request.req_id, str(exc)))
+
+    def _lora_problem(self, lora: LoRARequest) -> str | None:
+        """Why `lora`'s adapter cannot run in this engine (None: it can; it is read and checked
+        once per lora_int_id and kept). Reads the adapter's files the first time."""
+        if self.lora is None:
+            return (
+                f"LoRA adapter {lora.lora_name!r}: this engine was built without LoRA: start it with "
+                "enable_lora=True (--enable-lora)"
+            )
+        try:
+            self.lora.check(lora)
+        except ValueError as exc:
+            return str(exc)
+        except Exception as exc:  # an unreadable file (OSError, a corrupt safetensors header)
+            return f"LoRA adapter {lora.lora_path}: {type(exc).__name__}: {exc}"
+        return None

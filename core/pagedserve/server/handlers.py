@@ -22,10 +22,12 @@ from fastapi import Request
 
 from pagedserve.engine.input_processor import last_tokens
 from pagedserve.engine.output_processor import merge_deltas
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError, InvalidRequest
 from pagedserve.server.errors import APIError, engine_dead, error_body, invalid
+from pagedserve.server.lora_modules import LoRAModule
 
 T = TypeVar("T")
 
@@ -46,6 +48,7 @@ class ServerConfig:
     max_embedding_inputs: int = 2048  # the most inputs one embeddings request may hold (OpenAI's cap)
     trust_request_chat_template: bool = False  # run chat templates sent in requests
     chat_template_timeout_s: float = 5.0  # a chat template's rendering budget
+    lora_modules: tuple[LoRAModule, ...] = ()  # adapters served under their own names (--lora-modules)
 
 
 async def merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> Merged:
@@ -223,15 +226,33 @@ class GenerationHandler:
         self.engine = engine
         self.config = config
         self.created = int(time.time()) if created is None else created
+        self.adapters: dict[str, LoRAModule] = {m.name: m for m in config.lora_modules}
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
+    def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names; None for the served model (or no model).
+        Raises a 404 APIError for any other name."""
+        if model is None or model == self.config.served_model_name:
+            return None
+        module = self.adapters.get(model)
+        if module is None:
+            served = repr(self.config.served_model_name)
+            if self.adapters:
+                served += " and its LoRA adapters " + ", ".join(repr(name) for name in self.adapters)
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; this server serves {self.config.served_model_name!r}",
+                f"the model {model!r} does not exist; this server serves {served}",
                 param="model",
                 kind="not_found_error",
             )
+        return module.lora_request
+
+    def check_model(self, model: str | None) -> None:
+        """Raise a 404 APIError unless `model` is the served model, one of its adapters or None."""
+        self.resolve_model(model)
+
+    def response_model(self, lora: LoRARequest | None) -> str:
+        """The `model` a response names: the adapter's name, or the served model's."""
+        return lora.lora_name if lora is not None else self.config.served_model_name
 
     def check_alive(self) -> None:
         if not self.engine.is_healthy:
@@ -282,13 +303,17 @@ class GenerationHandler:
         return text if isinstance(text, str) else "".join(text)
 
     def start(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """One `generate` stream per prompt, of delta outputs (what each step added:
-        the work of a step then does not grow with the length of the outputs); the engine checks
-        each request when the stream is first awaited, so this only builds the iterators. A
-        server without a tokenizer (`--skip-tokenizer-init`) answers token ids with empty text,
-        as vLLM's does."""
+        the work of a step then does not grow with the length of the outputs), run with the
+        adapter `lora` (None: the base model); the engine checks each request when the stream is
+        first awaited, so this only builds the iterators. A server without a tokenizer
+        (`--skip-tokenizer-init`) answers token ids with empty text, as vLLM's does."""
         if self.engine.tokenizer is None and params.detokenize:
             if params.stop_strings:
                 raise APIError(
@@ -300,7 +325,11 @@ class GenerationHandler:
             params = dataclasses.replace(params, detokenize=False)
         return [
             self.engine.generate(
-                p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", delta=True
+                p,
+                params,
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                delta=True,
+                lora_request=lora,
             )
             for i, p in enumerate(prompts)
         ]

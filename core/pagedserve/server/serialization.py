@@ -6,12 +6,16 @@ message can never run code on decode, and a field added to a dataclass fails lou
 `encode_*` until it is given a wire form.
 
     API -> core:  [ADD, request]  [ADD_MANY, [request...]]  [ABORT, [seq ids]]  [FINISH, [seq ids]]
-                  [RESET_PREFIX_CACHE]  [SHUTDOWN]
+                  [RESET_PREFIX_CACHE]  [ADD_LORA, lora]  [SHUTDOWN]
     core -> API:  [READY, CoreInfo]  [OUTPUTS, [output...], CoreStats]  [REJECTED, seq id, message]
-                  [PREFIX_CACHE_RESET, blocks forgotten]  [FAILED, message]
+                  [PREFIX_CACHE_RESET, blocks forgotten]  [LORA_ADDED, lora_int_id, error or None]
+                  [FAILED, message]
 
 ADD_MANY hands a whole batch to the core in one message, so that an offline front end's batch is
-scheduled as a whole (the core never starts stepping on the first few requests of it).
+scheduled as a whole (the core never starts stepping on the first few requests of it). A request's
+LoRA adapter, and ADD_LORA's, travel as `[lora_name, lora_int_id, lora_path]` (None: the base
+model). ADD_LORA has the core read and check an adapter now (the server's `--lora-modules`, at
+start-up); LORA_ADDED answers it, with the problem when the adapter cannot be served.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, cast
 import msgspec
 
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import FinishReason, Logprob
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
@@ -43,11 +48,13 @@ class MessageType(enum.IntEnum):
     SHUTDOWN = 4
     ADD_MANY = 5
     RESET_PREFIX_CACHE = 6
+    ADD_LORA = 7
     READY = 10
     OUTPUTS = 11
     REJECTED = 12
     FAILED = 13
     PREFIX_CACHE_RESET = 14
+    LORA_ADDED = 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +164,21 @@ def _logprobs_from_wire(wire: list[list[list[Any]]] | None) -> list[TokenLogprob
     return [{int(t): Logprob(float(lp), rank) for t, lp, rank in entry} for entry in wire]
 
 
+def _lora_to_wire(lora: LoRARequest | None) -> list[Any] | None:
+    if lora is None:
+        return None
+    return [lora.lora_name, lora.lora_int_id, lora.lora_path]
+
+
+def _lora_from_wire(wire: list[Any] | None) -> LoRARequest | None:
+    if wire is None:
+        return None
+    name, lora_int_id, path = wire
+    # LoRARequest validates again: a malformed message fails here, naming the field.
+    return LoRARequest(name, lora_int_id, path)
+
+
 def _request_to_wire(req: EngineCoreRequest) -> list[Any]:
-    if req.lora_request is not None:
-        # EngineArgs and `build_engine` keep LoRA in-process; refuse rather than drop the adapter.
-        raise ValueError(
-            "a request with a lora_request cannot cross to an engine-core process: LoRA runs in the "
-            "offline engine with data_parallel_size=1 only"
-        )
     return [
         req.req_id,
         req.prompt_token_ids,
@@ -173,11 +188,12 @@ def _request_to_wire(req: EngineCoreRequest) -> list[Any]:
         req.cache_salt,
         req.priority,
         _pooling_to_wire(req.pooling_params),
+        _lora_to_wire(req.lora_request),
     ]
 
 
 def _request_from_wire(wire: list[Any]) -> EngineCoreRequest:
-    req_id, prompt, params, eos, fork_of, cache_salt, priority, pooling = wire
+    req_id, prompt, params, eos, fork_of, cache_salt, priority, pooling, lora = wire
     return EngineCoreRequest(
         req_id=RequestId(req_id),
         prompt_token_ids=list(prompt),
@@ -187,6 +203,7 @@ def _request_from_wire(wire: list[Any]) -> EngineCoreRequest:
         cache_salt=cache_salt,
         priority=priority,
         pooling_params=_pooling_from_wire(pooling),
+        lora_request=_lora_from_wire(lora),
     )
 
 
@@ -266,6 +283,15 @@ def encode_prefix_cache_reset(num_blocks: int) -> bytes:
     return _ENCODER.encode([MessageType.PREFIX_CACHE_RESET, num_blocks])
 
 
+def encode_add_lora(lora: LoRARequest) -> bytes:
+    return _ENCODER.encode([MessageType.ADD_LORA, _lora_to_wire(lora)])
+
+
+def encode_lora_added(lora_int_id: int, error: str | None) -> bytes:
+    """The core's answer to ADD_LORA: `error` says why the adapter cannot be served (None: it can)."""
+    return _ENCODER.encode([MessageType.LORA_ADDED, lora_int_id, error])
+
+
 def encode_ready(info: CoreInfo) -> bytes:
     return _ENCODER.encode([MessageType.READY, _info_to_wire(info)])
 
@@ -294,8 +320,10 @@ class Message:
     outputs: list[EngineCoreOutput] | None = None  # OUTPUTS
     stats: CoreStats | None = None  # OUTPUTS
     info: CoreInfo | None = None  # READY
-    text: str | None = None  # REJECTED, FAILED: what went wrong
-    count: int | None = None  # PREFIX_CACHE_RESET: blocks whose cached prefix was forgotten
+    text: str | None = None  # REJECTED, FAILED, LORA_ADDED (None: loaded): what went wrong
+    # PREFIX_CACHE_RESET: blocks whose cached prefix was forgotten; LORA_ADDED: the adapter's id
+    count: int | None = None
+    lora: LoRARequest | None = None  # ADD_LORA
 
 
 def decode(data: bytes) -> Message:
@@ -313,6 +341,15 @@ def decode(data: bytes) -> Message:
             return Message(kind)
         if kind is MessageType.PREFIX_CACHE_RESET:
             return Message(kind, count=int(raw[1]))
+        if kind is MessageType.ADD_LORA:
+            if raw[1] is None:
+                raise WireError("ADD_LORA names no adapter")
+            return Message(kind, lora=_lora_from_wire(raw[1]))
+        if kind is MessageType.LORA_ADDED:
+            error = raw[2]
+            if error is not None and not isinstance(error, str):
+                raise WireError(f"LORA_ADDED carries a {type(error).__name__}, not an error message")
+            return Message(kind, count=int(raw[1]), text=error)
         if kind is MessageType.READY:
             wire = dict(raw[1])
             wire["eos_token_ids"] = frozenset(wire["eos_token_ids"])

@@ -363,18 +363,14 @@ class ModelRunner:
         # Two transfers for the five per-step arrays (one per dtype), then mark them for the
         # next step's writes (`wait_for_uploads`).
         (ids_dev, _), (pos_dev, _), (slots_dev, _) = batch.upload_i64.upload(input_ids, plan.positions, slots)
-        (qsl_dev, qsl_cpu), (seq_dev, seq_cpu) = batch.upload_i32.upload(
-            plan.query_start.astype(np.int32), seq_lens
-        )
-        batch.upload_fence.record()
+        i32 = [plan.query_start.astype(np.int32), seq_lens]
         if self.lora is not None:
-            slot_of = self.lora.slot_of
-            row_slots = np.fromiter(
-                (slot_of(batch.rows[row].lora_int_id) for row in plan.rows.tolist()),
-                dtype=np.int64,
-                count=len(plan.rows),
-            )
-            self.lora.set_step(np.repeat(row_slots, plan.num_sched), self.device)
+            i32.append(self._lora_mapping(plan))
+        (qsl_dev, qsl_cpu), (seq_dev, seq_cpu), *lora_dev = batch.upload_i32.upload(*i32)
+        if self.lora is not None:
+            # Into the fixed buffer every LoRA layer (and every CUDA graph) reads, on the stream.
+            self.lora.mapping.buffer.copy_(lora_dev[0][0], non_blocking=True)
+        batch.upload_fence.record()
         metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_actual_tokens=len(input_ids),
@@ -388,6 +384,18 @@ class ModelRunner:
             seq_lens_cpu=seq_cpu,
         )
         return metadata, ids_dev, pos_dev
+
+    def _lora_mapping(self, plan: _StepPlan) -> np.ndarray:
+        """The step's LoRA mapping buffer (`LoRAMapping.pack`): every token gets its request's
+        adapter slot. Pure."""
+        assert self.lora is not None
+        slot_of, rows = self.lora.slot_of, self.batch.rows
+        row_slots = np.fromiter(
+            (slot_of(rows[row].lora_int_id) for row in plan.rows.tolist()),
+            dtype=np.int64,
+            count=len(plan.rows),
+        )
+        return self.lora.pack_step(np.repeat(row_slots, plan.num_sched))
 
     # ----------------------------------------------------------------------------- pooling
     def _start_pooling(self, req_id: RequestId, params: PoolingParams, num_computed: int) -> None:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, PlatformInfo
+from pagedserve.lora.reference import MASKED_LORA_KERNEL
+from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, LoRAKernel, PlatformInfo
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend
 
-PAGEDSERVE_PLUGIN_API = "1.8"
+PAGEDSERVE_PLUGIN_API = "1.12"
 
 PLATFORM_NAME = "cpu_reference"
 
@@ -48,3 +49,10 @@ def pagedserve_attention_backends(platform: str) -> list[type[AttentionBackend]]
 @hookimpl
 def pagedserve_cache_ops(platform: str) -> CacheOps | None:
     return ReferenceCacheOps() if platform == PLATFORM_NAME else None
+
+
+@hookimpl
+def pagedserve_lora_kernel(platform: str) -> LoRAKernel | None:
+    # The core's torch formulation, registered like any plugin's kernel: it is also the
+    # conformance kit's LoRA oracle.
+    return MASKED_LORA_KERNEL if platform == PLATFORM_NAME else None

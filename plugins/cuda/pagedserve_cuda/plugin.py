@@ -11,13 +11,20 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, LinearKernel, PlatformInfo
+from pagedserve.platforms.api import (
+    AttentionBackend,
+    Availability,
+    CacheOps,
+    LinearKernel,
+    LoRAKernel,
+    PlatformInfo,
+)
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_cuda.compiler import INSTALL_HINT, CudaToolError, nvrtc_version
 from pagedserve_cuda.selection import MIN_CAPABILITY
 from pagedserve_cuda.tuning import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.11"
+PAGEDSERVE_PLUGIN_API = "1.12"
 
 PLATFORM_NAME = "cuda"
 PRIORITY = 20  # above triton (10): on an NVIDIA GPU the CUDA decode kernels are preferred
@@ -100,6 +107,16 @@ def pagedserve_linear_kernel(platform: str) -> LinearKernel | None:
     from pagedserve_triton.linear_op import LINEAR_KERNEL
 
     return LINEAR_KERNEL
+
+
+@hookimpl
+def pagedserve_lora_kernel(platform: str) -> LoRAKernel | None:
+    """The triton plugin's segmented LoRA kernels."""
+    if platform != PLATFORM_NAME:
+        return None
+    from pagedserve_triton.lora_kernel import LORA_KERNEL
+
+    return LORA_KERNEL
 
 
 @hookimpl

@@ -13,11 +13,18 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, LinearKernel, PlatformInfo
+from pagedserve.platforms.api import (
+    AttentionBackend,
+    Availability,
+    CacheOps,
+    LinearKernel,
+    LoRAKernel,
+    PlatformInfo,
+)
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_triton.launch_params import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.11"
+PAGEDSERVE_PLUGIN_API = "1.12"
 
 PLATFORM_NAME = "triton"
 
@@ -102,6 +109,15 @@ def pagedserve_linear_kernel(platform: str) -> LinearKernel | None:
     from pagedserve_triton.linear_op import LINEAR_KERNEL
 
     return LINEAR_KERNEL
+
+
+@hookimpl
+def pagedserve_lora_kernel(platform: str) -> LoRAKernel | None:
+    if platform != PLATFORM_NAME or not _triton_installed():
+        return None
+    from pagedserve_triton.lora_kernel import LORA_KERNEL
+
+    return LORA_KERNEL
 
 
 @hookimpl

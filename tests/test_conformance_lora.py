@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from plugins_support import platform_info, platform_plugin
 
 import pagedserve_cpu_reference.plugin as cpu_reference_plugin
 from pagedserve.conformance.lora_check import COMPONENT
@@ -143,3 +144,26 @@ def test_torch_formulation_passes_every_lora_case() -> None:
 
 def test_platform_without_a_lora_kernel_has_no_lora_cases() -> None:
     assert not any(item.component == COMPONENT for item in _suite(None).items())
+
+
+def test_malformed_lora_kernel_answers_are_reported() -> None:
+    good = LoRAKernel("good", add_lora_masked)
+
+    @hookimpl
+    def pagedserve_lora_kernel(platform: str) -> object:
+        return {"bad": "not a kernel", "good": good}.get(platform)
+
+    plugin = platform_plugin(
+        platform_info("good"),
+        platform_info("bad"),
+        platform_info("none"),
+        pagedserve_lora_kernel=pagedserve_lora_kernel,
+    )
+    registry = PlatformRegistry.from_plugins([("p", plugin)])
+    assert registry.get("good").lora_kernel() is good
+    assert registry.get("none").lora_kernel() is None
+    assert registry.get("bad").lora_kernel() is None
+    assert any(
+        "pagedserve_lora_kernel('bad') returned 'not a kernel', not a LoRAKernel" in str(p)
+        for p in registry.load_errors
+    )

@@ -6,6 +6,7 @@ import inspect
 import os
 from functools import cached_property
 from pathlib import Path
+from typing import TypeVar
 
 import pluggy
 import torch
@@ -24,6 +25,8 @@ from pagedserve.platforms.api import (
 from pagedserve.platforms.discovery import AcceptedPlugin, PluginProblems, call_each
 from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.tuned_configs import TunedConfigs
+
+_Kernel = TypeVar("_Kernel", LinearKernel, LoRAKernel)
 
 
 class LoadedPlatform:
@@ -151,32 +154,23 @@ class LoadedPlatform:
         """The platform's `LinearKernel` (API 1.2), or None when no plugin provides one (linear
         layers then stay torch's). A malformed answer is reported as the plugin's problem and
         skipped. Asks the plugins on every call."""
-        for plugin, result in call_each(
-            self._pm, self._problems, "pagedserve_linear_kernel", platform=self.name
-        ):
-            if result is None:
-                continue
-            if isinstance(result, LinearKernel) and callable(result.op):
-                return result
-            self._problems.report(
-                plugin, f"pagedserve_linear_kernel({self.name!r}) returned {result!r}, not a LinearKernel"
-            )
-        return None
+        return self._first_kernel("pagedserve_linear_kernel", LinearKernel)
 
     def lora_kernel(self) -> LoRAKernel | None:
         """The platform's `LoRAKernel` (API 1.12), or None when no plugin provides one (LoRA deltas
         then take the core's torch formulation). A malformed answer is reported as the plugin's
         problem and skipped. Asks the plugins on every call."""
-        for plugin, result in call_each(
-            self._pm, self._problems, "pagedserve_lora_kernel", platform=self.name
-        ):
+        return self._first_kernel("pagedserve_lora_kernel", LoRAKernel)
+
+    def _first_kernel(self, hook: str, kind: type[_Kernel]) -> _Kernel | None:
+        """The first answer of `hook` that is a `kind` with a callable `op`; other non-None
+        answers are reported as their plugin's problem."""
+        for plugin, result in call_each(self._pm, self._problems, hook, platform=self.name):
             if result is None:
                 continue
-            if isinstance(result, LoRAKernel) and callable(result.op):
+            if isinstance(result, kind) and callable(result.op):
                 return result
-            self._problems.report(
-                plugin, f"pagedserve_lora_kernel({self.name!r}) returned {result!r}, not a LoRAKernel"
-            )
+            self._problems.report(plugin, f"{hook}({self.name!r}) returned {result!r}, not a {kind.__name__}")
         return None
 
     def tuned_configs(self) -> TunedConfigs:

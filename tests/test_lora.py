@@ -3,6 +3,7 @@ greedy generation of the same model with that adapter's deltas merged into its w
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,31 @@ def test_mixed_batch_matches_merged_models(
         assert hf_greedy(expected[name], prompts, MAX_TOKENS) != hf_greedy(
             expected[None], prompts, MAX_TOKENS
         )
+
+
+def test_adapter_saved_by_peft_gives_peft_tokens(
+    llm: LLM, hf_model: PreTrainedModel, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An adapter as PEFT itself writes it (`get_peft_model(...).save_pretrained`), beside the base
+    model in one batch, gives the greedy tokens of PEFT's own unmerged forward."""
+    peft = pytest.importorskip("peft")
+    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_rslora=True)
+    model = peft.get_peft_model(copy.deepcopy(hf_model), config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # PEFT starts B at zero; random A and B change the outputs
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    folder = tmp_path_factory.mktemp("peft_adapter")
+    model.save_pretrained(folder)
+    prompts = random_prompts(VOCAB, [7, 12, 5, 9], seed=6)
+    lora = LoRARequest("peft", 7, str(folder))
+    got = _generate(llm, prompts, [lora, None, lora, lora])
+    want = hf_greedy(model.eval(), prompts, MAX_TOKENS)
+    base = hf_greedy(hf_model, prompts, MAX_TOKENS)
+    assert got == [want[0], base[1], want[2], want[3]]
+    assert want != base
 
 
 def test_compiled_cpu_forward_gives_the_merged_tokens(

@@ -139,7 +139,13 @@ def test_compiled_cpu_forward_gives_the_merged_tokens(
     checkpoint: Path, requests: dict[str, LoRARequest], expected: dict[str | None, PreTrainedModel]
 ) -> None:
     """The adapters' mapping is data the compiled forward reads each step: one compilation serves
-    every mix of adapters."""
+    every mix of adapters. A model of the same class without LoRA layers is compiled first in this
+    process: its graph (traced with module guards off) must not run for the LoRA model."""
+    plain = LLM(
+        str(checkpoint), skip_tokenizer_init=True, dtype="float32", max_model_len=64, cpu_compile=True
+    )
+    assert plain.engine.core.runner.compiled is not None
+    plain.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     llm = _lora_llm(checkpoint, max_loras=2, max_lora_rank=8, cpu_compile=True)
     assert llm.engine.core.runner.compiled is not None
     prompts = random_prompts(VOCAB, [7, 12, 5, 9], seed=5)

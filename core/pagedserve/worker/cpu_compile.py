@@ -18,7 +18,9 @@ Costs. Compiling needs a C++ compiler and takes tens of seconds per graph on a s
 caches the result on disk, so later processes load it in seconds. `warm_up` pays it at engine
 start instead of on the first request. Guards on the model's modules and parameters are skipped
 (`skip_guard_on_all_nn_modules_unsafe`): the engine never changes the model after loading, and
-checking several hundred parameters on every call would cost more than it saves.
+checking several hundred parameters on every call would cost more than it saves. Each model is
+compiled through a code object of its own (`_entry_of`), so that without those guards a graph
+traced for another model of the process never runs for this one.
 
 Saved graphs (`compile_cache=True`, opt-in). Even with inductor's cache warm, a start re-runs
 dynamo's tracing, which is most of its compile time. So each size class's graph is compiled ahead
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -106,7 +109,7 @@ class CompiledForward:
         self.origins: list[GraphOrigin] = []  # how each graph became ready, for logs and tests
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         if saved_dir is None:
-            self._forward = torch.compile(model, fullgraph=True, options=options)
+            self._forward = torch.compile(_entry_of(model), fullgraph=True, options=options)
         else:
             self._forward = self._run_saved
 
@@ -206,6 +209,20 @@ class CompiledForward:
                 origin.seconds,
                 "" if self.saved_dir is None else f" (saved graphs: {self.saved_dir})",
             )
+
+
+def _entry_of(model: PagedCausalLM) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A function calling `model` whose code object belongs to this model alone. Dynamo keeps its
+    compiled graphs per code object and, with the module guards skipped, would run a graph traced
+    for another model of the same class in this process (one without LoRA layers, say, whose
+    weights sit elsewhere) on this one; a code object of its own keeps their graphs apart."""
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = model(input_ids, positions)
+        return out
+
+    code = forward.__code__.replace()  # a new code object: a cache of its own
+    return types.FunctionType(code, forward.__globals__, forward.__name__, None, forward.__closure__)
 
 
 def zero_attention(

@@ -14,7 +14,6 @@ import itertools
 from collections.abc import Iterable
 from typing import cast
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -150,9 +149,3 @@ class LoRAManager:
                     entry[proj] = (pair.a, adapter.scaling * pair.b)
             for target, shard_pieces in pieces.items():
                 target.set_slot(slot, shard_pieces)
-
-    # ---- steps ---------------------------------------------------------------------------------
-    def pack_step(self, token_slots: np.ndarray) -> np.ndarray:
-        """The mapping buffer of a step whose tokens use `token_slots` ([num_tokens], NO_SLOT for
-        the base model), to upload into `mapping.buffer` (`LoRAMapping.pack`). Pure."""
-        return self.mapping.pack(token_slots)

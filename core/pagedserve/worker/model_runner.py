@@ -395,7 +395,7 @@ class ModelRunner:
             dtype=np.int64,
             count=len(plan.rows),
         )
-        return self.lora.pack_step(np.repeat(row_slots, plan.num_sched))
+        return self.lora.mapping.pack(np.repeat(row_slots, plan.num_sched))
 
     # ----------------------------------------------------------------------------- pooling
     def _start_pooling(self, req_id: RequestId, params: PoolingParams, num_computed: int) -> None:

@@ -4,28 +4,18 @@ not a crash."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_support import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpu_suite"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-suite = _load()
+suite = load_benchmark("gpu_suite")
 
 
 def _throughput(tok_s: float, req_s: float) -> dict[str, Any]:

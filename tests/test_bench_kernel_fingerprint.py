@@ -3,18 +3,9 @@ debug sections and temporary label numbers do not count; any instruction does.""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from bench_support import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location(
-    "bench_kernel_fingerprint", ROOT / "benchmarks" / "kernels" / "kernel_fingerprint.py"
-)
-assert spec is not None and spec.loader is not None
-fingerprint = importlib.util.module_from_spec(spec)
-sys.modules["bench_kernel_fingerprint"] = fingerprint
-spec.loader.exec_module(fingerprint)
+fingerprint = load_benchmark("kernel_fingerprint", "kernels")
 
 PTX = """.visible .entry k(
 \t.loc 1 12 3

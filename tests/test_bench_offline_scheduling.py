@@ -3,33 +3,17 @@ windows and host-phase timers and `skinny_gemm.py`'s grid of 16-bit weights past
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str, folder: str = "") -> ModuleType:
-    # The scripts import their neighbours by file name, as when run from their folder.
-    directory = ROOT / "benchmarks" / folder
-    if str(directory) not in sys.path:
-        sys.path.insert(0, str(directory))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", directory / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[f"bench_{name}"] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
+from bench_support import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def offline() -> ModuleType:
-    return _load("offline_scheduling")
+    return load_benchmark("offline_scheduling")
 
 
 def test_windows_parse_in_step_order_with_modes(offline: ModuleType, tmp_path: Path) -> None:
@@ -126,7 +110,7 @@ def test_host_window_reports_a_cprofile_per_step(offline: ModuleType) -> None:
 
 
 def test_skinny_rows_grid_is_weight_major_and_valid() -> None:
-    skinny = _load("skinny_gemm", "kernels")
+    skinny = load_benchmark("skinny_gemm", "kernels")
     configs = skinny._configs("rows", 28672, 4096, None, 128)
     assert len(configs) == len(set(configs)) == 20
     assert all(c.weight_major and c.block_n >= 64 for c in configs)

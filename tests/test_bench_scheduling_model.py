@@ -3,12 +3,10 @@ scheduler under each policy."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from bench_support import load_benchmark
 
 from pagedserve.bench.datasets import load_workload
 from pagedserve.config import SchedulingPolicy
@@ -16,19 +14,7 @@ from pagedserve.config import SchedulingPolicy
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_benchmark() -> ModuleType:
-    # benchmarks/ is not a package: load the script as a module under its own name.
-    spec = importlib.util.spec_from_file_location(
-        "bench_scheduling_model", ROOT / "benchmarks" / "scheduling_model.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scheduling_model"] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("scheduling_model")
 
 
 def test_step_model_interpolates_between_measured_points() -> None:

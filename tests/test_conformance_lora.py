@@ -5,7 +5,7 @@ formulation must pass every case, and a platform without a LoRA kernel gets no L
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 import torch
@@ -17,13 +17,10 @@ from pagedserve.conformance.results import Status
 from pagedserve.conformance.suite import ConformanceSuite
 from pagedserve.lora.reference import add_lora_masked
 from pagedserve.platforms.api import (
-    PLUGIN_API_VERSION,
     AttentionBackend,
-    Availability,
     CacheOps,
     LoRAKernel,
     LoRAOp,
-    PlatformInfo,
 )
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve.platforms.registry import PlatformRegistry
@@ -37,17 +34,7 @@ Tensor = torch.Tensor
 def _suite(op: LoRAOp | None) -> ConformanceSuite:
     """The quick suite of a CPU platform whose LoRA kernel is `op` (None: no LoRA kernel)."""
 
-    @hookimpl
-    def pagedserve_platforms() -> list[PlatformInfo]:
-        return [
-            PlatformInfo(
-                name=PLATFORM,
-                priority=0,
-                device_type="cpu",
-                supported_dtypes=(torch.float32, torch.bfloat16),
-                is_available=lambda: Availability(True, "test platform"),
-            )
-        ]
+    info = dataclasses.replace(platform_info(PLATFORM), supported_dtypes=(torch.float32, torch.bfloat16))
 
     @hookimpl
     def pagedserve_attention_backends(platform: str) -> list[type[AttentionBackend]] | None:
@@ -61,9 +48,8 @@ def _suite(op: LoRAOp | None) -> ConformanceSuite:
     def pagedserve_lora_kernel(platform: str) -> LoRAKernel | None:
         return LoRAKernel("planted", op) if platform == PLATFORM and op is not None else None
 
-    plugin = SimpleNamespace(
-        PAGEDSERVE_PLUGIN_API=PLUGIN_API_VERSION,
-        pagedserve_platforms=pagedserve_platforms,
+    plugin = platform_plugin(
+        info,
         pagedserve_attention_backends=pagedserve_attention_backends,
         pagedserve_cache_ops=pagedserve_cache_ops,
         pagedserve_lora_kernel=pagedserve_lora_kernel,

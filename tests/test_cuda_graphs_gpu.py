@@ -12,14 +12,13 @@ interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernel
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from bench_support import load_benchmark
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
@@ -34,19 +33,7 @@ pytestmark = [
 ]
 
 
-def _load_engine_check() -> ModuleType:
-    """`benchmarks/gpu_engine_check.py`, whose tiny model configs this test shares (benchmarks/ is
-    not a package: load the script as a module under its own name)."""
-    spec = importlib.util.spec_from_file_location(
-        "gpu_engine_check", ROOT / "benchmarks" / "gpu_engine_check.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_engine_check = _load_engine_check()
+_engine_check = load_benchmark("gpu_engine_check")  # its tiny model configs
 VOCAB: int = _engine_check.VOCAB
 CONFIGS = {arch: _engine_check.CONFIGS[arch] for arch in ("llama", "mistral", "qwen3")}
 MAX_NEW = 24

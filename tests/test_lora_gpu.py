@@ -10,15 +10,14 @@ interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernel
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from bench_support import load_benchmark
 from lora_support import merged_model, write_adapter
 from transformers import AutoModelForCausalLM
 
@@ -39,18 +38,7 @@ MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False)
 
 
-def _load_engine_check() -> ModuleType:
-    """`benchmarks/gpu_engine_check.py`, whose tiny model configs this test shares."""
-    spec = importlib.util.spec_from_file_location(
-        "gpu_engine_check", ROOT / "benchmarks" / "gpu_engine_check.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_engine_check = _load_engine_check()
+_engine_check = load_benchmark("gpu_engine_check")  # its tiny model configs
 VOCAB: int = _engine_check.VOCAB
 
 

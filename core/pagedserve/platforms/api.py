@@ -85,6 +85,14 @@ request's adapter, tokens of several adapters in one step. The engine calls it b
 linear layer when `EngineArgs.enable_lora` is on, in eager steps, compiled forwards and CUDA graphs
 alike. No answer: the core's torch formulation (`pagedserve.lora.reference`), which computes every
 slot for every token and masks.
+
+Fused mixture-of-experts (API 1.13): a platform may run a sparse MoE block's experts in one
+operator (`MoEKernel`, hook `pagedserve_moe_kernel`): from the router's logits to the weighted sum
+of each token's top-k experts (`MoERouting` says how the logits choose them, `ExpertWeights`
+holds the stacked expert matrices). The engine calls it in every MoE layer, in eager steps,
+compiled forwards and CUDA graphs alike. No answer: the core's torch formulation
+(`pagedserve.moe.reference`), which gathers each expert's tokens on the host's schedule and so
+suits CPUs, not graph capture.
 """
 
 from __future__ import annotations
@@ -94,15 +102,15 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.12"
+PLUGIN_API_VERSION = "1.13"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.12"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.13"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -243,6 +251,87 @@ class LoRAKernel:
 
     name: str  # for logs, e.g. "triton segmented LoRA (shrink + expand)"
     op: LoRAOp
+
+
+# How a gated expert turns its fused gate/up product [gate | up] into the down projection's input:
+#   "silu": silu(gate) * up (Qwen-MoE, Mixtral);
+#   "swiglu_limit": gate = min(gate, limit), up = clamp(up, -limit, limit),
+#                   (up + 1) * gate * sigmoid(1.702 * gate) (gpt-oss; `MoERouting.swiglu_limit`).
+MoEActivation = Literal["silu", "swiglu_limit"]
+
+
+@dataclass(frozen=True, slots=True)
+class MoERouting:
+    """How a router's logits pick each token's experts and weigh them (API 1.13).
+
+    "softmax_topk" (Qwen-MoE, Mixtral): p = softmax(logits) over every expert in float32; the
+    `top_k` largest p, divided by their sum when `renormalize`. "topk_softmax" (gpt-oss): the `top_k`
+    largest logits, then a softmax over those k (`renormalize` changes nothing). Ties go to the
+    lower expert index, so every platform picks the same experts for the same logits."""
+
+    top_k: int
+    scoring: Literal["softmax_topk", "topk_softmax"]
+    renormalize: bool
+    activation: MoEActivation = "silu"
+    swiglu_limit: float | None = None  # "swiglu_limit" only: the clamp bound (gpt-oss: 7.0)
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError(f"MoERouting.top_k must be >= 1, got {self.top_k}")
+        if (self.activation == "swiglu_limit") != (self.swiglu_limit is not None):
+            raise ValueError("MoERouting.swiglu_limit is set exactly when activation='swiglu_limit'")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """One MoE layer's experts, stacked (API 1.13). E experts, hidden size H, this rank's
+    intermediate size I (a tensor-parallel rank holds a slice of every expert's I; the caller sums
+    the ranks' outputs). Matrices are contiguous, in the activation dtype or, when the kernel lists
+    it in `MoEKernel.weight_dtypes`, `torch.float8_e4m3fn` with per-output-channel scales."""
+
+    w13: torch.Tensor  # [E, 2I, H]: gate rows [0, I), up rows [I, 2I)
+    w2: torch.Tensor  # [E, H, I]
+    w13_scale: torch.Tensor | None = None  # [E, 2I] float32, FP8 w13 only: w13[e, n, :] * scale[e, n]
+    w2_scale: torch.Tensor | None = None  # [E, H] float32, FP8 w2 only
+    w13_bias: torch.Tensor | None = None  # [E, 2I] activation dtype (gpt-oss), added before the activation
+    w2_bias: torch.Tensor | None = None  # [E, H] activation dtype (gpt-oss), added before the weighting
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13.shape[0])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.w2.shape[2])
+
+
+# (x [M, H], router_logits [M, E] float32, experts, routing) -> [M, H] in x's dtype
+MoEOp = Callable[[torch.Tensor, torch.Tensor, ExpertWeights, MoERouting], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class MoEKernel:
+    """A sparse mixture-of-experts block's experts in one operator (API 1.13).
+
+    `op(x, router_logits, experts, routing)` returns, for every row t of x:
+
+        out[t] = sum over the k experts e that `routing` picks from router_logits[t], with weight w:
+                 w * (down_e(act(gate_up_e(x[t]))))
+
+    where gate_up_e(v) = w13[e] @ v (+ w13_bias[e]), act is `routing.activation` computed in float32
+    and rounded to x's dtype once, down_e(h) = w2[e] @ h (+ w2_bias[e]); products accumulate in
+    float32 and the weighted sum is rounded to x's dtype once. Row t depends on row t alone: rows
+    past the step's tokens (a CUDA graph's padding, any values, NaN included) change no other row.
+
+    It must not sync (routing, grouping tokens by expert and sizing work happen on the device),
+    may allocate only within the call, and must be recordable in a CUDA graph and replayable for
+    any routing of the same shapes; it must be a torch operator that `torch.compile` keeps opaque
+    (a `torch.library.custom_op`) or torch code that dynamo traces."""
+
+    name: str  # for logs, e.g. "triton fused MoE (device top-k, sorted grouped GEMMs)"
+    op: MoEOp
+    weight_dtypes: frozenset[torch.dtype]  # expert dtypes `op` takes besides the activation's (FP8)
+    activations: frozenset[str] = frozenset({"silu"})  # the `MoEActivation`s it computes
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from pagedserve.platforms.api import (
     GridOrder,
     LinearKernel,
     LoRAKernel,
+    MoEKernel,
     PlatformInfo,
 )
 
@@ -65,6 +66,12 @@ def pagedserve_linear_kernel(platform: str) -> LinearKernel | None:
 def pagedserve_lora_kernel(platform: str) -> LoRAKernel | None:
     """Return the `LoRAKernel` that adds LoRA adapters' deltas to linear layers on `platform` (API
     1.12), or None to leave them to the core's torch formulation. The first non-None answer wins."""
+
+
+@hookspec(firstresult=True)
+def pagedserve_moe_kernel(platform: str) -> MoEKernel | None:
+    """Return the `MoEKernel` that runs the experts of mixture-of-experts layers on `platform` (API
+    1.13), or None to leave them to the core's torch formulation. The first non-None answer wins."""
 
 
 @hookspec

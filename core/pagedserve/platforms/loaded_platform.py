@@ -20,13 +20,14 @@ from pagedserve.platforms.api import (
     GridOrder,
     LinearKernel,
     LoRAKernel,
+    MoEKernel,
     PlatformInfo,
 )
 from pagedserve.platforms.discovery import AcceptedPlugin, PluginProblems, call_each
 from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.tuned_configs import TunedConfigs
 
-_Kernel = TypeVar("_Kernel", LinearKernel, LoRAKernel)
+_Kernel = TypeVar("_Kernel", LinearKernel, LoRAKernel, MoEKernel)
 
 
 class LoadedPlatform:
@@ -161,6 +162,12 @@ class LoadedPlatform:
         then take the core's torch formulation). A malformed answer is reported as the plugin's
         problem and skipped. Asks the plugins on every call."""
         return self._first_kernel("pagedserve_lora_kernel", LoRAKernel)
+
+    def moe_kernel(self) -> MoEKernel | None:
+        """The platform's `MoEKernel` (API 1.13), or None when no plugin provides one (MoE layers
+        then take the core's torch formulation). A malformed answer is reported as the plugin's
+        problem and skipped. Asks the plugins on every call."""
+        return self._first_kernel("pagedserve_moe_kernel", MoEKernel)
 
     def _first_kernel(self, hook: str, kind: type[_Kernel]) -> _Kernel | None:
         """The first answer of `hook` that is a `kind` with a callable `op`; other non-None

@@ -9,13 +9,21 @@ from __future__ import annotations
 import torch
 
 from pagedserve.lora.reference import MASKED_LORA_KERNEL
-from pagedserve.platforms.api import AttentionBackend, Availability, CacheOps, LoRAKernel, PlatformInfo
+from pagedserve.moe.reference import REFERENCE_MOE_KERNEL
+from pagedserve.platforms.api import (
+    AttentionBackend,
+    Availability,
+    CacheOps,
+    LoRAKernel,
+    MoEKernel,
+    PlatformInfo,
+)
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend
 
-PAGEDSERVE_PLUGIN_API = "1.12"
+PAGEDSERVE_PLUGIN_API = "1.13"
 
 PLATFORM_NAME = "cpu_reference"
 
@@ -56,3 +64,10 @@ def pagedserve_lora_kernel(platform: str) -> LoRAKernel | None:
     # The core's torch formulation, registered like any plugin's kernel: it is also the
     # conformance kit's LoRA oracle.
     return MASKED_LORA_KERNEL if platform == PLATFORM_NAME else None
+
+
+@hookimpl
+def pagedserve_moe_kernel(platform: str) -> MoEKernel | None:
+    # The core's torch formulation, registered like any plugin's kernel: it is also the
+    # conformance kit's MoE oracle.
+    return REFERENCE_MOE_KERNEL if platform == PLATFORM_NAME else None

@@ -1,1 +1,2 @@
-"""Mixture-of-experts layers: the router's expert choice, the torch formulation of the fused MoE op, and the block models call."""
+"""Mixture-of-experts layers: the routers' expert choice, the fused MoE op's torch formulation,
+and the sparse block the models call."""

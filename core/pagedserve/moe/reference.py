@@ -53,7 +53,7 @@ def moe_forward_reference(
     and the weighted sum in float32 rounded once. Pure."""
     weights, ids = select_experts(router_logits, routing)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    num_tokens, top_k = ids.shape
+    top_k = ids.shape[1]
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # pair index (token * top_k + j), grouped by expert

@@ -25,10 +25,7 @@ def select_experts(
         raise ValueError(f"top_k={routing.top_k} experts per token, but the router scores only {num_experts}")
     acc = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
     logits = router_logits.to(acc)
-    if routing.scoring == "softmax_topk":
-        scores = torch.softmax(logits, dim=-1)
-    else:
-        scores = logits
+    scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax_topk" else logits
     ordered, ids = torch.sort(scores, dim=-1, descending=True, stable=True)
     weights, ids = ordered[:, : routing.top_k], ids[:, : routing.top_k]
     if routing.scoring == "topk_softmax":

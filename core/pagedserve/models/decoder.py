@@ -15,7 +15,7 @@ import functools
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -125,10 +125,10 @@ class DecoderLayer(nn.Module):
     and so that everything between two attention calls is one method of one layer
     (`DecoderRegions`)."""
 
-    def __init__(self, config: Any, layer_idx: int, options: DecoderOptions) -> None:
+    def __init__(self, config: Any, layer_idx: int, options: DecoderOptions, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, layer_idx, options)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, options.mlp_bias)
+        self.mlp = mlp  # the feed-forward part: a dense `GatedMLP` or a `SparseMoE`, [n, hidden] -> same
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -199,13 +199,37 @@ class DecoderRegions:
         return DecoderRegions(*(transform(getattr(self, f.name)) for f in fields(self)))
 
 
+# (config, layer_idx, options) -> the layer's feed-forward part
+FeedForwardFactory = Callable[[Any, int, DecoderOptions], nn.Module]
+
+
+def dense_mlp(config: Any, layer_idx: int, options: DecoderOptions) -> nn.Module:
+    """The dense gated MLP of `config.intermediate_size` (every layer of the dense models)."""
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, options.mlp_bias)
+
+
+@runtime_checkable
+class CheckpointPart(Protocol):
+    """A part whose parameters are not one checkpoint tensor each (stacked experts): it places
+    the tensors under its name itself. Names and keys are relative to the part."""
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Write the tensor, return the key it filled; None: not this part's (load it plainly)."""
+
+    def missing_checkpoint_keys(self, loaded: set[str]) -> list[str]:
+        """The keys still to fill, given those filled so far."""
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm: the checkpoints' `model.` prefix."""
 
-    def __init__(self, config: Any, options: DecoderOptions) -> None:
+    def __init__(self, config: Any, options: DecoderOptions, feed_forward: FeedForwardFactory) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, options) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, options, feed_forward(config, i, options))
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(*rope_frequencies(config))
 
@@ -240,9 +264,13 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class DecoderForCausalLM(PagedCausalLM):
-    """Base class of the native models. Subclasses set `architecture` and `options_from_config`."""
+    """Base class of the native models. Subclasses set `architecture` and `options_from_config`,
+    and a model whose layers are not all dense MLPs its `feed_forward` part per layer."""
 
     architecture: ClassVar[str]
+    # (checkpoint name fragment, this model's) pairs applied to every checkpoint tensor name, for
+    # checkpoints that call a part otherwise (Mixtral's `block_sparse_moe` is our `mlp`).
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -252,7 +280,7 @@ class DecoderForCausalLM(PagedCausalLM):
                 f"config has {len(options.sliding_windows)} layer_types for {config.num_hidden_layers} layers"
             )
         self.config = config
-        self.model = DecoderModel(config, options)
+        self.model = DecoderModel(config, options, type(self).feed_forward)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied models have no lm_head module at all: a Parameter shared by two modules does not
         # stay shared through `to_empty` (which materializes the meta-built model), whereas
@@ -285,6 +313,11 @@ class DecoderForCausalLM(PagedCausalLM):
     @abstractmethod
     def options_from_config(cls, config: Any) -> DecoderOptions:
         """The architecture switches this model class reads from its config. Does not mutate."""
+
+    @classmethod
+    def feed_forward(cls, config: Any, layer_idx: int, options: DecoderOptions) -> nn.Module:
+        """Layer `layer_idx`'s feed-forward part (built on the meta device). Dense by default."""
+        return dense_mlp(config, layer_idx, options)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[num_tokens] ids and positions -> [num_tokens, hidden_size]. Mutates the KV caches."""
@@ -362,9 +395,16 @@ class DecoderForCausalLM(PagedCausalLM):
         checkpoint never provided. Mutates the parameters."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
+        parts = {path: m for path, m in modules.items() if isinstance(m, CheckpointPart)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            for fragment, ours in self.checkpoint_renames:
+                name = name.replace(fragment, ours)
+            part_key = _load_into_part(parts, name, tensor)
+            if part_key is not None:
+                loaded.add(part_key)
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 # Some tied checkpoints still store the head; it equals the embedding by definition.
@@ -393,6 +433,9 @@ class DecoderForCausalLM(PagedCausalLM):
             param.copy_(tensor)
             loaded.add(name)
         missing = [n for n in self._expected_weight_keys() if n not in loaded]
+        for path, part in parts.items():
+            mine = {key.removeprefix(f"{path}.") for key in loaded if key.startswith(f"{path}.")}
+            missing += [f"{path}.{key}" for key in part.missing_checkpoint_keys(mine)]
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
@@ -418,12 +461,27 @@ class DecoderForCausalLM(PagedCausalLM):
 
     def _expected_weight_keys(self) -> list[str]:
         """Every key `load_weights` must see once: plain parameter names, and fused ones as
-        `param:shard` per checkpoint projection."""
+        `param:shard` per checkpoint projection (a `CheckpointPart`'s own tensors aside)."""
         keys: list[str] = []
         for name, _ in self.named_parameters():
             module = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(module, CheckpointPart):
+                continue  # the part's own stacked tensors: `missing_checkpoint_keys` counts them
             if isinstance(module, MergedLinear):
                 keys.extend(f"{name}:{shard}" for shard in module.shard_offsets)
             else:
                 keys.append(name)
         return keys
+
+
+def _load_into_part(parts: dict[str, CheckpointPart], name: str, tensor: torch.Tensor) -> str | None:
+    """Hand checkpoint tensor `name` to the `CheckpointPart` whose path it starts with, if one
+    takes it; returns the filled key prefixed with the part's path, or None. Mutates the part."""
+    path = name
+    while "." in path:
+        path = path.rpartition(".")[0]
+        part = parts.get(path)
+        if part is not None:
+            key = part.load_checkpoint_tensor(name[len(path) + 1 :], tensor)
+            return None if key is None else f"{path}.{key}"
+    return None

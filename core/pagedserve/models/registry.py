@@ -19,6 +19,9 @@ _NATIVE_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "pagedserve.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "pagedserve.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pagedserve.models.qwen3:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "pagedserve.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "pagedserve.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "pagedserve.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 # config.model_type -> architecture, for configs that name no architecture (those read from GGUF)
 _MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
@@ -26,6 +29,9 @@ _MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

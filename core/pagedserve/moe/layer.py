@@ -1,0 +1,195 @@
+"""`SparseMoE`: a mixture-of-experts feed-forward block, declared by its sizes and routing, run by
+the platform's fused MoE op (`MoEKernel`).
+
+The block holds its experts stacked (`w13` [E, 2I, H] with each expert's gate rows above its up
+rows, `w2` [E, H, I]), the layout every `MoEKernel` takes, so a step passes the tensors as they
+are. Checkpoints store one matrix per expert and projection (`experts.{e}.gate_proj.weight`, or
+Mixtral's `w1`/`w3`/`w2`); `load_checkpoint_tensor` writes each into its slice, and also takes
+the stacked layout transformers keeps in memory (`experts.gate_up_proj`, `experts.down_proj`).
+
+Under tensor parallelism (`shard`) every rank holds a slice of each expert's intermediate
+dimension (and of the shared expert's): its partial sums of the routed and shared experts are
+added up over the ranks with one all-reduce per layer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedserve.distributed.group import TensorParallelGroup
+from pagedserve.models.fp8 import quantize_rows
+from pagedserve.models.layers import GatedMLP
+from pagedserve.moe.reference import REFERENCE_MOE_KERNEL
+from pagedserve.platforms.api import ExpertWeights, MoEKernel, MoERouting
+
+
+class RouterLinear(nn.Linear):
+    """The router's [E, H] projection. A class of its own so that weight quantization and
+    platform GEMM routing leave it alone: its logits choose the experts, and it is a few
+    hundredths of the layer's bytes."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertNames:
+    """What a checkpoint calls each expert's three projections (`experts.{e}.NAME.weight`)."""
+
+    gate: str  # rows [0, I) of w13
+    up: str  # rows [I, 2I) of w13
+    down: str  # w2
+
+
+QWEN_EXPERT_NAMES = ExpertNames(gate="gate_proj", up="up_proj", down="down_proj")
+MIXTRAL_EXPERT_NAMES = ExpertNames(gate="w1", up="w3", down="w2")
+
+_PER_EXPERT = re.compile(r"experts\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class SparseMoE(nn.Module):
+    """out = sum over the token's top-k experts of weight * expert(x), plus an optional shared
+    expert scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,  # of one expert
+        routing: MoERouting,
+        names: ExpertNames,
+        *,
+        shared_expert: GatedMLP | None = None,
+        shared_expert_gate: bool = False,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size  # this rank's share under tensor parallelism
+        self.routing = routing
+        self.names = names
+        self.gate = RouterLinear(hidden_size, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Set by `quantize_fp8`: per-output-channel scales of FP8 `w13` / `w2`.
+        self.w13_scale: torch.Tensor | None = None  # [E, 2I] float32
+        self.w2_scale: torch.Tensor | None = None  # [E, H] float32
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = RouterLinear(hidden_size, 1, bias=False) if shared_expert_gate else None
+        self.kernel: MoEKernel = REFERENCE_MOE_KERNEL  # the platform's, set by `route_moe_layers`
+        self.group: TensorParallelGroup | None = None  # set by `shard`: sums the ranks' partials
+
+    def experts(self) -> ExpertWeights:
+        """The stacked expert tensors as the `MoEKernel` contract takes them. Pure."""
+        return ExpertWeights(self.w13, self.w2, self.w13_scale, self.w2_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, hidden] -> [num_tokens, hidden]. Does not mutate `x`."""
+        rows = x.reshape(-1, self.hidden_size)
+        logits = self.gate(rows).float()
+        out = self.kernel.op(rows, logits, self.experts(), self.routing)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(rows)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(rows)) * shared
+            out = out + shared
+        if self.group is not None:
+            # One sum over the ranks for the routed and shared experts together: each rank's
+            # part is linear in its slice of the intermediate dimension.
+            out = self.group.all_reduce(out)
+        return out.reshape(x.shape)
+
+    @torch.no_grad()
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Write checkpoint tensor `name` (relative to this block) into the stacked experts and
+        return the key it fills, or None when it is not an expert tensor (the router and the
+        shared expert load as ordinary parameters). Raises `ValueError` for a shape that does not
+        fit. Mutates `w13` / `w2`."""
+        match = _PER_EXPERT.fullmatch(name)
+        if match is not None:
+            expert, proj, kind = int(match.group(1)), match.group(2), match.group(3)
+            if kind == "bias" or expert >= self.num_experts:
+                raise ValueError(
+                    f"checkpoint tensor experts.{expert}.{proj}.{kind} has no place in this model"
+                )
+            inter = self.intermediate_size
+            if proj == self.names.gate:
+                return self._copy(self.w13[expert, :inter], tensor, f"w13:{expert}:gate", name)
+            if proj == self.names.up:
+                return self._copy(self.w13[expert, inter:], tensor, f"w13:{expert}:up", name)
+            if proj == self.names.down:
+                return self._copy(self.w2[expert], tensor, f"w2:{expert}", name)
+            raise ValueError(f"checkpoint tensor {name!r}: experts have no projection {proj!r}")
+        if name == "experts.gate_up_proj":  # transformers' in-memory stacked layout
+            return self._copy(self.w13, tensor, "w13:all", name)
+        if name == "experts.down_proj":
+            return self._copy(self.w2, tensor, "w2:all", name)
+        return None
+
+    def missing_checkpoint_keys(self, loaded: set[str]) -> list[str]:
+        """The expert keys `load_checkpoint_tensor` has not returned yet (of those in `loaded`);
+        a stacked tensor fills every expert's. Pure."""
+        missing = []
+        for e in range(self.num_experts):
+            if "w13:all" not in loaded:
+                missing += [k for k in (f"w13:{e}:gate", f"w13:{e}:up") if k not in loaded]
+            if "w2:all" not in loaded and f"w2:{e}" not in loaded:
+                missing.append(f"w2:{e}")
+        return missing
+
+    @staticmethod
+    def _copy(target: torch.Tensor, tensor: torch.Tensor, key: str, name: str) -> str:
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(target.shape)}: the config does not match the weights"
+            )
+        target.copy_(tensor)
+        return key
+
+    def shard(self, rank: int, world_size: int, group: TensorParallelGroup) -> None:
+        """Give a meta-built block rank `rank`'s shapes: 1/world_size of every expert's (and the
+        shared expert's) intermediate dimension, the router replicated. Mutates this block."""
+        inter = self.intermediate_size // world_size
+        self.intermediate_size = inter
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, self.hidden_size))
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, inter))
+        if self.shared_expert is not None:
+            shared = self.shared_expert
+            shared_inter = shared.intermediate_size // world_size
+            self.shared_expert = GatedMLP(self.hidden_size, shared_inter, shared.hidden_act, bias=False)
+        self.group = group
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Make the experts FP8 (`float8_e4m3fn`) with one float32 scale per expert and output
+        channel, the format of the decoder's FP8 linear layers. Mutates `w13` / `w2`."""
+        for attr in ("w13", "w2"):
+            weight = getattr(self, attr)
+            codes, scales = quantize_rows(weight.data.reshape(-1, weight.shape[-1]))
+            setattr(self, attr, nn.Parameter(codes.reshape(weight.shape), requires_grad=False))
+            setattr(self, f"{attr}_scale", scales.reshape(weight.shape[:-1]))
+
+
+def route_moe_layers(model: nn.Module, kernel: MoEKernel | None) -> tuple[int, str]:
+    """Run every `SparseMoE` in `model` on `kernel` where it computes the block (its activation,
+    its weight dtype), else on the core's torch formulation. Returns how many blocks took the
+    platform's kernel and the name of what runs the others ("" when none). Mutates the blocks."""
+    routed, fallback = 0, ""
+    for module in model.modules():
+        if not isinstance(module, SparseMoE):
+            continue
+        takes = (
+            kernel is not None
+            and module.routing.activation in kernel.activations
+            and (module.w13.dtype == module.gate.weight.dtype or module.w13.dtype in kernel.weight_dtypes)
+        )
+        if takes:
+            assert kernel is not None
+            module.kernel = kernel
+            routed += 1
+        else:
+            module.kernel = REFERENCE_MOE_KERNEL
+            fallback = REFERENCE_MOE_KERNEL.name
+    return routed, fallback

@@ -6,6 +6,8 @@ Layout (Megatron): q/k/v and gate/up are split by output rows (whole heads; whol
 columns), o_proj and down_proj by input columns, the embedding and the LM head by vocabulary rows.
 With more ranks than KV heads, each KV head is replicated on `world_size / num_kv_heads` ranks
 (rank r holds KV head `r * num_kv_heads // world_size`, the one its query heads attend with).
+Mixture-of-experts blocks (`SparseMoE.shard`) split every expert's (and the shared expert's)
+intermediate dimension the same way, the router replicated: one all-reduce per layer.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from pagedserve.distributed.layers import RowParallelLinear, VocabParallelEmbedd
 from pagedserve.models.decoder import DecoderForCausalLM, DecoderLayer, head_size_of
 from pagedserve.models.layers import MergedLinear
 from pagedserve.models.weights import safetensors_files
+from pagedserve.moe.layer import SparseMoE
+
+# Checkpoint projection names split by output rows (gate and up; Mixtral's experts: w1, w3) or by
+# input columns (down; Mixtral's experts: w2).
+_COLUMN_PARALLEL = frozenset({"gate_proj", "up_proj", "w1", "w3"})
+_ROW_PARALLEL = frozenset({"down_proj", "w2"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +44,10 @@ class ShardLayout:
     num_q_heads: int  # of the whole model
     num_kv_heads: int  # of the whole model
     head_size: int
-    intermediate_size: int  # of the whole model
+    intermediate_size: int  # of the whole model's dense MLPs
     vocab_size: int  # of the whole model
+    expert_intermediate_size: int | None = None  # of one expert (MoE models)
+    shared_expert_intermediate_size: int | None = None  # of the shared expert (Qwen2-MoE)
 
     @classmethod
     def for_config(cls, config: Any, group: TensorParallelGroup) -> ShardLayout:
@@ -52,13 +62,30 @@ class ShardLayout:
             problems.append(f"num_key_value_heads={hkv} neither divides it nor is a multiple of it")
         if inter % tp:
             problems.append(f"intermediate_size={inter} is not a multiple of it")
+        expert_inter, shared_inter = _moe_intermediate_sizes(config)
+        for name, size in (
+            ("the experts' intermediate size", expert_inter),
+            ("shared_expert_intermediate_size", shared_inter),
+        ):
+            if size is not None and size % tp:
+                problems.append(f"{name}={size} is not a multiple of it")
         if problems:
             raise ValueError(
                 f"tensor_parallel_size={tp} cannot shard this model: "
                 + "; ".join(problems)
                 + ". Choose a tensor_parallel_size that divides the attention heads and intermediate size"
             )
-        return cls(group.rank, tp, hq, hkv, head_size_of(config), inter, int(config.vocab_size))
+        return cls(
+            group.rank,
+            tp,
+            hq,
+            hkv,
+            head_size_of(config),
+            inter,
+            int(config.vocab_size),
+            expert_inter,
+            shared_inter,
+        )
 
     @property
     def local_q_heads(self) -> int:
@@ -92,6 +119,19 @@ class ShardLayout:
         module_path, _, param = name.rpartition(".")
         proj = module_path.rpartition(".")[2]
         hs = self.head_size
+        moe_part = self._moe_intermediate_of(module_path)
+        if moe_part is not None:
+            local = moe_part // self.world_size
+            if proj in _COLUMN_PARALLEL:
+                return TensorSlice(0, self.rank * local, local)
+            if proj in _ROW_PARALLEL and param == "weight":
+                return TensorSlice(1, self.rank * local, local)
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} stacks every expert in one tensor, which tensor "
+                    "parallelism cannot read by slices; save the checkpoint with one tensor per "
+                    "expert (transformers' save_pretrained does) or use tensor_parallel_size=1"
+                )
         if proj == "q_proj":
             return TensorSlice(0, self.rank * self.local_q_heads * hs, self.local_q_heads * hs)
         if proj in ("k_proj", "v_proj"):
@@ -106,6 +146,27 @@ class ShardLayout:
             start, end = self.vocab_range
             return TensorSlice(0, start, end - start, padded=self.vocab_per_rank)
         return None
+
+    def _moe_intermediate_of(self, module_path: str) -> int | None:
+        """The intermediate size of the expert or shared expert `module_path` lies in; None
+        for the attention and dense MLPs. Pure."""
+        parts = module_path.split(".")
+        if "shared_expert" in parts:
+            return self.shared_expert_intermediate_size
+        if "experts" in parts:
+            return self.expert_intermediate_size
+        return None
+
+
+def _moe_intermediate_sizes(config: Any) -> tuple[int | None, int | None]:
+    """(one expert's, the shared expert's) intermediate sizes of an MoE config; None where the
+    config has no such part. Mixtral's experts use `intermediate_size`."""
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not num_experts:
+        return None, None
+    expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = getattr(config, "shared_expert_intermediate_size", None) or None
+    return int(expert), None if shared is None else int(shared)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +217,9 @@ def shard_model(model: DecoderForCausalLM, layout: ShardLayout, group: TensorPar
         attn.q_size, attn.kv_size = q_size, kv_size
         attn.attn.num_heads, attn.attn.num_kv_heads = layout.local_q_heads, layout.local_kv_heads
         mlp = layer.mlp
+        if isinstance(mlp, SparseMoE):
+            mlp.shard(layout.rank, layout.world_size, group)
+            continue
         inter = layout.local_intermediate
         mlp_bias = mlp.down_proj.bias is not None
         mlp.gate_up_proj = MergedLinear(hidden, {"gate_proj": inter, "up_proj": inter}, bias=mlp_bias)

@@ -143,14 +143,14 @@ def check_fp8_support(device: torch.device, dtype: torch.dtype) -> None:
         ) from exc
 
 
-def quantize_linear_layers(model: nn.Module) -> int:
+def quantize_linear_layers(model: nn.Module, keep: tuple[type[nn.Module], ...] = ()) -> int:
     """Replace every `nn.Linear` inside `model` (fused ones included) with an `Fp8Linear` made
-    from its weights; returns how many were replaced. Pass the decoder (`model.model`), not the
-    whole causal LM, to keep the LM head in the model's dtype (`quantize_lm_head` quantizes it
-    separately, tied heads included). Mutates `model`."""
+    from its weights, except instances of `keep` (MoE routers); returns how many were replaced.
+    Pass the decoder (`model.model`), not the whole causal LM, to keep the LM head in the model's
+    dtype (`quantize_lm_head` quantizes it separately, tied heads included). Mutates `model`."""
     replaced = 0
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or isinstance(module, keep):
             continue
         owner, _, attr = name.rpartition(".")
         fp8 = Fp8Linear(module.weight.data, None if module.bias is None else module.bias.data)

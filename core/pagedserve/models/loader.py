@@ -283,11 +283,19 @@ def _quantize_fp8(model: PagedCausalLM, lm_head: bool) -> None:
     unless `lm_head` (then it becomes FP8 per vocabulary row too). Mutates `model`."""
     from pagedserve.models.decoder import DecoderForCausalLM
     from pagedserve.models.fp8 import quantize_linear_layers
+    from pagedserve.moe.layer import RouterLinear, SparseMoE
 
     if not isinstance(model, DecoderForCausalLM):
         raise ValueError(f"quantization='fp8' is not available for {type(model).__name__}")
-    replaced = quantize_linear_layers(model.model)
+    replaced = quantize_linear_layers(model.model, keep=(RouterLinear,))
     logger.info("quantization='fp8': %d linear layers quantized per output channel", replaced)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for block in blocks:
+        block.quantize_fp8()
+    if blocks:
+        logger.info(
+            "quantization='fp8': the experts of %d MoE layers quantized per output channel", len(blocks)
+        )
     if lm_head:
         model.quantize_head_fp8()
         extra = " (an FP8 copy beside the tied embedding)" if model.tie_word_embeddings else ""

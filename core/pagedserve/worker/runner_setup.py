@@ -21,6 +21,7 @@ from pagedserve.models.decoder import DecoderForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model
 from pagedserve.models.platform_linear import route_linear_layers, route_lm_head
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
+from pagedserve.moe.layer import route_moe_layers
 from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.worker.attention_sweep import attention_warmup_threads
@@ -143,6 +144,7 @@ def load_device_model(
     programmatic = _programmatic(args, device)
     if args.platform_linear and device.type == "cuda":
         _route_linear_layers(loaded.model, platform, dtype, programmatic)
+    _route_moe_layers(loaded.model, platform)
     max_model_len = _max_model_len(args, loaded.spec)
     backend, kv_dtype = choose_backend(platform, loaded.spec, args.block_size, args.kv_cache_dtype)
     cache_ops = platform.cache_ops()
@@ -196,6 +198,17 @@ def _route_linear_layers(
         kernel = replace(kernel, name=name, op=kernel.dependent_op, silu_gate_op=silu_gate)
     routed = route_linear_layers(model.model, kernel, dtype) + int(route_lm_head(model, kernel, dtype))
     logger.info("linear layers: %d on %s", routed, kernel.name)
+
+
+def _route_moe_layers(model: PagedCausalLM, platform: LoadedPlatform) -> None:
+    """Run the model's mixture-of-experts blocks on the platform's `MoEKernel` where it takes
+    them, else on the core's torch formulation. Mutates `model`."""
+    kernel = platform.moe_kernel()
+    routed, fallback = route_moe_layers(model, kernel)
+    if routed and kernel is not None:
+        logger.info("MoE layers: %d on %s", routed, kernel.name)
+    if fallback:
+        logger.info("MoE layers: the others on %s (the platform's kernel does not take them)", fallback)
 
 
 def fit_kv_blocks(dm: DeviceModel, args: EngineArgs, device: torch.device) -> int:

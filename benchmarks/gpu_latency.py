@@ -1,4 +1,5 @@
-"""On a GPU: what CUDA graphs and compilation buy, with Llama-3.1-8B shapes and dummy bfloat16 weights.
+"""On a GPU: what CUDA graphs and compilation buy, with Llama-3.1-8B shapes (or `--shape`: the 70B,
+or the mixture-of-experts shapes of `model_shapes.py`) and dummy bfloat16 weights.
 
 For each mode of `--modes` (a `cudagraph_mode`, optionally with `+nocompile` for
 `gpu_compile=False`, or `eager` for `enforce_eager=True`), one engine is built and measured:
@@ -18,6 +19,7 @@ For each mode of `--modes` (a `cudagraph_mode`, optionally with `+nocompile` for
     python benchmarks/gpu_latency.py --platform cuda --json out.json
     python benchmarks/gpu_latency.py --modes full_and_piecewise,piecewise,none+nocompile --json out.json
     python benchmarks/gpu_latency.py --what throughput --workload sharegpt_like_256.json
+    python benchmarks/gpu_latency.py --shape qwen3-30b-a3b --modes full_and_piecewise --json moe.json
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import logging
 import pstats
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +40,10 @@ from typing import Any
 
 import torch
 from torch.autograd import DeviceType
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PretrainedConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_shapes import MOE_SHAPES
 
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput
@@ -76,6 +82,16 @@ def llama_config(shape: str) -> LlamaConfig:
 def llama_8b_config() -> LlamaConfig:
     """Llama-3.1-8B's shapes and rope (the weights are random)."""
     return llama_config("8b")
+
+
+SHAPES = ("llama-8b", "llama-70b", *MOE_SHAPES)
+
+
+def shape_config(shape: str) -> PretrainedConfig:
+    """The transformers config of a `--shape` (random weights fill it)."""
+    if shape.startswith("llama-"):
+        return llama_config(shape.removeprefix("llama-"))
+    return MOE_SHAPES[shape]()
 
 
 def bench_engine_args(model_dir: str, platform: str, **options: Any) -> EngineArgs:
@@ -301,6 +317,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--platform", default="triton")
+    parser.add_argument("--shape", default="llama-8b", choices=SHAPES, help="model shape (random weights)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--profile-steps", type=int, default=16)
@@ -323,7 +340,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
-        llama_8b_config().save_pretrained(tmp)
+        shape_config(args.shape).save_pretrained(tmp)
         for mode in args.modes.split(","):
             results[mode] = measure(args, tmp, mode)
             if args.json:

@@ -1,0 +1,153 @@
+"""Mixture-of-experts models on a real GPU: the conformance kit's MoE cases on the NVIDIA
+platforms' fused MoE kernel, and tiny Qwen3-MoE, Qwen2-MoE and Mixtral models whose tokens in every
+CUDA-graph mode (with the compiled forward) equal `enforce_eager=True`'s, which equal
+transformers' (float32, on the GPU).
+
+Skipped without a CUDA GPU. On a GPU machine run this file in its own pytest process (the
+interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernels on the CPU).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.conformance.results import Status
+from pagedserve.conformance.suite import ConformanceSuite
+from pagedserve.moe.layer import SparseMoE
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "plugins" / "triton"))
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+VOCAB = 512
+MAX_NEW = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False)
+_BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+CONFIGS: dict[str, Any] = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **_BASE,
+        head_dim=32,
+        num_experts=32,
+        num_experts_per_tok=8,
+        moe_intermediate_size=64,
+        mlp_only_layers=[1],
+    ),
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **_BASE,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+    ),
+    "mixtral": lambda: MixtralConfig(**_BASE, num_local_experts=8, num_experts_per_tok=2),
+}
+MODES = ["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"]
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+PROMPTS = _prompts([5, 33, 100, 17, 64, 9, 40, 3])
+
+
+@pytest.mark.parametrize("platform", ["cuda", "triton"])
+def test_moe_conformance_cases_pass_on_the_gpu(platform: str) -> None:
+    suite = ConformanceSuite.for_platform(platform)
+    items = [item for item in suite.items() if item.component == "moe"]
+    assert items, f"{platform} offers no MoE kernel"
+    results = [suite.run_item(item) for item in items]
+    assert all(r.status is Status.PASSED for r in results), "\n".join(r.summary() for r in results)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    out = {}
+    for i, (arch, make) in enumerate(CONFIGS.items()):
+        torch.manual_seed(i)
+        config: PretrainedConfig = make()
+        hf: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        path = tmp_path_factory.mktemp(arch)
+        hf.save_pretrained(path)
+        out[arch] = (path, hf)
+    return out
+
+
+def _generate(path: Path, platform: str, **engine: Any) -> tuple[list[list[int]], LLM]:
+    llm = LLM(
+        str(path),
+        platform=platform,
+        skip_tokenizer_init=True,
+        dtype=engine.pop("dtype", "float32"),
+        max_model_len=512,
+        max_num_seqs=8,
+        num_kv_blocks=512,  # no profiling run: engines of earlier tests may still hold memory
+        **engine,
+    )
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+@pytest.mark.parametrize("platform", ["cuda", "triton"])
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_every_graph_mode_gives_the_eager_tokens(
+    checkpoints: dict[str, tuple[Path, Any]], arch: str, platform: str
+) -> None:
+    path, _ = checkpoints[arch]
+    eager, llm = _generate(path, platform, enforce_eager=True)
+    blocks = [m for m in llm.engine.setup.loaded.model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(b.kernel.name.startswith("triton") for b in blocks), blocks[0].kernel.name
+    del llm
+    for mode in MODES:
+        graphed, llm = _generate(path, platform, cudagraph_mode=mode)
+        assert graphed == eager, mode
+        del llm
+
+
+@torch.no_grad()
+def _hf_argmax(model: Any, prompt: list[int], steps: int) -> list[int]:
+    """transformers' forward, the argmax token appended `steps` times (no EOS: like ignore_eos)."""
+    ids = torch.tensor([prompt], device="cuda")
+    for _ in range(steps):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_eager_tokens_equal_transformers(checkpoints: dict[str, tuple[Path, Any]], arch: str) -> None:
+    path, hf = checkpoints[arch]
+    got, _ = _generate(path, "cuda", enforce_eager=True)
+    hf = hf.cuda()
+    try:
+        for prompt, tokens in zip(PROMPTS, got, strict=True):
+            assert tokens == _hf_argmax(hf, prompt, MAX_NEW)
+    finally:
+        hf.cpu()
+
+
+def test_bfloat16_graphs_give_the_eager_tokens(checkpoints: dict[str, tuple[Path, Any]]) -> None:
+    path, _ = checkpoints["qwen3_moe"]
+    eager, _ = _generate(path, "cuda", dtype="bfloat16", enforce_eager=True)
+    graphed, _ = _generate(path, "cuda", dtype="bfloat16")
+    assert graphed == eager

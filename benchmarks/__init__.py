@@ -13,7 +13,8 @@ What a user runs: the engine against its peers
   scoreboard_rows.py        the scoreboard's rows and verdicts, shared by the two above
   gpu_async_scheduling.py   single stream (TTFT, TPOT), GPU idle and the decode step, default engine
   gpu_latency.py            what CUDA graphs and compilation buy; the Llama-3.1-8B shapes every GPU
-                            script builds (`llama_config`, `bench_engine_args`)
+                            script builds (`llama_config`, `bench_engine_args`); `--shape`
+  model_shapes.py           the mixture-of-experts shapes (Qwen3-30B-A3B, Mixtral-8x7B) of `--shape`
   offline_scheduling.py     offline throughput per scheduling policy, with profiling windows
   gpu_fp8.py                what FP8 weights and an FP8 KV cache buy
   tp_gpu.py                 tensor parallelism: TP=N against TP=1, 8B and 70B shapes

@@ -126,12 +126,9 @@ class ShardLayout:
                 return TensorSlice(0, self.rank * local, local)
             if proj in _ROW_PARALLEL and param == "weight":
                 return TensorSlice(1, self.rank * local, local)
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} stacks every expert in one tensor, which tensor "
-                    "parallelism cannot read by slices; save the checkpoint with one tensor per "
-                    "expert (transformers' save_pretrained does) or use tensor_parallel_size=1"
-                )
+            # Stacked experts (every expert in one tensor, gpt-oss's and transformers' layouts)
+            # are read whole, one layer at a time; `SparseMoE` keeps its rank's slice.
+            return None
         if proj == "q_proj":
             return TensorSlice(0, self.rank * self.local_q_heads * hs, self.local_q_heads * hs)
         if proj in ("k_proj", "v_proj"):

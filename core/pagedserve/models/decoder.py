@@ -46,6 +46,7 @@ class DecoderOptions:
     mlp_bias: bool
     qk_norm: bool  # RMSNorm over head_size on q and k before rotary (Qwen3)
     sliding_windows: tuple[int | None, ...]  # layer_idx -> window; None: full attention
+    attention_sinks: bool = False  # a learned sink logit per query head in every softmax (gpt-oss)
 
 
 def head_size_of(config: Any) -> int:
@@ -93,6 +94,23 @@ class DecoderAttention(nn.Module):
             scale=self.head_size**-0.5,
             sliding_window=options.sliding_windows[layer_idx],
         )
+        # [num_heads] logits (gpt-oss), in the model dtype like the checkpoint; attention takes float32.
+        self.sinks = (
+            nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+            if options.attention_sinks
+            else None
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, q_size]
+        k: torch.Tensor,  # [num_tokens, kv_size]
+        v: torch.Tensor,  # [num_tokens, kv_size]
+    ) -> torch.Tensor:  # [num_tokens, q_size]
+        """The paged attention of this layer (with its sinks, if it has them). Mutates the KV cache."""
+        if self.sinks is None:
+            return self.attn(q, k, v)
+        return self.attn(q, k, v, sinks=self.sinks.float())
 
     def qkv(
         self,
@@ -244,7 +262,9 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in cast("Iterable[DecoderLayer]", self.layers):
             q, k, v, residual = regions.attention_inputs(layer, hidden_states, residual, cos, sin)
-            hidden_states, residual = regions.after_attention(layer, layer.self_attn.attn(q, k, v), residual)
+            hidden_states, residual = regions.after_attention(
+                layer, layer.self_attn.attend(q, k, v), residual
+            )
         return regions.final_norm(self, hidden_states, residual)
 
 

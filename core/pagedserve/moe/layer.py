@@ -7,15 +7,23 @@ are. Checkpoints store one matrix per expert and projection (`experts.{e}.gate_p
 Mixtral's `w1`/`w3`/`w2`); `load_checkpoint_tensor` writes each into its slice, and also takes
 the stacked layout transformers keeps in memory (`experts.gate_up_proj`, `experts.down_proj`).
 
+gpt-oss stores its experts stacked and transposed, gate and up interleaved column by column
+(`experts.gate_up_proj` [E, H, 2I], `experts.down_proj` [E, I, H], with biases), bfloat16 or
+MXFP4 (`*_blocks` / `*_scales`, dequantized here); `ExpertNames.layout` says which a checkpoint
+uses.
+
 Under tensor parallelism (`shard`) every rank holds a slice of each expert's intermediate
 dimension (and of the shared expert's): its partial sums of the routed and shared experts are
-added up over the ranks with one all-reduce per layer.
+added up over the ranks with one all-reduce per layer. Per-expert tensors arrive already sliced
+(`distributed.sharding` reads only the rank's rows); stacked ones arrive whole, one layer at a
+time, and the block keeps its slice.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -23,6 +31,7 @@ from torch import nn
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.fp8 import quantize_rows
 from pagedserve.models.layers import GatedMLP
+from pagedserve.models.mxfp4 import dequantize_mxfp4
 from pagedserve.moe.reference import REFERENCE_MOE_KERNEL
 from pagedserve.platforms.api import ExpertWeights, MoEKernel, MoERouting
 
@@ -40,10 +49,14 @@ class ExpertNames:
     gate: str  # rows [0, I) of w13
     up: str  # rows [I, 2I) of w13
     down: str  # w2
+    # "per_expert": `experts.{e}.NAME.weight` (or transformers' stacked [E, 2I, H] / [E, H, I]);
+    # "gpt_oss": stacked, transposed, gate/up interleaved, with biases, bfloat16 or MXFP4.
+    layout: Literal["per_expert", "gpt_oss"] = "per_expert"
 
 
 QWEN_EXPERT_NAMES = ExpertNames(gate="gate_proj", up="up_proj", down="down_proj")
 MIXTRAL_EXPERT_NAMES = ExpertNames(gate="w1", up="w3", down="w2")
+GPT_OSS_EXPERT_NAMES = ExpertNames(gate="gate_up_proj", up="gate_up_proj", down="down_proj", layout="gpt_oss")
 
 _PER_EXPERT = re.compile(r"experts\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -62,6 +75,8 @@ class SparseMoE(nn.Module):
         *,
         shared_expert: GatedMLP | None = None,
         shared_expert_gate: bool = False,
+        router_bias: bool = False,
+        expert_bias: bool = False,
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
@@ -69,9 +84,14 @@ class SparseMoE(nn.Module):
         self.intermediate_size = intermediate_size  # this rank's share under tensor parallelism
         self.routing = routing
         self.names = names
-        self.gate = RouterLinear(hidden_size, num_experts, bias=False)
+        self.gate = RouterLinear(hidden_size, num_experts, bias=router_bias)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if expert_bias else None
+        self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if expert_bias else None
+        self.tp_rank, self.tp_world_size = 0, 1  # set by `shard`
+        # MXFP4 blocks or scales waiting for their other half: checkpoint name stem -> tensor.
+        self._pending_mxfp4: dict[str, torch.Tensor] = {}
         # Set by `quantize_fp8`: per-output-channel scales of FP8 `w13` / `w2`.
         self.w13_scale: torch.Tensor | None = None  # [E, 2I] float32
         self.w2_scale: torch.Tensor | None = None  # [E, H] float32
@@ -82,7 +102,7 @@ class SparseMoE(nn.Module):
 
     def experts(self) -> ExpertWeights:
         """The stacked expert tensors as the `MoEKernel` contract takes them. Pure."""
-        return ExpertWeights(self.w13, self.w2, self.w13_scale, self.w2_scale)
+        return ExpertWeights(self.w13, self.w2, self.w13_scale, self.w2_scale, self.w13_bias, self.w2_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, hidden]. Does not mutate `x`."""
@@ -105,7 +125,9 @@ class SparseMoE(nn.Module):
         """Write checkpoint tensor `name` (relative to this block) into the stacked experts and
         return the key it fills, or None when it is not an expert tensor (the router and the
         shared expert load as ordinary parameters). Raises `ValueError` for a shape that does not
-        fit. Mutates `w13` / `w2`."""
+        fit. Mutates the expert parameters."""
+        if self.names.layout == "gpt_oss":
+            return self._load_gpt_oss(name, tensor)
         match = _PER_EXPERT.fullmatch(name)
         if match is not None:
             expert, proj, kind = int(match.group(1)), match.group(2), match.group(3)
@@ -121,15 +143,68 @@ class SparseMoE(nn.Module):
             if proj == self.names.down:
                 return self._copy(self.w2[expert], tensor, f"w2:{expert}", name)
             raise ValueError(f"checkpoint tensor {name!r}: experts have no projection {proj!r}")
-        if name == "experts.gate_up_proj":  # transformers' in-memory stacked layout
-            return self._copy(self.w13, tensor, "w13:all", name)
-        if name == "experts.down_proj":
-            return self._copy(self.w2, tensor, "w2:all", name)
+        if name == "experts.gate_up_proj":  # transformers' in-memory stacked layout [E, 2I, H]
+            gate, up = self._local(tensor, 1, halves=True)
+            self._copy(self.w13, torch.cat((gate, up), dim=1), "w13:all", name)
+            return "w13:all"
+        if name == "experts.down_proj":  # [E, H, I]
+            return self._copy(self.w2, self._local(tensor, 2)[0], "w2:all", name)
         return None
+
+    def _load_gpt_oss(self, name: str, tensor: torch.Tensor) -> str | None:
+        """gpt-oss's stacked experts: [E, H, 2I] gate/up interleaved along the last dimension,
+        [E, I, H] down, their biases, or the MXFP4 blocks and scales of the two matrices (rows
+        are output channels there: [E, 2I, H] interleaved by row, and [E, H, I])."""
+        stem, _, suffix = name.rpartition("_")
+        if suffix in ("blocks", "scales") and stem in ("experts.gate_up_proj", "experts.down_proj"):
+            other = self._pending_mxfp4.pop(f"{stem}_{'scales' if suffix == 'blocks' else 'blocks'}", None)
+            if other is None:
+                self._pending_mxfp4[name] = tensor
+                return f"{stem}:{suffix}"  # the key of this half; the matrix follows with its other half
+            blocks, scales = (tensor, other) if suffix == "blocks" else (other, tensor)
+            matrix = dequantize_mxfp4(blocks, scales, self.w13.dtype)
+            if stem == "experts.gate_up_proj":  # [E, 2I, H], gate and up rows interleaved
+                self._write_w13(matrix[:, 0::2], matrix[:, 1::2], name)
+                return "w13:all"
+            return self._copy(self.w2, self._local(matrix, 2)[0], "w2:all", name)
+        if name == "experts.gate_up_proj":  # [E, H, 2I]
+            self._write_w13(tensor[:, :, 0::2].transpose(1, 2), tensor[:, :, 1::2].transpose(1, 2), name)
+            return "w13:all"
+        if name == "experts.down_proj":  # [E, I, H]
+            return self._copy(self.w2, self._local(tensor.transpose(1, 2), 2)[0], "w2:all", name)
+        if name == "experts.gate_up_proj_bias" and self.w13_bias is not None:  # [E, 2I] interleaved
+            gate, up = self._local(tensor[:, 0::2], 1)[0], self._local(tensor[:, 1::2], 1)[0]
+            return self._copy(self.w13_bias, torch.cat((gate, up), dim=1), "w13_bias:all", name)
+        if name == "experts.down_proj_bias" and self.w2_bias is not None:  # [E, H]
+            # The ranks' outputs are summed: the bias joins on one rank only.
+            return self._copy(
+                self.w2_bias, tensor if self.tp_rank == 0 else torch.zeros_like(tensor), "w2_bias:all", name
+            )
+        return None
+
+    def _write_w13(self, gate: torch.Tensor, up: torch.Tensor, name: str) -> None:
+        """Whole gate and up matrices [E, I, H] into this rank's w13. Mutates `w13`."""
+        gate, up = self._local(gate, 1)[0], self._local(up, 1)[0]
+        self._copy(self.w13, torch.cat((gate, up), dim=1), "w13:all", name)
+
+    def _local(self, tensor: torch.Tensor, dim: int, *, halves: bool = False) -> tuple[torch.Tensor, ...]:
+        """This rank's slice of a whole tensor along the intermediate dimension `dim` (of each
+        half, for a stacked [gate | up]). Pure."""
+        parts = tensor.chunk(2, dim=dim) if halves else (tensor,)
+        out = []
+        for part in parts:
+            local = part.shape[dim] // self.tp_world_size
+            out.append(part.narrow(dim, self.tp_rank * local, local))
+        return tuple(out)
 
     def missing_checkpoint_keys(self, loaded: set[str]) -> list[str]:
         """The expert keys `load_checkpoint_tensor` has not returned yet (of those in `loaded`);
         a stacked tensor fills every expert's. Pure."""
+        if self.names.layout == "gpt_oss":
+            wanted = ["w13:all", "w2:all"]
+            if self.w13_bias is not None:
+                wanted += ["w13_bias:all", "w2_bias:all"]
+            return [key for key in wanted if key not in loaded]
         missing = []
         for e in range(self.num_experts):
             if "w13:all" not in loaded:
@@ -153,8 +228,11 @@ class SparseMoE(nn.Module):
         shared expert's) intermediate dimension, the router replicated. Mutates this block."""
         inter = self.intermediate_size // world_size
         self.intermediate_size = inter
+        self.tp_rank, self.tp_world_size = rank, world_size
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * inter, self.hidden_size))
         self.w2 = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, inter))
+        if self.w13_bias is not None:
+            self.w13_bias = nn.Parameter(torch.empty(self.num_experts, 2 * inter))
         if self.shared_expert is not None:
             shared = self.shared_expert
             shared_inter = shared.intermediate_size // world_size

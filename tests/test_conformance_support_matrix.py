@@ -53,16 +53,17 @@ _ANY_SECTION = re.compile(
 
 def _group_totals(body: str) -> Counter[tuple[str, str]]:
     """(component, case group) -> cases the section reports in that group (passed + failed +
-    unsupported), read from its per-group tables."""
+    unsupported), read from the per-group tables of its attention backends and cache ops (the
+    LoRA and MoE kernels' tables are left out: their cases are not the attention matrix's)."""
     totals: Counter[tuple[str, str]] = Counter()
-    component = ""
+    component: str | None = None
     for line in body.splitlines():
-        heading = re.match(r"### .*`([^`]+)`", line)
-        if heading:
-            component = heading.group(1)
+        if line.startswith("### "):
+            heading = re.match(r"### (?:Attention backend |Cache ops \()`([^`]+)`", line)
+            component = heading.group(1) if heading else None
             continue
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("| ") and len(cells) >= 4 and cells[1].isdigit():
+        if component is not None and line.startswith("| ") and len(cells) >= 4 and cells[1].isdigit():
             counts = cells[1:4] if len(cells) == 7 else cells[1:3]  # cache-op rows have no unsupported
             totals[(component, cells[0])] += sum(int(c) for c in counts)
     return totals

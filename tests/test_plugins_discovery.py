@@ -92,8 +92,11 @@ def test_cli_lists_the_example_plugin(example_installed: None, capsys: pytest.Ca
     assert f"plugin: example_cpu 0.1.0 (plugin API {PLUGIN_API_VERSION})" in out
     assert "attention backend example_gather" in out
     assert "head sizes: 32, 64, 80, 96, 128, 256" in out
-    # The API 1.8 flags the example leaves at their defaults are listed as not declared.
-    assert "features: sliding_window, logit_softcap (not declared: deterministic, exact_float32)" in out
+    # The API 1.8 and 1.13 flags the example leaves at their defaults are listed as not declared.
+    assert (
+        "features: sliding_window, logit_softcap (not declared: deterministic, exact_float32, "
+        "attention_sinks)" in out
+    )
     assert "cache ops: pagedserve_example_plugin.cache_ops.TorchCacheOps" in out
 
 

@@ -54,7 +54,9 @@ for bits in (False, True):
 attention_pointers = {"kv_ptr": "*fp8e4nv", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                       "query_start_loc_ptr": "*i32", "segm_acc_ptr": "*fp32", "segm_max_ptr": "*fp32",
                       "segm_sum_ptr": "*fp32"}
-for name, kernel, extra in (("attention_2d", unified_attention_2d_kernel, {"DEPENDENT": False}),
+# A layer without attention sinks passes a None sinks pointer: a constant to Triton.
+for name, kernel, extra in (("attention_2d", unified_attention_2d_kernel,
+                             {"DEPENDENT": False, "USE_SINKS": False, "sinks_ptr": None}),
                             ("attention_3d", unified_attention_3d_kernel,
                              {"NUM_SPLITS": 8, "DEPENDENT": False})):
     constexprs = dict(

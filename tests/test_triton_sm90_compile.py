@@ -57,6 +57,7 @@ for name, block_m, tile, warps, stages, params in json.loads(sys.argv[1]):
         QUERIES_PER_KV=4, BLOCK_M=block_m, BLOCK_Q=block_m // 4, HEAD_SIZE=128, HEAD_SIZE_PADDED=128,
         BLOCK_SIZE=16, TILE_SIZE=tile, USE_SOFTCAP=False, USE_WINDOW=False, DOT_IN_FP32=False,
         NUM_GRID_GROUPS=1, KV_CACHE_MODIFIER="", WIDEN_BITS=False, DEPENDENT=False,
+        USE_SINKS=False, sinks_ptr=None,  # a layer without sinks: a None pointer is a constant
         **config.variant_constexprs(warp_specialize_supported=True),
     )
     try:
@@ -103,12 +104,14 @@ common = dict(
     KV_CACHE_MODIFIER="", PREFETCH_BLOCK_IDS=False, LAZY_RESCALE=False, LOOP_STAGES=0,
     WARP_SPECIALIZE=False, LONGEST_FIRST=False, WIDEN_BITS=False,
 )
+no_sinks = {"USE_SINKS": False, "sinks_ptr": None}  # a layer without sinks: a None pointer is a constant
 launches = {
-    "2d_dependent": (unified_attention_2d_kernel, {**common, "DEPENDENT": True}),
+    "2d_dependent": (unified_attention_2d_kernel, {**common, **no_sinks, "DEPENDENT": True}),
     "3d_plain": (unified_attention_3d_kernel, {**common, "NUM_SPLITS": 16, "DEPENDENT": False}),
     "3d_dependent": (unified_attention_3d_kernel, {**common, "NUM_SPLITS": 16, "DEPENDENT": True}),
     "reduce_dependent": (reduce_segments_kernel,
-                         {"HEAD_SIZE": 128, "HEAD_SIZE_PADDED": 128, "NUM_SPLITS": 16, "DEPENDENT": True}),
+                         {"HEAD_SIZE": 128, "HEAD_SIZE_PADDED": 128, "NUM_SPLITS": 16, "DEPENDENT": True,
+                          **no_sinks}),
 }
 results = {}
 for name, (kernel, constexprs) in launches.items():

@@ -4,7 +4,8 @@ and needs no GPU run to keep its timings.
 
 Each variant of the 2D and 3D unified attention kernels that the tuned configs can select (plain,
 block-id prefetching, lazy rescaling, a pipelined loop, warp specialisation, window + softcap +
-longest-first launch order, an FP8 cache widened by bits, a programmatic-dependent decode launch)
+longest-first launch order, an FP8 cache widened by bits, a programmatic-dependent decode launch,
+attention sinks (2D only: the 3D kernel leaves them to its reduction))
 is compiled by Triton's NVIDIA backend for sm_90 and, with `--amd`, by its AMD backend for gfx942.
 The code is the PTX (or AMDGCN) of the kernel body with debug information, source locations and
 temporary labels removed: the same fingerprint means the same instructions, so ptxas / the AMD
@@ -34,6 +35,7 @@ POINTERS = {
     "segm_acc_ptr": "*fp32",
     "segm_max_ptr": "*fp32",
     "segm_sum_ptr": "*fp32",
+    "sinks_ptr": "*fp32",
 }
 FLOATS = {"scale_log2", "out_scale", "softcap"}
 BASE: dict[str, Any] = dict(
@@ -58,6 +60,9 @@ BASE: dict[str, Any] = dict(
     DEPENDENT=False,
 )
 WIDE = {"BLOCK_M": 128, "BLOCK_Q": 32}
+# The 2D kernel's sink arguments in a layer without sinks: the backend passes a None pointer, which
+# Triton compiles as a constant (the 3D kernel has neither argument).
+NO_SINKS_2D: dict[str, Any] = {"USE_SINKS": False, "sinks_ptr": None}
 # name -> (constexpr overrides, kv cache pointer type, targets)
 VARIANTS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
     "plain": ({}, "*bf16", ("sm90", "gfx942")),
@@ -75,6 +80,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
         ("sm90", "gfx942"),
     ),
     "fp8_widen": ({"WIDEN_BITS": True}, "*fp8e4nv", ("sm90",)),
+    "sinks": ({"USE_SINKS": True}, "*bf16", ("sm90", "gfx942")),
     "decode_dependent": (
         {"BLOCK_M": 16, "BLOCK_Q": 4, "TILE_SIZE": 32, "DEPENDENT": True, "KV_CACHE_MODIFIER": ".cg"},
         "*bf16",
@@ -137,9 +143,12 @@ def fingerprints(amd: bool) -> dict[str, str]:
             if target == "gfx942" and not amd:
                 continue
             for kind, kernel in (("2d", unified_attention_2d_kernel), ("3d", unified_attention_3d_kernel)):
-                if kind == "3d" and overrides.get("WARP_SPECIALIZE"):
-                    continue  # the tuned configs give the split kernel no warp specialisation
-                constexprs = {**BASE, **overrides, **({"NUM_SPLITS": NUM_SPLITS_3D} if kind == "3d" else {})}
+                if kind == "3d" and (overrides.get("WARP_SPECIALIZE") or overrides.get("USE_SINKS")):
+                    continue  # no warp specialisation in the split kernel; its sinks are the reduction's
+                per_kind = {"NUM_SPLITS": NUM_SPLITS_3D} if kind == "3d" else NO_SINKS_2D
+                constexprs = {**BASE, **per_kind, **overrides}
+                if constexprs.get("USE_SINKS"):
+                    del constexprs["sinks_ptr"]  # a real pointer argument then
                 code = compile_variant(kernel, constexprs, kv_type, target)
                 out[f"{target}/{kind}/{name}"] = hashlib.sha256(code.encode()).hexdigest()[:16]
     return out

@@ -29,9 +29,11 @@ from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 class AttentionHook(Protocol):
     """Stands in for the paged attention of every layer during one forward.
 
-    Called with exactly what `paged_attention` got; returns the tensor the layer continues with
-    ([num_tokens, num_q_heads, head_size], the query's dtype and device). Whether it mutates
-    anything is the hook's own contract; the KV cache is not touched by `paged_attention` then."""
+    Called with exactly what `paged_attention` got (`sinks=` only for a layer with attention
+    sinks, so a hook of a model without them may leave the keyword out); returns the tensor the
+    layer continues with ([num_tokens, num_q_heads, head_size], the query's dtype and device).
+    Whether it mutates anything is the hook's own contract; the KV cache is not touched by
+    `paged_attention` then."""
 
     def __call__(
         self,
@@ -43,6 +45,7 @@ class AttentionHook(Protocol):
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        sinks: torch.Tensor | None = None,  # [num_q_heads] float32
     ) -> torch.Tensor: ...
 
 

@@ -4,6 +4,10 @@ Native models own one `PagedAttention` per decoder layer. The transformers fallb
 `paged_attention` directly, because there the window and softcap arrive per call from the
 transformers attention module instead of being fixed at construction.
 
+Attention sinks (gpt-oss, plugin API 1.13) are a per-head tensor the model owns (a parameter), so
+they arrive per call too (`PagedAttention.forward(q, k, v, sinks=...)`), and every path that
+intercepts attention (CUDA-graph capture, warm-up hooks) carries them to the backend.
+
 Under `torch.compile` (`pagedserve.worker.cpu_compile`) the call is one opaque operator,
 `torch.ops.pagedserve.paged_attention`, whose kernel is the eager code below: the forward context,
 the per-step plan and the platform's backend (a plugin) are host-side state that no graph should
@@ -29,6 +33,18 @@ class NewKV(TypedDict, total=False):
     new_value: torch.Tensor  # [num_tokens, num_kv_heads, head_size]
 
 
+class Sinks(TypedDict, total=False):
+    """`AttentionBackend.forward`'s API 1.13 keyword, passed only for a layer with sinks (empty
+    otherwise), so a backend written for an older API never sees it."""
+
+    sinks: torch.Tensor  # [num_q_heads] float32
+
+
+def sinks_keyword(sinks: torch.Tensor | None) -> Sinks:
+    """`sinks=` when the layer has sinks, else nothing. Pure."""
+    return Sinks(sinks=sinks) if sinks is not None else Sinks()
+
+
 def paged_attention(
     layer_idx: int,
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
@@ -38,6 +54,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads] float32: the layer's sink logits (API 1.13)
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size]
     """Cache this step's keys/values for layer `layer_idx` and return the attention output.
 
@@ -46,10 +63,17 @@ def paged_attention(
     left alone."""
     if torch.compiler.is_compiling():
         return torch.ops.pagedserve.paged_attention(
-            query, key, value, layer_idx, scale, sliding_window, logit_softcap
+            query, key, value, layer_idx, scale, sliding_window, logit_softcap, sinks
         )
     return _paged_attention_eager(
-        query, key, value, layer_idx, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+        query,
+        key,
+        value,
+        layer_idx,
+        scale=scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
     )
 
 
@@ -61,6 +85,7 @@ def _paged_attention_eager(
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads] float32
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size]
     """`paged_attention` outside compilation, and the kernel of its operator. Mutates the layer's
     KV cache (see `paged_attention`)."""
@@ -71,6 +96,8 @@ def _paged_attention_eager(
             f"{len(ctx.kv_caches)} layer caches; allocate one per attention layer (ModelSpec.num_layers)"
         )
     if ctx.attention_hook is not None:
+        # `sinks=` only for a layer that has them, as to backends: hooks of models without sinks
+        # keep the signature they had.
         return ctx.attention_hook(
             layer_idx,
             query,
@@ -79,6 +106,7 @@ def _paged_attention_eager(
             scale=scale,
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
+            **sinks_keyword(sinks),
         )
     return attend(
         ctx,
@@ -89,6 +117,7 @@ def _paged_attention_eager(
         scale=scale,
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
+        sinks=sinks,
     )
 
 
@@ -100,6 +129,7 @@ def _paged_attention_shape(
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What the operator returns, as the compiler sees it while tracing: the query's shape and dtype."""
     return torch.empty_like(query)
@@ -116,7 +146,7 @@ def _register_operator() -> None:
     library = torch.library.Library("pagedserve", "FRAGMENT")
     library.define(
         "paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scale, "
-        "int? sliding_window, float? logit_softcap) -> Tensor"
+        "int? sliding_window, float? logit_softcap, Tensor? sinks=None) -> Tensor"
     )
     library.impl("paged_attention", _paged_attention_eager, "CompositeExplicitAutograd")
     torch.library.register_fake("pagedserve::paged_attention", _paged_attention_shape, lib=library)
@@ -139,6 +169,7 @@ def attend(
     sliding_window: int | None,
     logit_softcap: float | None,
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_size]
+    sinks: torch.Tensor | None = None,  # [num_q_heads] float32: the layer's sink logits (API 1.13)
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size]
     """Write the new keys/values of layer `layer_idx` into its cache, then attend, into `out` when
     given. The same work as `paged_attention`, for callers holding the context themselves (CUDA-graph
@@ -157,6 +188,7 @@ def attend(
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
             out=out,
+            sinks=sinks,
         )
     ctx.cache_ops.reshape_and_cache(key, value, kv_cache, ctx.metadata.slot_mapping)
     # API 1.7: a backend that asked for them gets the step's own keys and values beside the cache.
@@ -170,6 +202,7 @@ def attend(
         logit_softcap=logit_softcap,
         out=out,
         **new_kv,
+        **sinks_keyword(sinks),
     )
 
 
@@ -185,6 +218,7 @@ def _attend_quantized(
     sliding_window: int | None,
     logit_softcap: float | None,
     out: torch.Tensor | None,  # [num_tokens, num_q_heads, head_size]
+    sinks: torch.Tensor | None,  # [num_q_heads] float32
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size]
     """`attend` into an FP8 cache. Apart, so that plugins written for API 1.0 (which never declare
     an FP8 cache) are never passed the `kv_scales` keyword. Mutates the cache and `out`."""
@@ -198,6 +232,7 @@ def _attend_quantized(
         logit_softcap=logit_softcap,
         out=out,
         kv_scales=kv_scales,
+        **sinks_keyword(sinks),
     )
 
 
@@ -238,9 +273,20 @@ class PagedAttention(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads * head_size]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+        sinks: torch.Tensor | None = None,  # [num_heads] float32: sink logits (gpt-oss), None: none
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_size]
-        """Mutates this layer's KV cache (writes the new tokens' keys and values)."""
+        """Mutates this layer's KV cache (writes the new tokens' keys and values). `sinks` is the
+        model's per-head tensor (a parameter, this rank's heads under tensor parallelism): taken
+        per call, not at construction, so that it stays the model's to load and move. Any float
+        dtype: backends take float32, converted here (a no-op for a float32 parameter)."""
         num_tokens = q.shape[0]
+        if sinks is not None:
+            if tuple(sinks.shape) != (self.num_heads,):
+                raise ValueError(
+                    f"attention layer {self.layer_idx}: sinks must have one logit per query head "
+                    f"[{self.num_heads}], got {tuple(sinks.shape)}"
+                )
+            sinks = sinks.float().contiguous()
         out = paged_attention(
             self.layer_idx,
             q.view(num_tokens, self.num_heads, self.head_size),
@@ -249,6 +295,7 @@ class PagedAttention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap,
+            sinks=sinks,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 

@@ -22,6 +22,10 @@ FP8 cases (`case.kv_cache_dtype`) write the keys and values through the oracle's
 oracle reading the same FP8 bits (dequantized exactly) in float64: the quantization error itself
 is not the backend's and is measured end to end elsewhere (docs/fp8.md).
 
+Attention-sink cases (`case.attention_sinks`) draw one sink logit per query head from
+`SINK_RANGE` after every other tensor (so the other cases' inputs do not move), pass them as
+`sinks=` (float32, on the device) and compare with the oracle computing the sink in float64.
+
 An undeclared case is instead called once and must raise `UnsupportedCase`; an undeclared FP8 case
 is called without `kv_scales`, as the engine would never pass them to such a backend.
 """
@@ -34,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.attention.layer import NewKV
+from pagedserve.attention.layer import NewKV, sinks_keyword
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.conformance.cases import FP8_KV_SCALES, AttentionCase, dtype_name
+from pagedserve.conformance.cases import FP8_KV_SCALES, SINK_RANGE, AttentionCase, dtype_name
 from pagedserve.conformance.diagnosis import DiagnosisInputs, diagnose
 from pagedserve.conformance.guards import POISON, GuardedTensor, bits, count_changed
 from pagedserve.conformance.oracle import Oracle
@@ -60,6 +64,7 @@ class _Inputs:
     cache_cpu: torch.Tensor  # the cache's expected contents, CPU, tested dtype
     query_cpu: torch.Tensor  # the query's expected contents, CPU, tested dtype
     metadata_cpu: AttentionMetadata  # the same batch on the CPU, plain block table
+    sinks: torch.Tensor | None = None  # [num_q_heads] float32 on the device: `case.attention_sinks`
 
 
 def _block_table(case: AttentionCase, gen: torch.Generator) -> tuple[torch.Tensor, int, int]:
@@ -115,7 +120,12 @@ def _build_inputs(case: AttentionCase, device: torch.device, oracle: Oracle) -> 
     )
     wide[:, : table.shape[1]] = table.to(device)
     metadata = dataclasses.replace(metadata, block_table=wide[:, : table.shape[1]])
-    return _Inputs(query, kv_cache, metadata, out, cache_cpu, query_cpu, metadata_cpu)
+    sinks = None
+    if case.attention_sinks:  # drawn last: the case's other tensors are those of its sink-less twin
+        sinks = torch.empty(case.num_q_heads, dtype=torch.float64).uniform_(*SINK_RANGE, generator=gen)
+        sinks[0] = SINK_RANGE[1]
+        sinks = sinks.float().to(device)
+    return _Inputs(query, kv_cache, metadata, out, cache_cpu, query_cpu, metadata_cpu, sinks)
 
 
 def _reference(case: AttentionCase, inputs: _Inputs, oracle: Oracle, scale: float) -> torch.Tensor:
@@ -129,6 +139,7 @@ def _reference(case: AttentionCase, inputs: _Inputs, oracle: Oracle, scale: floa
         sliding_window=case.sliding_window,
         logit_softcap=case.logit_softcap,
         kv_scales=FP8_KV_SCALES if fp8 else None,
+        **sinks_keyword(None if inputs.sinks is None else inputs.sinks.cpu()),
     )
     return result[: inputs.metadata_cpu.num_actual_tokens]
 
@@ -141,9 +152,11 @@ def _call(
     metadata: AttentionMetadata,
     out: torch.Tensor | None,
     scale: float,
+    sinks: torch.Tensor | None,  # [num_q_heads] float32: exactly for `case.attention_sinks`
 ) -> object:
-    """`forward` as the engine calls it for `case`. Returns whatever the backend returned (the
-    caller checks it is a tensor)."""
+    """`forward` as the engine calls it for `case` (`sinks=` only for a sink case, as
+    `attention.layer.attend` passes it only for a layer with sinks). Returns whatever the backend
+    returned (the caller checks it is a tensor)."""
     with torch.no_grad():
         if case.kv_cache_dtype in backend.capabilities.kv_cache_dtypes:
             return backend.forward(
@@ -155,6 +168,7 @@ def _call(
                 logit_softcap=case.logit_softcap,
                 out=out,
                 kv_scales=FP8_KV_SCALES,
+                **sinks_keyword(sinks),
             )
         new_kv = NewKV()
         if backend.enable_new_kv_reads():
@@ -170,12 +184,15 @@ def _call(
             logit_softcap=case.logit_softcap,
             out=out,
             **new_kv,
+            **sinks_keyword(sinks),
         )
 
 
 def _call_case(backend: AttentionBackend, case: AttentionCase, inputs: _Inputs, scale: float) -> object:
     out = inputs.out.tensor if case.pass_out else None
-    return _call(backend, case, inputs.query, inputs.kv_cache.tensor, inputs.metadata, out, scale)
+    return _call(
+        backend, case, inputs.query, inputs.kv_cache.tensor, inputs.metadata, out, scale, inputs.sinks
+    )
 
 
 def tolerance_name(case: AttentionCase, exact_float32: bool = False) -> str:
@@ -330,7 +347,10 @@ def _diagnosis_inputs(case: AttentionCase, inputs: _Inputs) -> DiagnosisInputs:
     cache = inputs.cache_cpu.double()
     if case.kv_cache_dtype is not None:
         cache = torch.stack((cache[0] * FP8_KV_SCALES.k_scale, cache[1] * FP8_KV_SCALES.v_scale))
-    return DiagnosisInputs(query=inputs.query_cpu.double(), kv_cache=cache, metadata=inputs.metadata_cpu)
+    sinks = None if inputs.sinks is None else inputs.sinks.cpu().double()
+    return DiagnosisInputs(
+        query=inputs.query_cpu.double(), kv_cache=cache, metadata=inputs.metadata_cpu, sinks=sinks
+    )
 
 
 def _where(metadata: AttentionMetadata, row: int) -> str:
@@ -355,6 +375,7 @@ def _determinism_problems(
             inputs.metadata,
             out.tensor if case.pass_out else None,
             scale,
+            inputs.sinks,
         )
     except Exception as e:
         return [f"the second identical call (determinism check) raised {type(e).__name__}: {e}"]
@@ -419,6 +440,7 @@ def _batch_invariance_problems(
                 metadata,
                 out.tensor if case.pass_out else None,
                 scale,
+                inputs.sinks,
             )
         except Exception as e:
             problems.append(

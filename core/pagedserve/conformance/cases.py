@@ -9,6 +9,11 @@ seed. The matrix is derived from what a backend *declares*, intersected with fix
   around block boundaries. Every case reads keys through a shuffled block table with gaps.
 * `no_out`: the mixed batch without `out=`, checking the returned tensor instead, in every
   declared dtype.
+* `attention_sinks` (backends declaring `attention_sinks`, API 1.13): one sink logit per query
+  head in every softmax (see `SINK_RANGE`): prefill, decode, chunked prefill and the mixed batch in
+  every declared dtype, with sliding windows, and (full set) long decodes (split-KV kernels),
+  a softcap and an FP8 cache. A backend that does not declare sinks gets no such case: the engine
+  never passes them to it, and a plugin of an older API could not take the keyword.
 * Sweeps, each varying one property of the mixed batch away from the base shape: GQA ratio (1, 3, 4,
   8 and MQA), head size, block size, dtype, sliding window, logit softcap (the last two in every
   declared dtype). Every declared value in the candidate lists is run; candidates the backend does
@@ -19,6 +24,11 @@ seed. The matrix is derived from what a backend *declares*, intersected with fix
 * `lora` (`LoRACase`, platforms with a `LoRAKernel`): one call adding several adapters' deltas
   to a mixed batch: a decode-sized step in every dtype, a prefill-sized one, one adapter for
   every token, no adapter at all, and widths that are not powers of two.
+* MoE groups (`MoECase`, platforms with an `MoEKernel`): one call of the fused MoE operator each,
+  from router logits to the weighted sum: experts without tokens, every token on one expert,
+  tied router logits, every declared dtype, FP8 expert weights and biases with the clamped SwiGLU
+  (when the kernel declares them), each scoring, junk rows past the step's tokens, and token
+  counts from 1 to 300 over varied shapes.
 
 `quick=True` keeps every group and every declared dtype but fewer head sizes, block sizes, windows
 and softcaps, and no long-sequence cases: small enough for the Triton interpreter in CI.
@@ -30,12 +40,12 @@ import enum
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from pagedserve.conformance.tolerances import TOLERANCES
-from pagedserve.platforms.api import AttentionCapabilities, KVCacheScales
+from pagedserve.platforms.api import AttentionCapabilities, KVCacheScales, MoERouting
 
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
 QUICK_HEAD_SIZES = (64, 80)  # a power of two and one a kernel must pad
@@ -60,6 +70,11 @@ QUICK_FP8_GROUPS = ("mixed",)  # decodes, a prefill, a chunked prefill and a spe
 # (so a swapped scale shows), and small enough that standard-normal data spans most of the FP8
 # range: a backend that forgets, swaps or inverts a scale moves every output far past tolerance.
 FP8_KV_SCALES = KVCacheScales(k_scale=0.0117, v_scale=0.0213)
+# Sink logits of the `attention_sinks` cases are uniform in this range (one per query head, drawn
+# after the case's other tensors), the first head's set to its top: about as large as the largest
+# of the standard-normal scores, so a backend that ignores a sink, counts it once per KV split or
+# scales it like a score is off by far more than any tolerance.
+SINK_RANGE = (-1.0, 4.0)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -116,6 +131,7 @@ class AttentionCase:
     # Also run every request of the batch alone and compare with its rows in the batch: a result
     # must not depend on what else the batch holds (set on the mixed geometry).
     check_batch_invariance: bool = False
+    attention_sinks: bool = False  # pass `sinks=` (one logit per query head, `SINK_RANGE`); API 1.13
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -138,6 +154,8 @@ class AttentionCase:
             options.append("out=None")
         if self.kv_cache_dtype is not None:
             options.append(f"kv_cache={dtype_name(self.kv_cache_dtype)}")
+        if self.attention_sinks:
+            options.append("attention sinks")
         if self.check_batch_invariance:
             options.append("each request also alone")
         return (
@@ -160,6 +178,8 @@ class AttentionCase:
             return "logit softcap is not declared"
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in caps.kv_cache_dtypes:
             return f"kv_cache_dtype={dtype_name(self.kv_cache_dtype)} is not declared"
+        if self.attention_sinks and not caps.attention_sinks:
+            return "attention sinks are not declared"
         longest = max(self.geometry.query_lens)
         if caps.max_query_len is not None and longest > caps.max_query_len:
             return f"query_len={longest} exceeds the declared max_query_len={caps.max_query_len}"
@@ -230,6 +250,8 @@ def attention_cases(caps: AttentionCapabilities, *, quick: bool, seed: int = 0) 
 
     _shape_attention_cases(add, caps, head_size, block_size, dtype, quick)
     _feature_attention_cases(add, caps, block_size, declared_dtypes, quick)
+    if caps.attention_sinks:
+        _sink_attention_cases(add, caps, block_size, declared_dtypes, quick)
     return cases
 
 
@@ -307,6 +329,45 @@ def _feature_attention_cases(
         groups = (QUICK_FP8_GROUPS if quick else FP8_GROUPS) if kv in caps.kv_cache_dtypes else FP8_GROUPS[:1]
         for group in groups:
             add("fp8_kv_cache", f"{dtype_name(kv)}_{group}", geometries[group], kv_cache_dtype=kv)
+
+
+def _sink_attention_cases(
+    add: _AddAttentionCase,
+    caps: AttentionCapabilities,
+    block_size: int,
+    dtypes: list[torch.dtype],
+    quick: bool,
+) -> None:
+    """Add the `attention_sinks` cases of a backend declaring them (module docstring). The quick
+    set keeps one: the mixed batch with a window of 37 keys, which the shorter sequences fit whole
+    (full attention plus sink) and the longer ones do not (windowed attention plus sink)."""
+    geometries = _geometries(block_size, quick)
+    sinks: dict[str, Any] = {"attention_sinks": True}
+    if caps.sliding_window:
+        add("attention_sinks", "window37_mixed", geometries["mixed"], sliding_window=37, **sinks)
+    elif quick:
+        add("attention_sinks", "mixed", geometries["mixed"], **sinks)
+    if quick:
+        return
+    for group in ("prefill", "decode", "chunked_prefill", "long_decode"):
+        add("attention_sinks", group, geometries[group], **sinks)
+    for d in dtypes:
+        add("attention_sinks", f"mixed_{dtype_name(d)}", geometries["mixed"], dtype=d, **sinks)
+    if caps.sliding_window:
+        add("attention_sinks", "window5_mixed", geometries["mixed"], sliding_window=5, **sinks)
+        chunked = geometries["long_chunked_prefill"]
+        add("attention_sinks", "window37_long_chunked", chunked, sliding_window=37, **sinks)
+    if caps.logit_softcap:  # the softcap applies to the scores, never to the sink
+        add("attention_sinks", "softcap2.0_mixed", geometries["mixed"], logit_softcap=2.0, **sinks)
+    fp8 = [kv for kv in FP8_KV_DTYPES if kv in caps.kv_cache_dtypes]
+    if fp8:  # k_scale multiplies the scores, never the sink
+        add(
+            "attention_sinks",
+            f"{dtype_name(fp8[0])}_mixed",
+            geometries["mixed"],
+            kv_cache_dtype=fp8[0],
+            **sinks,
+        )
 
 
 ENGINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the engine serves models in
@@ -569,3 +630,225 @@ def lora_cases(dtypes: Iterable[torch.dtype], *, quick: bool, seed: int = 0) -> 
         add("odd_widths", num_tokens=33, num_slots=3, rank=12, in_features=100, out_features=33, used_slots=3)
         add("one_token", num_tokens=1, num_slots=2, used_slots=1, base_tokens=False)
     return cases
+
+
+class RouterPattern(enum.Enum):
+    """How an `MoECase`'s router logits are drawn (see `moe_check`). Every pattern keeps distinct
+    logits at least `moe_check.LOGIT_GAP / 2` apart, so that float32 and float64 routing agree;
+    only `TIES` has equal logits, and those exactly equal."""
+
+    SPREAD = "spread"  # each row a shuffled ladder: every expert about equally loaded
+    IDLE = "idle"  # half the experts (the first and the last among them) never chosen
+    ONE_EXPERT = "one_expert"  # one expert is every token's first choice
+    TIES = "ties"  # equal logits straddling the top-k boundary (and whole rows of them)
+
+
+MoEScoring = Literal["softmax_topk", "topk_softmax"]
+MOE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the engine serves MoE models in
+MOE_FP8_WEIGHT_DTYPE = torch.float8_e4m3fn  # the expert weight format `MoEKernel.weight_dtypes` may list
+GPT_OSS_SWIGLU_LIMIT = 7.0
+
+
+@dataclass(frozen=True, slots=True)
+class MoECase:
+    """One call of a platform's `MoEKernel.op`, compared with the float64 torch formulation."""
+
+    group: str  # "idle_experts", "one_expert", "ties", "dtype", "fp8_weights", "scoring", ...
+    variant: str
+    num_tokens: int  # M: the step's tokens (rows of x and router_logits before any junk rows)
+    num_experts: int  # E
+    hidden_size: int  # H
+    intermediate_size: int  # I: of one expert
+    top_k: int
+    scoring: MoEScoring
+    renormalize: bool
+    dtype: torch.dtype  # x, the output, and the expert weights unless `fp8_weights`
+    pattern: RouterPattern
+    seed: int
+    activation: Literal["silu", "swiglu_limit"] = "silu"
+    swiglu_limit: float | None = None  # "swiglu_limit" only
+    biases: bool = False  # w13_bias and w2_bias
+    fp8_weights: bool = False  # float8_e4m3fn experts with per-output-channel float32 scales
+    junk_rows: int = 0  # rows of x and router_logits past the step's tokens, holding NaN and huge values
+
+    @property
+    def case_id(self) -> str:
+        return f"{self.group}[{self.variant}]"
+
+    @property
+    def routing(self) -> MoERouting:
+        return MoERouting(self.top_k, self.scoring, self.renormalize, self.activation, self.swiglu_limit)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return MOE_FP8_WEIGHT_DTYPE if self.fp8_weights else self.dtype
+
+    @property
+    def description(self) -> str:
+        options = [f"{self.scoring}" + (" renormalized" if self.renormalize else "")]
+        if self.activation == "swiglu_limit":
+            options.append(f"swiglu_limit={self.swiglu_limit}")
+        if self.biases:
+            options.append("biases")
+        if self.fp8_weights:
+            options.append("float8_e4m3fn experts")
+        if self.pattern is not RouterPattern.SPREAD:
+            options.append(f"router: {self.pattern.value}")
+        if self.junk_rows:
+            options.append(f"+{self.junk_rows} junk rows")
+        return (
+            f"moe: tokens={self.num_tokens} experts={self.num_experts} top_k={self.top_k} "
+            f"H={self.hidden_size} I={self.intermediate_size} {dtype_name(self.dtype)} " + " ".join(options)
+        )
+
+
+def moe_cases(
+    dtypes: Iterable[torch.dtype],
+    weight_dtypes: Iterable[torch.dtype],
+    activations: Iterable[str],
+    *,
+    quick: bool,
+    seed: int = 0,
+) -> list[MoECase]:
+    """MoE-kernel cases for a platform computing in `dtypes` whose `MoEKernel` declares
+    `weight_dtypes` and `activations`. The FP8 and SwiGLU groups exist only when declared; every
+    case must pass (an `MoEKernel` has no other capabilities to refuse a case with). float64 is
+    left out: no model serves MoE layers in it, and the router logits are float32 anyway. Empty
+    when the kernel declares no activation the suite knows. Pure."""
+    dtype_list = sorted({d for d in dtypes if d in MOE_DTYPES}, key=dtype_name)
+    acts = set(activations)
+    if "silu" in acts:
+        activation: Literal["silu", "swiglu_limit"] = "silu"
+        limit = None
+    elif "swiglu_limit" in acts:
+        activation, limit = "swiglu_limit", GPT_OSS_SWIGLU_LIMIT
+    else:
+        return []
+    d0 = next((d for d in BASE_DTYPE_PREFERENCE if d in dtype_list), torch.float32)
+    base = MoECase(
+        group="",
+        variant="",
+        num_tokens=24,
+        num_experts=8,
+        hidden_size=64,
+        intermediate_size=64,
+        top_k=2,
+        scoring="softmax_topk",
+        renormalize=True,
+        dtype=d0,
+        pattern=RouterPattern.SPREAD,
+        seed=0,
+        activation=activation,
+        swiglu_limit=limit,
+    )
+    cases: list[MoECase] = []
+
+    def add(group: str, variant: str, *, full_only: bool = False, **changes: Any) -> None:
+        if full_only and quick:
+            return
+        seed_ = _seed(f"moe/{group}[{variant}]", seed)
+        cases.append(replace(base, group=group, variant=variant, seed=seed_, **changes))
+
+    _moe_routing_cases(add)
+    for d in dtype_list or [d0]:
+        add("dtype", dtype_name(d), dtype=d)
+    if MOE_FP8_WEIGHT_DTYPE in set(weight_dtypes):
+        # Quick: the dtype FP8 models are served in; full: every declared dtype under FP8 experts.
+        fp8_dtypes = [d for d in (torch.bfloat16, torch.float16, torch.float32) if d in dtype_list] or [d0]
+        for d in fp8_dtypes:
+            add("fp8_weights", dtype_name(d), full_only=d != fp8_dtypes[0], dtype=d, fp8_weights=True)
+    add("scoring", "softmax_topk_renormalized", num_experts=16, top_k=4)
+    add("scoring", "softmax_topk", num_experts=16, top_k=4, renormalize=False)
+    add("scoring", "topk_softmax", num_experts=16, top_k=4, scoring="topk_softmax", renormalize=False)
+    # renormalize changes nothing for topk_softmax: a kernel that divides once more must still pass.
+    add(
+        "scoring",
+        "topk_softmax_renormalized",
+        full_only=True,
+        num_experts=16,
+        top_k=4,
+        scoring="topk_softmax",
+    )
+    if "swiglu_limit" in acts:
+        swiglu = {"activation": "swiglu_limit", "swiglu_limit": GPT_OSS_SWIGLU_LIMIT, "biases": True}
+        for d in dtype_list or [d0]:
+            # gpt-oss routes with topk_softmax; its expert matrices carry biases.
+            add(
+                "swiglu_bias",
+                dtype_name(d),
+                full_only=d != d0,
+                dtype=d,
+                scoring="topk_softmax",
+                renormalize=False,
+                **swiglu,
+            )
+        add("swiglu_bias", "top4_e16", full_only=True, num_experts=16, top_k=4, num_tokens=64, **swiglu)
+    # Padding to a CUDA graph's batch size: 3 tokens in a graph of 16, 45 in one of 64.
+    add("junk_rows", "decode", num_tokens=3, junk_rows=13)
+    add("junk_rows", "prefill", num_tokens=45, junk_rows=19)
+    add(
+        "junk_rows",
+        "topk_softmax_top4",
+        full_only=True,
+        num_tokens=10,
+        junk_rows=22,
+        num_experts=16,
+        top_k=4,
+        scoring="topk_softmax",
+        renormalize=False,
+    )
+    for m, e, h, i, k, in_quick in MOE_TOKEN_COUNTS:
+        add(
+            "token_counts",
+            f"{m}_e{e}_h{h}_i{i}_top{k}",
+            full_only=not in_quick,
+            num_tokens=m,
+            num_experts=e,
+            hidden_size=h,
+            intermediate_size=i,
+            top_k=k,
+        )
+    return cases
+
+
+# (tokens, experts, hidden, intermediate, top_k, in the quick set): one token to a few hundred,
+# across the 128 rows where kernels tend to change tiles, with dimensions that are not powers of two.
+MOE_TOKEN_COUNTS = (
+    (1, 4, 32, 32, 1, True),
+    (2, 16, 64, 128, 4, False),
+    (17, 6, 96, 48, 2, True),
+    (64, 8, 128, 64, 2, False),
+    (129, 16, 64, 96, 3, True),
+    (300, 16, 128, 128, 4, True),
+)
+
+
+def _moe_routing_cases(add: Callable[..., None]) -> None:
+    """Add the cases about which experts the router picks: experts left without tokens, every
+    token on one expert, and ties."""
+    # 3 tokens x 2 of 16 experts leave at least 10 idle and give the others 1 or 2 tokens.
+    add("idle_experts", "few_tokens", num_tokens=3, num_experts=16)
+    add("idle_experts", "half_idle", num_tokens=40, num_experts=16, pattern=RouterPattern.IDLE)
+    add("idle_experts", "one_token_top4", full_only=True, num_tokens=1, num_experts=16, top_k=4)
+    # 100 tokens on one of 8 experts: far past a balanced share, over several row tiles.
+    add("one_expert", "top1", full_only=True, num_tokens=100, top_k=1, pattern=RouterPattern.ONE_EXPERT)
+    add("one_expert", "top2", num_tokens=100, pattern=RouterPattern.ONE_EXPERT)
+    add("ties", "softmax_topk", num_tokens=32, pattern=RouterPattern.TIES)
+    add(
+        "ties",
+        "topk_softmax",
+        num_tokens=32,
+        pattern=RouterPattern.TIES,
+        scoring="topk_softmax",
+        renormalize=False,
+    )
+    add(
+        "ties",
+        "softmax_topk_top3_e16",
+        full_only=True,
+        num_tokens=32,
+        num_experts=16,
+        top_k=3,
+        renormalize=False,
+        pattern=RouterPattern.TIES,
+    )

@@ -4,8 +4,9 @@ A failing case reports the worst element (request, query row and position, query
 head it should read, dimension) and then tries to explain the backend's output at that query row
 and head with a handful of *alternative* attentions, each one bug that paged attention kernels
 actually have: the causal mask off by one, no causal mask, the query head reading another KV head,
-a wrong softmax scale, the sliding window ignored or off by one, the softcap ignored, and one key
-position included or left out. An alternative that reproduces the output far better than the
+a wrong softmax scale, the sliding window ignored or off by one, the softcap ignored, the
+attention sink ignored, counted twice (once per KV split of two) or scaled like a score, and one
+key position included or left out. An alternative that reproduces the output far better than the
 reference does names the likely cause. The pattern of failing rows and heads is reported too
 (only rows of requests with more than one query token; only some query heads).
 
@@ -36,6 +37,7 @@ class DiagnosisInputs:
     query: torch.Tensor  # [num_tokens + padding, num_q_heads, head_size]
     kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_size], dequantized
     metadata: AttentionMetadata  # CPU tensors, plain block table
+    sinks: torch.Tensor | None = None  # [num_q_heads] float64 sink logits; None: no sinks
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +81,16 @@ def _attend(
     visible: torch.Tensor,  # [n] bool
     scale: float,
     softcap: float | None,
+    sink: float | None = None,  # the head's sink logit: one more softmax entry, with no value
 ) -> torch.Tensor:  # [head_size]
     scores = (keys @ q) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, -math.inf)
-    return torch.softmax(scores, 0) @ values
+    if sink is None:
+        return torch.softmax(scores, 0) @ values
+    probs = torch.softmax(torch.cat((scores, scores.new_full((1,), sink))), 0)
+    return probs[:-1] @ values
 
 
 def _visible(n: int, last: int, window: int | None) -> torch.Tensor:
@@ -161,13 +167,36 @@ def _explain(
     got = actual[token, head]
     base_err = float((got - reference[token, head]).abs().max())
     p, n, w, cap = row.position, row.seq_len, case.sliding_window, case.logit_softcap
+    sink = None if inputs.sinks is None else float(inputs.sinks[head])
 
     def attend(
-        visible: torch.Tensor, kv: int = kv_head, s: float = scale, c: float | None = cap
+        visible: torch.Tensor,
+        kv: int = kv_head,
+        s: float = scale,
+        c: float | None = cap,
+        k: float | None = sink,
     ) -> torch.Tensor:
-        return _attend(q, row.keys[:, kv], row.values[:, kv], visible, s, c)
+        return _attend(q, row.keys[:, kv], row.values[:, kv], visible, s, c, k)
 
     candidates: list[tuple[str, Callable[[], torch.Tensor]]] = []
+    if sink is not None:
+        visible_now = _visible(n, p, w)
+        candidates += [
+            (
+                f"attention sink ignored: the output matches no sink (head {head}'s is {sink:.4g})",
+                partial(attend, visible_now, k=None),
+            ),
+            (
+                "attention sink counted twice (once per KV split, say): the output matches "
+                f"2 * exp(sink) in the denominator (head {head}'s sink is {sink:.4g})",
+                partial(attend, visible_now, k=sink + math.log(2.0)),
+            ),
+            (
+                f"attention sink scaled like a score: the output matches sink * {scale:.4g} "
+                "(the sink logit is used as it is)",
+                partial(attend, visible_now, k=sink * scale),
+            ),
+        ]
     if p + 1 < n:
         candidates.append(
             (
@@ -238,7 +267,7 @@ def _explain(
     best = _best(scaled, got, base_err)
     if best is not None:
         return best
-    return _key_attribution(row, q, got, base_err, kv_head, scale, cap, w)
+    return _key_attribution(row, q, got, base_err, kv_head, scale, cap, w, sink)
 
 
 def _best(
@@ -261,17 +290,19 @@ def _key_attribution(
     scale: float,
     cap: float | None,
     window: int | None,
+    sink: float | None = None,
 ) -> str | None:
     """The one key position whose inclusion (a masked key) or exclusion (a visible key) best
-    reproduces `got`, when it explains the error."""
+    reproduces `got`, when it explains the error (the sink, if any, staying in the denominator)."""
     keys, values = row.keys[:, kv_head], row.values[:, kv_head]
     scores = (keys @ q) * scale
     if cap is not None:
         scores = cap * torch.tanh(scores / cap)
     visible = _visible(row.seq_len, row.position, window)
-    weights = torch.exp(scores - scores[visible].max())
+    top = scores[visible].max() if sink is None else torch.clamp(scores[visible].max(), min=sink)
+    weights = torch.exp(scores - top)
     num = (weights[visible, None] * values[visible]).sum(0)
-    den = weights[visible].sum()
+    den = weights[visible].sum() + (0.0 if sink is None else math.exp(sink - float(top)))
     sign = torch.where(visible, -1.0, 1.0).double()  # remove a visible key, add a masked one
     alt_den = den + sign * weights
     alternatives = (num[None, :] + sign[:, None] * weights[:, None] * values) / alt_den[:, None]

@@ -1,12 +1,14 @@
-"""The oracle: the cpu_reference platform's attention backend and cache ops, found through the
-platform registry like any other plugin and run on CPU tensors (float64 for attention)."""
+"""The oracle: the cpu_reference platform's attention backend, cache ops, LoRA and MoE kernels,
+found through the platform registry like any other plugin and run on CPU tensors (float64 for
+attention, LoRA and MoE)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pagedserve.lora.reference import MASKED_LORA_KERNEL
-from pagedserve.platforms.api import AttentionBackend, CacheOps, LoRAKernel
+from pagedserve.moe.reference import REFERENCE_MOE_KERNEL
+from pagedserve.platforms.api import AttentionBackend, CacheOps, LoRAKernel, MoEKernel
 from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.registry import PlatformRegistry, load_platforms
 
@@ -20,6 +22,7 @@ class Oracle:
     attention: AttentionBackend
     cache_ops: CacheOps
     lora: LoRAKernel = MASKED_LORA_KERNEL  # run on float64 CPU tensors
+    moe: MoEKernel = REFERENCE_MOE_KERNEL  # run on float64 CPU tensors
 
     @classmethod
     def find(cls, registry: PlatformRegistry | None = None) -> Oracle:
@@ -34,7 +37,8 @@ class Oracle:
             backends = platform.attention_backends()
             backend = next((b for b in backends if b.name == ORACLE_PLATFORM), backends[0])
             lora = platform.lora_kernel() or MASKED_LORA_KERNEL
-            return cls(attention=backend(), cache_ops=platform.cache_ops(), lora=lora)
+            moe = platform.moe_kernel() or REFERENCE_MOE_KERNEL
+            return cls(attention=backend(), cache_ops=platform.cache_ops(), lora=lora, moe=moe)
         raise PlatformError(
             f"the conformance suite compares against the {ORACLE_PLATFORM!r} platform, which is not "
             "installed: reinstall pagedserve (it ships the pagedserve_cpu_reference plugin)"

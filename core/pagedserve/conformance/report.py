@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from pagedserve.conformance.cases import AttentionCase, EngineCase, LoRACase, dtype_name
+from pagedserve.conformance.cases import (
+    AttentionCase,
+    EngineCase,
+    LoRACase,
+    MoECase,
+    RouterPattern,
+    dtype_name,
+)
 from pagedserve.conformance.results import CaseResult, Status
 
 
@@ -75,13 +82,20 @@ def _worst_cells(s: GroupSummary) -> list[str]:
 def pattern_hints(results: list[CaseResult]) -> list[str]:
     """Hints from which cases of an attention backend fail and which pass: only window cases, only
     GQA ratios above 1, only one dtype, only FP8 caches, only batches with multi-token queries,
-    only calls without `out=`, only the engine smoke check. Pure."""
+    only calls without `out=`, only the engine smoke check; and of an MoE kernel: only FP8 experts,
+    only the SwiGLU, only tied logits, only junk rows, only one dtype. Pure."""
     hints = []
     for component in dict.fromkeys(r.component for r in results):
         mine = [r for r in results if r.component == component and r.status is not Status.UNSUPPORTED]
         failed = [r for r in mine if r.status is Status.FAILED]
         passed = [r for r in mine if r.status is Status.PASSED]
         if not failed or not passed:
+            continue
+        moe_failed = [r.case for r in failed if isinstance(r.case, MoECase)]
+        if moe_failed:
+            moe_found = _moe_pattern(moe_failed, [r.case for r in passed if isinstance(r.case, MoECase)])
+            if moe_found is not None:
+                hints.append(f"{component}: {moe_found}")
             continue
         kernel_failed = [r.case for r in failed if isinstance(r.case, AttentionCase)]
         kernel_passed = [r.case for r in passed if isinstance(r.case, AttentionCase)]
@@ -102,6 +116,12 @@ def _kernel_pattern(failed: list[AttentionCase], passed: list[AttentionCase]) ->
     def only(pred: Callable[[AttentionCase], bool]) -> bool:
         return all(pred(c) for c in failed) and not all(pred(c) for c in passed)
 
+    # First: sink cases run with windows, softcaps and FP8 caches too.
+    if only(lambda c: c.attention_sinks):
+        return (
+            "only attention-sink cases fail: look at the sink's term of the softmax (once per row "
+            "however the keys are split, in the running maximum too, not scaled or softcapped)"
+        )
     if only(lambda c: c.sliding_window is not None):
         return "only sliding-window cases fail: look at the window mask"
     if only(lambda c: c.logit_softcap is not None):
@@ -124,6 +144,27 @@ def _kernel_pattern(failed: list[AttentionCase], passed: list[AttentionCase]) ->
         max(c.geometry.query_lens) == 1 for c in passed
     ):
         return "only batches with multi-token queries fail (decodes pass): look at the causal mask"
+    return None
+
+
+def _moe_pattern(failed: list[MoECase], passed: list[MoECase]) -> str | None:
+    def only(pred: Callable[[MoECase], bool]) -> bool:
+        return all(pred(c) for c in failed) and not all(pred(c) for c in passed)
+
+    if only(lambda c: c.fp8_weights):
+        return "only FP8-weight cases fail: look at the dequantization and its per-channel scales"
+    if only(lambda c: c.activation == "swiglu_limit"):
+        return "only the clamped-SwiGLU cases fail: look at the biases and the clamp"
+    if only(lambda c: c.pattern is RouterPattern.TIES):
+        return "only tied router logits fail: among equal scores the lower expert index wins"
+    if only(lambda c: c.junk_rows > 0):
+        return (
+            "only cases with junk rows past the step fail: look at what reads across rows (a max or "
+            "sum over the batch, the sorted tokens' padding, per-expert buffers sized by the batch)"
+        )
+    dtypes = {c.dtype for c in failed}
+    if len(dtypes) == 1 and only(lambda c: c.dtype in dtypes):
+        return f"only {dtype_name(next(iter(dtypes)))} cases fail: look at that dtype's path"
     return None
 
 
@@ -218,13 +259,14 @@ _SECTION_RE = re.compile(
     re.DOTALL,
 )
 
-_PROPERTIES: list[tuple[str, Callable[[AttentionCase], str | None]]] = [
+_PROPERTIES: list[tuple[str, Callable[[Any], str | None]]] = [  # of an AttentionCase
     ("head size", lambda c: str(c.head_size)),
     ("block size", lambda c: str(c.block_size)),
     ("dtype", lambda c: dtype_name(c.dtype)),
     ("q/kv heads (GQA)", lambda c: f"{c.num_q_heads}/{c.num_kv_heads}"),
     ("sliding window", lambda c: None if c.sliding_window is None else str(c.sliding_window)),
     ("logit softcap", lambda c: None if c.logit_softcap is None else str(c.logit_softcap)),
+    ("attention sinks", lambda c: "yes" if c.attention_sinks else None),
 ]
 
 
@@ -235,12 +277,27 @@ def _sort_key(value: str) -> tuple[int, float, str]:
         return (1, 0.0, value)
 
 
-def _property_rows(results: list[CaseResult]) -> list[str]:
+_MOE_PROPERTIES: list[tuple[str, Callable[[Any], str | None]]] = [  # of an MoECase
+    ("dtype", lambda c: dtype_name(c.dtype)),
+    ("expert weights", lambda c: dtype_name(c.weight_dtype)),
+    ("activation", lambda c: c.activation),
+    ("scoring", lambda c: c.scoring + (" renormalized" if c.renormalize else "")),
+    ("top_k", lambda c: str(c.top_k)),
+    ("experts", lambda c: str(c.num_experts)),
+    ("tokens", lambda c: str(c.num_tokens)),
+]
+
+
+def _property_rows(
+    results: list[CaseResult],
+    properties: list[tuple[str, Callable[[Any], str | None]]] = _PROPERTIES,
+    case_type: type = AttentionCase,
+) -> list[str]:
     rows = ["| property | passes | fails | unsupported |", "|---|---|---|---|"]
-    for label, extract in _PROPERTIES:
+    for label, extract in properties:
         status: dict[str, str] = {}  # value -> "fails" | "passes" | "unsupported"
         for r in results:
-            if not isinstance(r.case, AttentionCase):
+            if not isinstance(r.case, case_type):
                 continue  # engine smoke cases have no kernel properties to list
             value = extract(r.case)
             if value is None:
@@ -306,6 +363,9 @@ def matrix_section(info: RunInfo, results: list[CaseResult]) -> str:
                 "",
                 *_group_rows(groups),
             ]
+        elif isinstance(mine[0].case, MoECase):
+            lines += ["", f"### MoE kernel (`{component}`)", "", _moe_declarations(mine), ""]
+            lines += [*_property_rows(mine, _MOE_PROPERTIES, MoECase), "", *_group_rows(groups)]
         elif isinstance(mine[0].case, LoRACase):
             lines += ["", "### LoRA kernel", "", "Compared with the float64 torch formulation.", ""]
             lines += ["| case | passed | failed | shape |", "|---|---|---|---|"]
@@ -326,6 +386,21 @@ def matrix_section(info: RunInfo, results: list[CaseResult]) -> str:
                 lines.append(f"| {s.group} | {s.passed} | {s.failed} | {', '.join(dtypes)} |")
     lines.append(_END.format(key=info.section_key))
     return "\n".join(lines)
+
+
+def _moe_declarations(results: list[CaseResult]) -> str:
+    """What the MoE kernel declared, as the cases drawn from it show (`moe_cases` runs the FP8 and
+    SwiGLU groups exactly when declared): read back by the support-matrix test. Pure."""
+    cases = [r.case for r in results if isinstance(r.case, MoECase)]
+    fp8 = sorted({dtype_name(c.weight_dtype) for c in cases if c.fp8_weights})
+    activations = sorted({c.activation for c in cases})
+    return (
+        "Compared with the float64 torch formulation. Declared by the kernel: expert weight dtypes "
+        + (", ".join(f"`{d}`" for d in fp8) if fp8 else "none besides the activations'")
+        + "; activations "
+        + ", ".join(f"`{a}`" for a in activations)
+        + "."
+    )
 
 
 def update_support_matrix(path: Path, info: RunInfo, results: list[CaseResult]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pagedserve.conformance.cases import AttentionCase, CacheOpCase, EngineCase, LoRACase
+from pagedserve.conformance.cases import AttentionCase, CacheOpCase, EngineCase, LoRACase, MoECase
 
 
 class Status(enum.Enum):
@@ -27,8 +27,8 @@ class ErrorStats:
 class CaseResult:
     """The outcome of one case for one component (an attention backend, or the platform's cache ops)."""
 
-    component: str  # attention backend name, "cache_ops" or "lora"
-    case: AttentionCase | CacheOpCase | EngineCase | LoRACase
+    component: str  # attention backend name, "cache_ops", "lora" or "moe"
+    case: AttentionCase | CacheOpCase | EngineCase | LoRACase | MoECase
     status: Status
     problems: tuple[str, ...]  # why it failed, every check that did; empty when passed
     errors: ErrorStats | None  # None when no output was compared (unsupported, raised, exact ops)

@@ -11,7 +11,8 @@ An item is one case for one component: every attention backend of the platform g
 case matrix derived from its declared capabilities and the engine smoke cases (a tiny model's
 greedy tokens in each declared engine dtype, with the platform's cache ops); the platform's cache
 ops get the cache-op cases for the platform's dtypes and its backends' block sizes; a platform with
-a `LoRAKernel` gets the LoRA cases in its dtypes.
+a `LoRAKernel` gets the LoRA cases in its dtypes, and one with an `MoEKernel` the MoE cases in its
+dtypes and the kernel's declared weight dtypes and activations.
 """
 
 from __future__ import annotations
@@ -28,17 +29,21 @@ from pagedserve.conformance.cases import (
     CacheOpCase,
     EngineCase,
     LoRACase,
+    MoECase,
     attention_cases,
     cache_op_cases,
     engine_cases,
     lora_cases,
+    moe_cases,
 )
 from pagedserve.conformance.engine_check import check_engine_case
 from pagedserve.conformance.lora_check import COMPONENT as LORA_COMPONENT
 from pagedserve.conformance.lora_check import check_lora_case
+from pagedserve.conformance.moe_check import COMPONENT as MOE_COMPONENT
+from pagedserve.conformance.moe_check import check_moe_case
 from pagedserve.conformance.oracle import Oracle
 from pagedserve.conformance.results import CaseResult
-from pagedserve.platforms.api import AttentionBackend, CacheOps, LoRAKernel
+from pagedserve.platforms.api import AttentionBackend, CacheOps, LoRAKernel, MoEKernel
 from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.registry import LoadedPlatform, PlatformRegistry, load_platforms
 
@@ -47,8 +52,8 @@ from pagedserve.platforms.registry import LoadedPlatform, PlatformRegistry, load
 class SuiteItem:
     """One case for one component of the platform."""
 
-    component: str  # attention backend name, "cache_ops" or "lora"
-    case: AttentionCase | CacheOpCase | EngineCase | LoRACase
+    component: str  # attention backend name, "cache_ops", "lora" or "moe"
+    case: AttentionCase | CacheOpCase | EngineCase | LoRACase | MoECase
 
     @property
     def item_id(self) -> str:
@@ -88,6 +93,8 @@ class ConformanceSuite:
         self._cache_ops: CacheOps | None = None
         self._lora: LoRAKernel | None = None
         self._lora_asked = False
+        self._moe: MoEKernel | None = None
+        self._moe_asked = False
 
     @classmethod
     def for_platform(
@@ -124,7 +131,8 @@ class ConformanceSuite:
 
     def items(self) -> list[SuiteItem]:
         """Every item, attention backends first (in the platform's order), then cache ops, then the
-        LoRA kernel's. Pure (asks the plugins for their LoRA kernel)."""
+        LoRA kernel's, then the MoE kernel's. Pure (asks the plugins for their LoRA and MoE
+        kernels)."""
         found: list[SuiteItem] = []
         for name, backend in self._backend_classes.items():
             found += [
@@ -158,6 +166,18 @@ class ConformanceSuite:
                 SuiteItem(LORA_COMPONENT, c)
                 for c in lora_cases(self.platform.info.supported_dtypes, quick=self.quick, seed=self.seed)
             ]
+        moe = self._moe_kernel()
+        if moe is not None:
+            found += [
+                SuiteItem(MOE_COMPONENT, c)
+                for c in moe_cases(
+                    self.platform.info.supported_dtypes,
+                    moe.weight_dtypes,
+                    moe.activations,
+                    quick=self.quick,
+                    seed=self.seed,
+                )
+            ]
         return found
 
     def run_item(self, item: SuiteItem) -> CaseResult:
@@ -169,6 +189,10 @@ class ConformanceSuite:
             kernel = self._lora_kernel()
             assert kernel is not None, "LoRA items come only from a platform with a LoRA kernel"
             return check_lora_case(kernel, item.case, self.device, self.oracle.lora)
+        if isinstance(item.case, MoECase):
+            moe = self._moe_kernel()
+            assert moe is not None, "MoE items come only from a platform with an MoE kernel"
+            return check_moe_case(moe, item.case, self.device, self.oracle.moe)
         if isinstance(item.case, EngineCase):
             # A fresh backend, as an engine constructs one: the check asks `enable_new_kv_reads`.
             engine_backend = self._backend_classes[item.component]()
@@ -191,6 +215,12 @@ class ConformanceSuite:
             self._lora = self.platform.lora_kernel()
             self._lora_asked = True
         return self._lora
+
+    def _moe_kernel(self) -> MoEKernel | None:
+        if not self._moe_asked:
+            self._moe = self.platform.moe_kernel()
+            self._moe_asked = True
+        return self._moe
 
     def _ops(self) -> CacheOps:
         if self._cache_ops is None:

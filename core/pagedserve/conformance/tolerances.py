@@ -92,3 +92,34 @@ def tolerance_for(
         known = ", ".join(str(d) for d in table)
         raise KeyError(f"the conformance suite has no tolerance for {dtype}; known: {known}")
     return tolerance
+
+
+# The fused MoE operator (`MoEKernel`, `moe_check`) has its own rows. Its contract fixes where it
+# rounds: products accumulate in float32, the activation is rounded to the dtype once, the weighted
+# sum once. What is left against the float64 oracle (outputs of rms ~1, the check scales them so):
+# the activation's rounding carried through the down projection (a sum of I errors of relative size
+# u, random in sign: about 0.6 u of the expert's rms), the output's rounding (u |r|), and in float32
+# the TF32 products GPU kernels may use, which round both operands of both GEMMs to 11 significant
+# bits, float16's significand. Measured on the suite's cases (worst element, over every case):
+# 0.3 of the rows below for cpu_reference (which also rounds the gate/up and each expert's output to
+# the dtype, and FP8 weights dequantized into it), 0.47 for TF32 products in float32. So float32 and
+# float16 share one row, bfloat16 (8 significant bits) is eight times wider. Tighter than the
+# attention rows for float16: a kernel computing a float32 or float16 layer in bfloat16 (one
+# hard-coded compute type) misses them by about twice, while it would pass the 1e-2 of attention's.
+# FP8 experts use the same rows: the oracle dequantizes the same FP8 codes exactly, and the kernel
+# may round the dequantized weights to the dtype once (cpu_reference does; included above).
+MOE_TOLERANCES: dict[torch.dtype, Tolerance] = {  # x's dtype -> tolerance of the MoE op's output
+    torch.float32: Tolerance(atol=5e-3, rtol=5e-3),
+    torch.float16: Tolerance(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: Tolerance(atol=4e-2, rtol=4e-2),
+}
+
+
+def moe_tolerance_for(dtype: torch.dtype) -> Tolerance:
+    """The MoE row of `dtype` (x's; the same with FP8 experts); `KeyError` naming the known dtypes
+    when it has none."""
+    tolerance = MOE_TOLERANCES.get(dtype)
+    if tolerance is None:
+        known = ", ".join(str(d) for d in MOE_TOLERANCES)
+        raise KeyError(f"the conformance suite has no MoE tolerance for {dtype}; known: {known}")
+    return tolerance

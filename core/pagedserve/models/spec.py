@@ -31,6 +31,9 @@ class ModelSpec:
     sliding_windows: tuple[int | None, ...]  # layer_idx -> window in tokens; None: full attention
     logit_softcap: float | None  # attention-score softcap (Gemma 2); None: none
     max_position_embeddings: int | None  # trained context length from the config, if it says
+    # Every attention layer adds a learned logit per query head to its softmax denominators
+    # (gpt-oss; plugin API 1.13): only a backend declaring `attention_sinks` can run the model.
+    attention_sinks: bool = False
 
     @property
     def uses_sliding_window(self) -> bool:

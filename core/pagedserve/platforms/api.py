@@ -93,6 +93,20 @@ holds the stacked expert matrices). The engine calls it in every MoE layer, in e
 compiled forwards and CUDA graphs alike. No answer: the core's torch formulation
 (`pagedserve.moe.reference`), which gathers each expert's tokens on the host's schedule and so
 suits CPUs, not graph capture.
+
+Attention sinks (API 1.13): a layer may add one learned logit per query head, its *sink*, to every
+softmax denominator (gpt-oss, on sliding-window and full layers alike). For query row q of head h
+whose visible scores are s_j (after the scale, the softcap and the causal and window masks), with
+the sink logit `sinks[h]` taken as it is (neither scaled nor softcapped):
+
+    m = max(max_j s_j, sinks[h]);  out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m))
+
+The sink takes probability mass but has no value, exactly once per row however a kernel splits
+the keys. A backend opts in with `AttentionCapabilities.attention_sinks`; the core then passes
+`sinks=` (a contiguous float32 tensor [num_q_heads] of finite values, on the query's device) to
+`forward` and `compile_key` of exactly the layers that have sinks, so a plugin written for an
+older API is never called with it, and refuses a model with sinks on a platform none of whose
+backends declares them.
 """
 
 from __future__ import annotations
@@ -102,7 +116,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -177,6 +191,10 @@ class AttentionCapabilities:
     # lower-precision dot products), so the conformance kit judges float32 cases by the tighter
     # `EXACT_FLOAT32_TOLERANCE`. Default False: TF32 is allowed.
     exact_float32: bool = False
+    # API 1.13. True: `forward` and `compile_key` take `sinks=` (one logit per query head added to
+    # each softmax denominator, module docstring) and compute it. Default False: the core never
+    # passes it, and `check_supported(attention_sinks=True)` raises `UnsupportedCase`.
+    attention_sinks: bool = False
 
 
 # (x [M, K], weight [N, K] in x's dtype or FP8, scale [N] float32 or None, bias [N] or None) -> [M, N]
@@ -349,6 +367,7 @@ class AttentionLayerShape:
     device: torch.device
     sliding_window: int | None = None  # None: the layer attends to the whole context
     logit_softcap: float | None = None  # None: no softcap
+    attention_sinks: bool = False  # API 1.13: the layer passes `sinks=` (one logit per query head)
 
 
 class UnsupportedCase(ValueError):
@@ -441,6 +460,7 @@ class AttentionBackend(ABC):
         kv_scales: KVCacheScales | None = None,
         new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
         new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+        sinks: torch.Tensor | None = None,  # [num_q_heads] float32; API 1.13, only when declared
     ) -> frozenset[Hashable] | None:
         """API 1.9. The compiled kernel variants `forward` would launch for exactly this call (the
         same arguments), one hashable value per variant: whatever the backend's JIT compiles
@@ -466,6 +486,7 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
         logit_softcap: float | None,
         kv_cache_dtype: torch.dtype | None = None,  # None: the cache has `dtype`
+        attention_sinks: bool = False,  # API 1.13: the layer has a sink logit per query head
     ) -> None:
         """Raise `UnsupportedCase` naming the first undeclared property. Does not mutate."""
         caps = self.capabilities
@@ -496,6 +517,11 @@ class AttentionBackend(ABC):
                 f"{self.name}: kv_cache dtype {kv_cache_dtype} is not supported with {dtype} queries; "
                 f"quantized KV-cache dtypes it reads: {readable}"
             )
+        if attention_sinks and not caps.attention_sinks:
+            raise UnsupportedCase(
+                f"{self.name}: attention sinks are not supported (the backend does not declare "
+                "AttentionCapabilities.attention_sinks)"
+            )
 
     def check_call(
         self,
@@ -506,11 +532,12 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
         logit_softcap: float | None,
         kv_scales: KVCacheScales | None = None,
+        sinks: torch.Tensor | None = None,  # [num_q_heads] float32; API 1.13
     ) -> None:
         """The checks every `forward` starts with, whatever the hardware: tensor ranks (`ValueError`),
-        the declared capabilities (`UnsupportedCase`), the options' values and the presence of
-        `kv_scales` exactly for a quantized cache (`ValueError`). Reads only tensor metadata (no
-        device sync). Does not mutate."""
+        the declared capabilities (`UnsupportedCase`), the options' values, the presence of
+        `kv_scales` exactly for a quantized cache and the layout of `sinks` (`ValueError`). Reads
+        only tensor metadata (no device sync). Does not mutate."""
         if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
             raise ValueError(
                 f"{self.name}: query must be [num_tokens, num_q_heads, head_size] (got shape "
@@ -518,9 +545,11 @@ class AttentionBackend(ABC):
                 f"(got {tuple(kv_cache.shape)})"
             )
         quantized = kv_cache.dtype != query.dtype
-        # The keyword only when it matters: backends of API 1.0 may override check_supported
-        # without it, and they never see a quantized cache.
-        extra = {"kv_cache_dtype": kv_cache.dtype} if quantized else {}
+        # The keywords only when they matter: backends of API 1.0 may override check_supported
+        # without them, and they never see a quantized cache or sinks.
+        extra: dict[str, Any] = {"kv_cache_dtype": kv_cache.dtype} if quantized else {}
+        if sinks is not None:
+            extra["attention_sinks"] = True
         self.check_supported(
             head_size=query.shape[2],
             dtype=query.dtype,
@@ -550,6 +579,17 @@ class AttentionBackend(ABC):
             raise ValueError(
                 f"{self.name}: logit_softcap must be positive and finite, got logit_softcap={logit_softcap}"
             )
+        if sinks is not None and (
+            tuple(sinks.shape) != (query.shape[1],)
+            or sinks.dtype != torch.float32
+            or sinks.device != query.device
+            or sinks.stride(0) != 1
+        ):
+            raise ValueError(
+                f"{self.name}: sinks must be a contiguous float32 tensor [num_q_heads={query.shape[1]}] on "
+                f"{query.device}, got {sinks.dtype} {tuple(sinks.shape)} with strides {sinks.stride()} "
+                f"on {sinks.device}"
+            )
 
     @abstractmethod
     def forward(
@@ -565,11 +605,15 @@ class AttentionBackend(ABC):
         kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
         new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]; API 1.7
         new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]; API 1.7
+        sinks: torch.Tensor | None = None,  # [num_q_heads] float32; API 1.13, only when declared
     ) -> torch.Tensor:
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype.
 
         `new_key`/`new_value`, passed only after `enable_new_kv_reads` answered True, hold the
         same values the cache holds for this step's new tokens (row `t` is query row `t`'s token).
+        `sinks`, passed only to a backend declaring `attention_sinks` and only for a layer that has
+        them, adds head h's sink logit `sinks[h]` to each of its rows' softmax denominators (module
+        docstring).
         Rows past `metadata.num_actual_tokens` (padding for CUDA graphs) are left unspecified.
         Does not mutate `kv_cache`; writes only `out`."""
 

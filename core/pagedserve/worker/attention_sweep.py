@@ -310,8 +310,9 @@ def warm_up_attention(
     Every request's block table points at block 0, and the cache write runs once per token count
     class with padding slots when the cache ops skip them. With `new_kv_reads` (and an
     unquantized cache, as in `attention.layer.attend`) every call gets new keys and values too, so
-    the kernels that read them compile here. Reads the KV cache, writes nothing in it. Slow on a
-    cold kernel cache (each new variant compiles)."""
+    the kernels that read them compile here. A model with attention sinks (`spec.attention_sinks`)
+    gets `sinks=` on every call, as its layers pass them, so the sink variants compile here. Reads
+    the KV cache, writes nothing in it. Slow on a cold kernel cache (each new variant compiles)."""
     if threads > 1 and not backend.concurrent_batches:
         raise ValueError(
             f"threads={threads}: the {backend.name} attention backend does not declare concurrent_batches"
@@ -324,6 +325,10 @@ def warm_up_attention(
     query = torch.zeros((max_tokens, spec.num_q_heads, spec.head_size), dtype=spec.dtype, device=device)
     # Plugins of API 1.0 never see `kv_scales`: they declare no FP8 cache (`attention.layer`).
     scales = {} if kv_scales is None else {"kv_scales": kv_scales}
+    # Nor `sinks` (API 1.13) unless the model has them: only a declaring backend serves such a model.
+    sinks = (
+        torch.zeros(spec.num_q_heads, dtype=torch.float32, device=device) if spec.attention_sinks else None
+    )
     # As in `attention.layer.attend`: new keys and values go with an unquantized cache only.
     new_kv_shape = (2, max_tokens, spec.num_kv_heads, spec.head_size)
     new_kv = (
@@ -343,6 +348,8 @@ def warm_up_attention(
         extra: dict[str, Any] = dict(scales)
         if new_kv is not None:
             extra.update(new_key=new_kv[0, :n], new_value=new_kv[1, :n])
+        if sinks is not None:
+            extra["sinks"] = sinks
         calls = []
         for window, softcap in layouts:
             options = dict(scale=scale, sliding_window=window, logit_softcap=softcap, out=out[:n], **extra)

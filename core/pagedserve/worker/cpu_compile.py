@@ -234,6 +234,7 @@ def zero_attention(
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads]: ignored, as everything attention reads
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_size]
     """Attention stand-in for warm-up forwards: the compiled graph is the same whatever attention
     returns, and a warm-up must not write the KV cache. Pure."""

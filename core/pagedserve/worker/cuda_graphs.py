@@ -109,6 +109,8 @@ class _AttentionSite:
     scale: float
     sliding_window: int | None
     logit_softcap: float | None
+    # [num_q_heads] float32, the layer's sink logits (borrowed when the graph computed them); None: none
+    sinks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +184,7 @@ class _SplitAtAttention:
         scale: float,
         sliding_window: int | None,
         logit_softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         call = len(self.sites)
         if call >= self.attn_out.shape[0]:
@@ -200,9 +203,12 @@ class _SplitAtAttention:
         if self.new_graph is not None:
             self.end_graph()
             query, key, value = borrow(query), borrow(key), borrow(value)
+            # The model may compute its sinks in the graph (a cast of its parameter): then they
+            # are graph-pool memory, read right after the graph that writes them, like q/k/v.
+            sinks = borrow(sinks) if sinks is not None else None
             self.begin_graph()
         self.sites.append(
-            _AttentionSite(layer_idx, query, key, value, out, scale, sliding_window, logit_softcap)
+            _AttentionSite(layer_idx, query, key, value, out, scale, sliding_window, logit_softcap, sinks)
         )
         return out
 
@@ -361,6 +367,7 @@ class PiecewiseCudaGraphs:
                 sliding_window=site.sliding_window,
                 logit_softcap=site.logit_softcap,
                 out=site.out[:num_tokens],
+                sinks=site.sinks,
             )
             graph.replay()
         self.num_replays += 1

@@ -107,6 +107,7 @@ def attention_layer_shapes(
             device=device,
             sliding_window=window,
             logit_softcap=spec.logit_softcap,
+            attention_sinks=spec.attention_sinks,
         ): None
         for window in spec.sliding_windows
     }

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -23,7 +24,9 @@ from pagedserve.models.platform_linear import route_linear_layers, route_lm_head
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.moe.layer import route_moe_layers
 from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
+from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.loaded_platform import LoadedPlatform
+from pagedserve.platforms.registry import load_platforms
 from pagedserve.worker.attention_sweep import attention_warmup_threads
 from pagedserve.worker.cpu_compile import compile_reason
 from pagedserve.worker.gpu_compile import PROGRAMMATIC_MAX_TOKENS, configure_compile_caches
@@ -83,10 +86,16 @@ def choose_backend(
     platform: LoadedPlatform, spec: ModelSpec, block_size: int, kv_cache_dtype: str = "auto"
 ) -> tuple[AttentionBackend, torch.dtype]:
     """The platform's first attention backend that declares support for this model's shapes and
-    the requested KV-cache dtype, with the cache dtype that name means for it."""
+    the requested KV-cache dtype (and attention sinks, where the model has them), with the cache
+    dtype that name means for it."""
     reasons = []
     for cls in platform.attention_backends():
         backend = cls()
+        if spec.attention_sinks and not backend.capabilities.attention_sinks:
+            # Asked of the capabilities, not of check_supported: a backend of plugin API < 1.13 may
+            # override check_supported without the `attention_sinks` keyword.
+            reasons.append(f"{backend.name}: attention sinks are not supported")
+            continue
         try:
             cache_dtype = resolve_kv_cache_dtype(
                 kv_cache_dtype,
@@ -95,7 +104,9 @@ def choose_backend(
                 where=f"platform {platform.name!r}, attention backend {backend.name!r}",
             )
             # Backends of plugin API 1.0 may override check_supported without `kv_cache_dtype`.
-            extra = {"kv_cache_dtype": cache_dtype} if cache_dtype != spec.dtype else {}
+            extra: dict[str, Any] = {"kv_cache_dtype": cache_dtype} if cache_dtype != spec.dtype else {}
+            if spec.attention_sinks:
+                extra["attention_sinks"] = True  # a declaring backend is of API 1.13 or later
             backend.check_supported(
                 head_size=spec.head_size,
                 dtype=spec.dtype,
@@ -109,11 +120,39 @@ def choose_backend(
             reasons.append(str(exc))
             continue
         return backend, cache_dtype
+    sinks_hint = ""
+    if spec.attention_sinks and not any(
+        cls.capabilities.attention_sinks for cls in platform.attention_backends()
+    ):
+        sinks_hint = (
+            f". {spec.architecture} adds attention sinks to every softmax (plugin API 1.13), which no "
+            f"backend of platform {platform.name!r} computes; platforms whose backends do: "
+            f"{_sink_backends()} (choose one with the `platform` option)"
+        )
     raise ValueError(
         f"no attention backend of platform {platform.name!r} supports this model "
         f"(head_size={spec.head_size}, dtype={spec.dtype}, block_size={block_size}, "
-        f"kv_cache_dtype={kv_cache_dtype!r}): " + "; ".join(reasons)
+        f"kv_cache_dtype={kv_cache_dtype!r}"
+        + (", attention sinks" if spec.attention_sinks else "")
+        + "): "
+        + "; ".join(reasons)
+        + sinks_hint
     )
+
+
+def _sink_backends() -> str:
+    """The installed platforms and their backends declaring attention sinks, for an error message:
+    "triton (triton_unified), cpu_reference (cpu_fast, cpu_reference)", or a note that none does.
+    Asks every installed plugin for its backends (only on this error path)."""
+    found = []
+    for other in load_platforms().platforms():
+        try:
+            names = [cls.name for cls in other.attention_backends() if cls.capabilities.attention_sinks]
+        except PlatformError:
+            continue  # a platform without backends here: it declares nothing
+        if names:
+            found.append(f"{other.name} ({', '.join(names)})")
+    return ", ".join(found) if found else "none among the installed platforms"
 
 
 def load_device_model(

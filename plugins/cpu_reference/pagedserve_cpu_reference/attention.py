@@ -11,6 +11,10 @@ Semantics (the contract of `pagedserve.platforms.api.AttentionBackend`, made exa
 * Scores are `scale * q . k`; with a logit softcap `c` they become `c * tanh(scores / c)` (after
   scaling, before masking and softmax).
 * Grouped-query attention: query head `h` reads kv head `h // (num_q_heads // num_kv_heads)`.
+* Attention sinks (plugin API 1.13, gpt-oss): with `sinks` [num_q_heads], head `h`'s logit
+  `sinks[h]` (not scaled, not softcapped) is one more entry of every one of its rows' softmax, with
+  no value: the softmax runs over the row's visible scores and the sink, and the sink's column is
+  then dropped, so the row's weights sum to `1 - p_sink`.
 
 How one call is computed: requests are planned into groups (`plan_groups`) of similar query and
 sequence length; each group is padded to its longest query and sequence and computed with batched
@@ -113,6 +117,7 @@ class _Options:
     sliding_window: int | None  # keys seen per query, its own included
     logit_softcap: float | None
     kv_scales: KVCacheScales | None  # None: the cache has the query's dtype
+    sinks: torch.Tensor | None = None  # [num_q_heads] float32 sink logits; None: no sinks
 
 
 class _ScratchBuffer:
@@ -156,6 +161,7 @@ class ReferenceAttentionBackend(AttentionBackend):
         sliding_window=True,
         logit_softcap=True,
         kv_cache_dtypes=FP8_DTYPES,
+        attention_sinks=True,
         # Plain torch on the CPU: the same call takes the same operations in the same order, and
         # float32 stays float32 (the CPU has no TF32); the conformance kit checks both promises.
         deterministic=True,
@@ -181,6 +187,7 @@ class ReferenceAttentionBackend(AttentionBackend):
         kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
         new_key: torch.Tensor | None = None,  # never passed: enable_new_kv_reads answers False
         new_value: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,  # [num_q_heads] float32
     ) -> torch.Tensor:
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.
@@ -192,8 +199,9 @@ class ReferenceAttentionBackend(AttentionBackend):
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
             kv_scales=kv_scales,
+            sinks=sinks,
         )
-        options = _Options(scale, sliding_window, logit_softcap, kv_scales)
+        options = _Options(scale, sliding_window, logit_softcap, kv_scales, sinks)
         _check_layout(query, kv_cache, metadata, out)
 
         result = out if out is not None else torch.zeros_like(query)
@@ -284,7 +292,16 @@ class ReferenceAttentionBackend(AttentionBackend):
                 allowed &= key_pos[None, None, :key_end] > q_pos[:, :, None] - options.sliding_window
             scores = scores.view(num_kv_heads, num_reqs, group_size, num_rows, key_end)
             scores = scores.masked_fill(~allowed[None, :, None], -math.inf)
-            probs = torch.softmax(scores, dim=-1).view(num_kv_heads, num_reqs, group_size * num_rows, key_end)
+            if options.sinks is None:
+                probs = torch.softmax(scores, dim=-1)
+            else:
+                # The formula as it reads: the sink is one more logit of each row of its head
+                # (h = kv_head * group_size + g), softmaxed with the scores; it has no value, so
+                # its column is dropped after the softmax.
+                sink = options.sinks.to(compute_dtype).view(num_kv_heads, 1, group_size, 1, 1)
+                sink = sink.expand(num_kv_heads, num_reqs, group_size, num_rows, 1)
+                probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :key_end]
+            probs = probs.reshape(num_kv_heads, num_reqs, group_size * num_rows, key_end)
             o = torch.matmul(probs, values[:, :, :key_end])  # [Hkv, R, G * Qc, D]
             o = o.view(num_kv_heads, num_reqs, group_size, num_rows, head_size).permute(1, 3, 0, 2, 4)
             o = o.reshape(num_reqs, num_rows, num_q_heads, head_size)

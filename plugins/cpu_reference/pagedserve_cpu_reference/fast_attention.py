@@ -1,8 +1,9 @@
 """A faster paged attention for the CPU: the oracle's algorithm with a cheaper memory layout.
 
 Same semantics as `ReferenceAttentionBackend` (see `attention.py`: causal, sliding window, logit
-softcap, grouped-query attention); the conformance suite checks this backend against it. Three
-things make it several times faster on decode batches, and a fourth serves a single stream:
+softcap, grouped-query attention, attention sinks); the conformance suite checks this backend
+against it. Three things make it several times faster on decode batches, and a fourth serves a
+single stream:
 
 * One plan per step, not per layer. Every layer of a forward receives the same `AttentionMetadata`
   object, so grouping, block indices, masks and the layout checks are computed on the first layer
@@ -19,6 +20,10 @@ things make it several times faster on decode batches, and a fourth serves a sin
   single-stream latency is made of) skips grouping: its keys are sliced out of its blocks (read in
   place when the block ids are consecutive), and the query heads of each kv head become the query
   rows of one fused attention call, in the input dtype.
+
+Layers with attention sinks take the general path (the fused call has no sink), where the sink
+scales each row's softmax weights by `sigmoid(logsumexp(scores) - sink)`: the same weights as a
+softmax over the scores and the sink, without a copy of the scores widened by one column.
 """
 
 from __future__ import annotations
@@ -147,6 +152,7 @@ class FastCpuAttentionBackend(AttentionBackend):
         kv_scales: KVCacheScales | None = None,  # FP8 caches, which this backend refuses
         new_key: torch.Tensor | None = None,  # never passed: enable_new_kv_reads answers False
         new_value: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,  # [num_q_heads] float32
     ) -> torch.Tensor:
         """Return attention output [num_tokens, num_q_heads, head_size] in query's dtype; rows past
         `metadata.num_actual_tokens` are zero when `out` is None and untouched otherwise.
@@ -167,6 +173,7 @@ class FastCpuAttentionBackend(AttentionBackend):
             sliding_window,
             logit_softcap,
             kv_scales,
+            None if sinks is None else (sinks.shape, sinks.stride(), sinks.dtype, sinks.device),
         )
         if plan is None or plan.metadata is not metadata or signature not in plan.checked_calls:
             self.check_call(
@@ -176,21 +183,20 @@ class FastCpuAttentionBackend(AttentionBackend):
                 sliding_window=sliding_window,
                 logit_softcap=logit_softcap,
                 kv_scales=kv_scales,
+                sinks=sinks,
             )
             plan = self._check_and_plan(query, kv_cache, metadata, out)
             plan.checked_calls.add(signature)
         elif out is not None:
             _check_out(query, out)
-        if plan.single is not None and logit_softcap is None and query.shape[0] == 1:
+        # The fused attention calls take neither a softcap nor a sink: such layers take the general path.
+        fused = logit_softcap is None and sinks is None
+        if plan.single is not None and fused and query.shape[0] == 1:
             return self._attend_single(plan.single, query, kv_cache, scale, sliding_window, out)
-        options = _Options(scale, sliding_window, logit_softcap, kv_scales=None)
+        options = _Options(scale, sliding_window, logit_softcap, kv_scales=None, sinks=sinks)
         result = out if out is not None else torch.zeros_like(query)
         for group in plan.groups:
-            if (
-                group.decode_mask is not None
-                and options.logit_softcap is None
-                and _fused_decode_pays(group, kv_cache)
-            ):
+            if group.decode_mask is not None and fused and _fused_decode_pays(group, kv_cache):
                 self._attend_decode(group, query, kv_cache, options, result)
             else:
                 self._attend_group(group, query, kv_cache, options, result)
@@ -378,7 +384,14 @@ class FastCpuAttentionBackend(AttentionBackend):
             scores = scores.view(r, num_kv_heads, group_size, num_rows, key_end)
             scores = scores.masked_fill(~allowed[:, None, None], -math.inf)
             softmax_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-            probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(dtype)
+            probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype)
+            if options.sinks is not None:
+                # exp(s_j) / (Z + exp(sink)) = p_j * Z / (Z + exp(sink)) = p_j * sigmoid(log Z - sink),
+                # Z the row's sum of exp(s_j): the sink's share taken off every weight, stably.
+                log_z = torch.logsumexp(scores.to(softmax_dtype), dim=-1, keepdim=True)
+                sink = options.sinks.to(softmax_dtype).view(1, num_kv_heads, group_size, 1, 1)
+                probs = probs * torch.sigmoid(log_z - sink)
+            probs = probs.to(dtype)
             o = torch.bmm(probs.view(r * num_kv_heads, group_size * num_rows, key_end), values[:, :key_end])
             o = o.view(r, num_kv_heads, group_size, num_rows, head_size).permute(0, 3, 1, 2, 4)
             o = o.reshape(r, num_rows, num_q_heads, head_size)

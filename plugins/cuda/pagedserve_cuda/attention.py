@@ -81,8 +81,12 @@ class CudaPagedAttentionBackend(AttentionBackend):
     """Paged attention on NVIDIA GPUs: CUDA v1/v2 decode kernels, Triton for everything else."""
 
     name: ClassVar[str] = "cuda_paged"
-    # Triton runs every case the CUDA kernels do not, so the pair supports exactly what it does.
-    capabilities: ClassVar[AttentionCapabilities] = UNIFIED_ATTENTION_CAPABILITIES
+    # Triton runs every case the CUDA kernels do not, so the pair supports what it does, except
+    # attention sinks (API 1.13): the CUDA decode kernels have none (models with sinks run on the
+    # triton platform).
+    capabilities: ClassVar[AttentionCapabilities] = replace(
+        UNIFIED_ATTENTION_CAPABILITIES, attention_sinks=False
+    )
     # The kernel choice is host-only; v1/v2 CTAs of a sequence shorter than their partition return
     # at once (seq_len 0: every one), and v2's reduction writes row query_start_loc[seq], which
     # for a padding sequence is the first padding row. Prefill batches go to Triton, which
@@ -269,6 +273,7 @@ class CudaPagedAttentionBackend(AttentionBackend):
         kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
         new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]; for Triton
         new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]; for Triton
+        sinks: torch.Tensor | None = None,  # undeclared: refused by `check_call`
     ) -> torch.Tensor:
         """Attention output [num_tokens, num_q_heads, head_size]; rows past num_actual_tokens are left
         as they were in `out` (uninitialised when `out` is None). Writes only `out`."""
@@ -279,6 +284,7 @@ class CudaPagedAttentionBackend(AttentionBackend):
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
             kv_scales=kv_scales,
+            sinks=sinks,
         )
         if out is None:
             out = torch.empty_like(query)
@@ -338,6 +344,7 @@ class CudaPagedAttentionBackend(AttentionBackend):
         kv_scales: KVCacheScales | None = None,
         new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
         new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+        sinks: torch.Tensor | None = None,  # undeclared: refused by `check_call`
     ) -> frozenset[Hashable] | None:
         """API 1.9: what `forward` would compile for this call. A CUDA decode batch needs the
         NVRTC module of its launch (`decode_variant`: the decode kernel's compile-time defines;
@@ -354,6 +361,7 @@ class CudaPagedAttentionBackend(AttentionBackend):
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
             kv_scales=kv_scales,
+            sinks=sinks,
         )
         if metadata.num_actual_tokens == 0 or metadata.num_reqs == 0:
             return frozenset()

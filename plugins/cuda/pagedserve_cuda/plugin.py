@@ -17,6 +17,7 @@ from pagedserve.platforms.api import (
     CacheOps,
     LinearKernel,
     LoRAKernel,
+    MoEKernel,
     PlatformInfo,
 )
 from pagedserve.platforms.hookspecs import hookimpl
@@ -117,6 +118,16 @@ def pagedserve_lora_kernel(platform: str) -> LoRAKernel | None:
     from pagedserve_triton.lora_kernel import LORA_KERNEL
 
     return LORA_KERNEL
+
+
+@hookimpl
+def pagedserve_moe_kernel(platform: str) -> MoEKernel | None:
+    """The triton plugin's fused MoE kernels."""
+    if platform != PLATFORM_NAME:
+        return None
+    from pagedserve_triton.moe_kernel import MOE_KERNEL
+
+    return MOE_KERNEL
 
 
 @hookimpl

@@ -18,7 +18,12 @@ from typing import Any
 from pagedserve_rocm.arch import waves_per_eu
 from pagedserve_rocm.tuning import RocmAttentionConfig
 
-_POINTER_TYPES = {"block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
+_POINTER_TYPES = {
+    "block_table_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "query_start_loc_ptr": "*i32",
+    "sinks_ptr": "*fp32",
+}
 _FLOAT_ARGS = frozenset({"scale_log2", "softcap"})
 _TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 # The memory instructions that read the KV cache: it is the only tensor without a 32-bit pointer
@@ -54,6 +59,8 @@ class AttentionVariant:
     softcap_and_window: bool  # both features compiled in (the most registers)
     num_grid_groups: int  # XCDs of the grid order
     num_splits: int = 1  # 3D kernel only
+    # Attention sinks compiled in (2D kernel only: the 3D kernel leaves them to its reduction).
+    attention_sinks: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +127,10 @@ def _constexprs(variant: AttentionVariant) -> dict[str, Any]:
     )
     if variant.kernel == "unified_attention_3d":
         values["NUM_SPLITS"] = variant.num_splits
+    else:
+        values["USE_SINKS"] = variant.attention_sinks
+        if not variant.attention_sinks:
+            values["sinks_ptr"] = None  # as a launch without sinks passes it: a constant
     return values
 
 
@@ -169,8 +180,11 @@ def compile_attention(variant: AttentionVariant) -> AmdgcnStats:
     return stats_of(compiled.asm["amdgcn"], variant.arch, compiled.metadata.shared)
 
 
-def compile_reduction(arch: str, *, head_size: int, num_splits: int, num_warps: int) -> AmdgcnStats:
-    """Compile the 3D kernel's reduction for `arch` and read its statistics."""
+def compile_reduction(
+    arch: str, *, head_size: int, num_splits: int, num_warps: int, attention_sinks: bool = False
+) -> AmdgcnStats:
+    """Compile the 3D kernel's reduction for `arch` (with the sinks' term when `attention_sinks`)
+    and read its statistics."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -183,6 +197,8 @@ def compile_reduction(arch: str, *, head_size: int, num_splits: int, num_warps: 
         "HEAD_SIZE_PADDED": head_padded,
         "NUM_SPLITS": num_splits,
         "DEPENDENT": False,
+        "USE_SINKS": attention_sinks,
+        **({} if attention_sinks else {"sinks_ptr": None}),
     }
     signature, attrs = _signature(reduce_segments_kernel, constexprs, "bfloat16")
     compiled = triton.compile(

@@ -304,18 +304,21 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         kv_scales: KVCacheScales | None = None,  # required exactly when kv_cache is FP8
         new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
         new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+        sinks: torch.Tensor | None = None,  # [num_q_heads] float32: attention sinks (API 1.13)
     ) -> torch.Tensor:
         """Attention output [num_tokens, num_q_heads, head_size]; rows past num_actual_tokens are
         left as they were in `out` (uninitialised when `out` is None). Writes only `out` (and the
         instance's step cache). With `new_key` and `new_value` (after `enable_new_kv_reads`), a
-        batch of prompt chunks reads its new tokens' keys and values from them.
+        batch of prompt chunks reads its new tokens' keys and values from them. With `sinks`, each
+        head's sink logit joins its rows' softmax (`unified_attention`); such a layer never runs
+        on the ragged prefill kernel, which has no sink.
 
         Every layer of a step passes the same metadata object, so the first call for a metadata
         object and layout checks everything and builds the launches (plan, tuned configs, grid,
         fixed arguments, split buffers); the step's other layers with that layout reuse them and
-        pass only their own query, cache and output. A layout is every shape, stride, dtype and
-        device of `query`, `kv_cache` and `out`, plus the three options: anything else is new and
-        checked in full."""
+        pass only their own query, cache, output and sinks. A layout is every shape, stride, dtype
+        and device of `query`, `kv_cache`, `out` and `sinks`, plus the three options: anything else
+        is new and checked in full."""
         new_kv = self._new_kv(metadata, new_key, new_value)
         key = (
             query.shape,
@@ -332,6 +335,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             logit_softcap,
             kv_scales,
             None if new_kv is None else tuple(layout_key(t) for t in (query, *new_kv)),
+            None if sinks is None else (sinks.shape, sinks.stride(), sinks.dtype, sinks.device),
         )
         step = self._step
         if step is None or step.metadata is not metadata:
@@ -340,8 +344,9 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         layer = step.layers.get(key)
         if layer is None:
             layer = self._build_layer(
-                query, kv_cache, metadata, out, scale, sliding_window, logit_softcap, kv_scales, new_kv
-            )
+                query, kv_cache, metadata, out, scale, sliding_window, logit_softcap, kv_scales, new_kv,
+                sinks=sinks,
+            )  # fmt: skip
             if len(step.layers) >= MAX_LAYOUTS_PER_STEP:
                 step.layers.clear()
             step.layers[key] = layer
@@ -353,11 +358,13 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             return out
         if layer.attention is None:
             return out
+        # Each layer has sinks of its own: a per-call argument, of the 2D kernel or the reduction.
+        per_layer = () if sinks is None else (sinks,)
         if layer.reduce is None:
-            layer.attention(out, query, kv_cache)
+            layer.attention(out, query, kv_cache, *per_layer)
         else:
             layer.attention(query, kv_cache)
-            layer.reduce(out)
+            layer.reduce(out, *per_layer)
         return out
 
     def _new_kv(
@@ -384,6 +391,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         kv_scales: KVCacheScales | None = None,
         new_key: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
         new_value: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_size]
+        sinks: torch.Tensor | None = None,  # [num_q_heads] float32
     ) -> frozenset[Hashable] | None:
         """API 1.9: the compiled Triton variants `forward` would launch for this call
         (`compile_keys.launch_variant` of each launch: the 2D kernel, the 3D kernel and its
@@ -397,10 +405,11 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         new_kv = self._new_kv(metadata, new_key, new_value)
         layer = self._build_layer(
             query, kv_cache, metadata, out, scale, sliding_window, logit_softcap, kv_scales, new_kv,
-            plan_only=True,
+            plan_only=True, sinks=sinks,
         )  # fmt: skip
         # `forward` allocates a missing `out` contiguous.
         out_arg: torch.Tensor | StandIn = out if out is not None else StandIn(query.dtype, query.shape)
+        per_layer = () if sinks is None else (sinks,)
         variants: list[Hashable | None] = []
         if layer.ragged_config is not None and new_kv is not None:
             config, has_context = layer.ragged_config
@@ -410,10 +419,10 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
                 )
             )
         elif layer.attention is not None and layer.reduce is None:
-            variants.append(layer.attention.variant(out_arg, query, kv_cache))
+            variants.append(layer.attention.variant(out_arg, query, kv_cache, *per_layer))
         elif layer.attention is not None and layer.reduce is not None:
             variants.append(layer.attention.variant(query, kv_cache))
-            variants.append(layer.reduce.variant(out_arg))
+            variants.append(layer.reduce.variant(out_arg, *per_layer))
         if any(v is None for v in variants):
             return None
         return frozenset(v for v in variants if v is not None)
@@ -453,11 +462,13 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         new_kv: tuple[torch.Tensor, torch.Tensor] | None,  # this step's keys and values
         *,
         plan_only: bool = False,
+        sinks: torch.Tensor | None = None,  # [num_q_heads] float32: only its layout is read here
     ) -> _LayerLaunch:
         """Check the whole call and build its launches. Allocates the 3D plan's split buffers and
         uploads the ragged kernel's tile plan, unless `plan_only` (`compile_key`: `StandIn`s take
         the buffers' place, the ragged launch is left at its config; such launches must never
-        run). Mutates only the launch-parameter cache."""
+        run). With `sinks` the 2D kernel (or the 3D plan's reduction) takes them per call.
+        Mutates only the launch-parameter cache."""
         # The layout first: a wrong layout (an HND cache, say) reads as wrong capabilities otherwise.
         self._check_layout(query, kv_cache, metadata, out)
         self.check_call(
@@ -467,6 +478,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
             kv_scales=kv_scales,
+            sinks=sinks,
         )
         # An FP8 cache's scales: k_scale folds into the softmax scale, v_scale scales the output.
         k_scale, v_scale = (kv_scales.k_scale, kv_scales.v_scale) if kv_scales is not None else (1.0, 1.0)
@@ -477,7 +489,7 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             return _LayerLaunch(PLAN_2D, None, None)
         ragged_config = (
             self._ragged_config(query, kv_cache, metadata, new_kv, sliding_window, logit_softcap)
-            if new_kv is not None
+            if new_kv is not None and sinks is None  # the ragged prefill kernel has no sink
             else None
         )
         if ragged_config is not None and plan_only:
@@ -560,18 +572,24 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
             **dict(cfg.backend_options),
             **launch,
         }
+        # Sinks are per layer, so per call; without them the pointer is None, which Triton compiles
+        # as a constant: the kernels are exactly those of a backend without sinks.
+        use_sinks = sinks is not None
+        sink_args: dict[str, object] = {"sinks_ptr": None, "USE_SINKS": use_sinks}
+        sinks_per_call = ("sinks_ptr",) if use_sinks else ()
         if plan.kind == "2d":
             attention = CachedLaunch(
                 unified_attention_2d_kernel,
                 (num_programs,),
                 {
                     **common,
+                    **sink_args,
                     "out_ptr": None,
                     "out_scale": v_scale,
                     "stride_o_tok": out_strides[0],
                     "stride_o_head": out_strides[1],
                 },
-                ("out_ptr", "q_ptr", "kv_ptr"),
+                ("out_ptr", "q_ptr", "kv_ptr", *sinks_per_call),
                 options,
             )
             return _LayerLaunch(plan, attention, None)
@@ -619,8 +637,9 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
                 "HEAD_SIZE_PADDED": head_padded,
                 "NUM_SPLITS": plan.num_splits,
                 "DEPENDENT": dependent,
+                **sink_args,
             },
-            ("out_ptr",),
+            ("out_ptr", *sinks_per_call),
             {"num_warps": reduce_cfg.num_warps, **launch},
         )
         return _LayerLaunch(plan, attention, reduce)

@@ -1,8 +1,8 @@
 """What the Triton unified attention kernel supports, importable without triton.
 
 The cuda platform delegates every batch its CUDA kernels do not cover to this kernel, so it
-declares exactly these capabilities too; both read them from here, where neither plugin's
-availability check needs triton to be installed.
+declares these capabilities too (all but attention sinks, which its CUDA decode kernels lack); both
+read them from here, where neither plugin's availability check needs triton to be installed.
 """
 
 from __future__ import annotations
@@ -21,4 +21,7 @@ UNIFIED_ATTENTION_CAPABILITIES = AttentionCapabilities(
     # The kernels take the FP8 encoding from the cache pointer. NVIDIA GPUs need sm_89+ (Ada,
     # Hopper) for FP8 conversions; a ROCm platform reusing the kernels declares the fnuz variants.
     kv_cache_dtypes=frozenset({torch.float8_e4m3fn, torch.float8_e5m2}),
+    # API 1.13 (gpt-oss): the 2D kernel starts each row's softmax from its sink, the 3D kernel's
+    # reduction adds it once (`unified_attention`).
+    attention_sinks=True,
 )

@@ -19,6 +19,7 @@ from pagedserve.platforms.api import (
     CacheOps,
     LinearKernel,
     LoRAKernel,
+    MoEKernel,
     PlatformInfo,
 )
 from pagedserve.platforms.hookspecs import hookimpl
@@ -118,6 +119,15 @@ def pagedserve_lora_kernel(platform: str) -> LoRAKernel | None:
     from pagedserve_triton.lora_kernel import LORA_KERNEL
 
     return LORA_KERNEL
+
+
+@hookimpl
+def pagedserve_moe_kernel(platform: str) -> MoEKernel | None:
+    if platform != PLATFORM_NAME or not _triton_installed():
+        return None
+    from pagedserve_triton.moe_kernel import MOE_KERNEL
+
+    return MOE_KERNEL
 
 
 @hookimpl

@@ -39,6 +39,13 @@ a bfloat16 value). The scales never enter the loop: `k_scale` is folded into the
 (`s = (q . k_stored) * scale * k_scale`) and `v_scale` multiplies the normalised output once
 (`out_scale`), which is the contract's `stored * scale` up to float32 rounding.
 
+Attention sinks (`USE_SINKS`, gpt-oss): head h's sink logit `sinks[h]` is one more score of each
+of its rows, with no value. The 2D kernel starts each row's online softmax from it (the running
+maximum is the sink, in base 2, and the running sum exp2(sink - sink) = 1, acc 0), so every later
+rescale carries its share along. The 3D kernel's splits know nothing of it: the reduction adds it
+once, beside the splits' partials, when it combines them. Without sinks `sinks_ptr` is None and
+both kernels compile to the code they had before sinks existed.
+
 Launch order: the 1-D program id goes through `remap_program_id` (the arithmetic of
 `pagedserve.platforms.api.GridOrder.remap`), then tiles are numbered KV-head-major, so tiles that
 read the same KV data (same head, neighbouring query blocks of one request) are adjacent. With
@@ -671,6 +678,7 @@ def _attend_query_block(
     stride_kv_slot,
     stride_kv_head,
     stride_bt_req,
+    sinks_ptr,
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -688,12 +696,15 @@ def _attend_query_block(
     LOOP_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     WIDEN_BITS: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     """What both kernels do for one tile: load its query rows, find the KV tiles they see, and run
     the online softmax over them: all of them (NUM_SPLITS == 1, the 2D kernel), or the `split`-th
     of NUM_SPLITS contiguous shares (the 3D kernel; trailing splits may get nothing and then hold
-    an empty partial, max -inf and sum 0, which the reduction weighs as zero). Returns the
-    unnormalised (acc, m_i, l_i) and where the rows go (tok, head, row_mask, offs_d, d_mask)."""
+    an empty partial, max -inf and sum 0, which the reduction weighs as zero). With USE_SINKS (the
+    2D kernel only: the 3D kernel's reduction adds the sink) each row's softmax starts from its
+    head's sink. Returns the unnormalised (acc, m_i, l_i) and where the rows go (tok, head,
+    row_mask, offs_d, d_mask)."""
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
     q, tok, head, row_mask, offs_d, d_mask = _load_query_tile(
@@ -720,8 +731,15 @@ def _attend_query_block(
         lo = kv_start + split * per_split
         hi = tl.minimum(lo + per_split, kv_end)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        # The sink as the row's first score: the running maximum is the sink itself (base 2, like
+        # the scores; it is not scaled or softcapped) and the running sum exp2(sink - sink) = 1.
+        # Every row's head is a real head (< num_q_heads), masked rows included: no mask needed.
+        m_i = tl.load(sinks_ptr + head) * _LOG2E_K
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_span(
         q,
         acc,
@@ -803,6 +821,7 @@ def unified_attention_2d_kernel(
     stride_kv_slot,
     stride_kv_head,
     stride_bt_req,
+    sinks_ptr,  # [num_q_heads] float32 sink logits with USE_SINKS; None without (nothing compiled)
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -822,6 +841,7 @@ def unified_attention_2d_kernel(
     LONGEST_FIRST: tl.constexpr,  # launch order: see the q_block numbering below
     WIDEN_BITS: tl.constexpr,  # an e4m3fn cache widened to bfloat16 by `widen_fp8`'s bit path (NVIDIA)
     DEPENDENT: tl.constexpr,  # a programmatic dependent launch (NVIDIA sm_90+): see `programmatic_launch`
+    USE_SINKS: tl.constexpr,  # attention sinks (gpt-oss): see the module docstring
 ):
     if DEPENDENT:
         # Before any memory access: every earlier kernel has finished and its writes (the query,
@@ -854,6 +874,7 @@ def unified_attention_2d_kernel(
         stride_kv_slot,
         stride_kv_head,
         stride_bt_req,
+        sinks_ptr,
         QUERIES_PER_KV,
         BLOCK_M,
         BLOCK_Q,
@@ -871,6 +892,7 @@ def unified_attention_2d_kernel(
         LOOP_STAGES,
         WARP_SPECIALIZE,
         WIDEN_BITS,
+        USE_SINKS,
     )
 
     if DEPENDENT:
@@ -961,6 +983,7 @@ def unified_attention_3d_kernel(
         stride_kv_slot,
         stride_kv_head,
         stride_bt_req,
+        None,  # the splits know nothing of sinks: the reduction adds them once
         QUERIES_PER_KV,
         BLOCK_M,
         BLOCK_Q,
@@ -978,6 +1001,7 @@ def unified_attention_3d_kernel(
         LOOP_STAGES,
         WARP_SPECIALIZE,
         WIDEN_BITS,
+        False,
     )
 
     if DEPENDENT:
@@ -998,13 +1022,16 @@ def reduce_segments_kernel(
     num_q_heads,
     stride_o_tok,
     stride_o_head,
+    sinks_ptr,  # [num_q_heads] float32 sink logits with USE_SINKS; None without (nothing compiled)
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DEPENDENT: tl.constexpr,  # a programmatic dependent launch (NVIDIA sm_90+): see `programmatic_launch`
+    USE_SINKS: tl.constexpr,  # attention sinks (gpt-oss): see the module docstring
 ):
     """One program per (token, query head): rescale each split's partial to the common maximum
-    and normalise by the combined sum."""
+    and normalise by the combined sum. With USE_SINKS the head's sink is one more term of that
+    sum (and of the maximum), once per row, whatever the number of splits."""
     if DEPENDENT:
         tl.extra.cuda.gdc_wait()  # the 3D kernel's partials are written
     tok = tl.program_id(0).to(tl.int64)
@@ -1015,8 +1042,13 @@ def reduce_segments_kernel(
     m = tl.load(segm_max_ptr + segm)
     l_s = tl.load(segm_sum_ptr + segm)
     m_all = tl.max(m, axis=0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head) * _LOG2E_K  # base 2, like the partials' maxima
+        m_all = tl.maximum(m_all, sink)
     weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))
     total = tl.sum(l_s * weight, axis=0)
+    if USE_SINKS:
+        total += tl.exp2(sink - m_all)
     acc = tl.load(segm_acc_ptr + segm[:, None] * HEAD_SIZE_PADDED + offs_d[None, :])
     if DEPENDENT:
         tl.extra.cuda.gdc_launch_dependents()

@@ -172,6 +172,18 @@ def test_every_model_and_size_compiled_each_kernel(compiled: dict[str, dict[str,
     assert any("/scan/" in key for key in compiled) and any("/scatter/" in key for key in compiled)
 
 
+def test_gemms_and_combine_compile_for_mi300_without_spills(
+    compiled: dict[str, dict[str, object]],
+) -> None:
+    for key in _keys(compiled, "gfx942"):
+        if "/route/" in key:
+            continue  # the routing kernel: the expected failure below
+        result = compiled[key]
+        shared = result["shared"]
+        assert isinstance(shared, int) and 0 <= shared <= MI300_LDS_BYTES, (key, result)
+        assert result["vgpr_spills"] == 0 and result["sgpr_spills"] == 0, (key, result)
+
+
 def test_kernels_compile_for_h100_without_spills(compiled: dict[str, dict[str, object]]) -> None:
     for key in _keys(compiled, "sm90"):
         result = compiled[key]
@@ -181,6 +193,11 @@ def test_kernels_compile_for_h100_without_spills(compiled: dict[str, dict[str, o
         assert usage["STACK"] == 0 and usage["LOCAL"] == 0, (key, result, usage)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the routing kernel spills SGPRs on gfx942 with 128 experts; the rocm platform does not "
+    "register the fused MoE kernel until it compiles clean",
+)
 def test_kernels_compile_for_mi300_without_spills(compiled: dict[str, dict[str, object]]) -> None:
     for key in _keys(compiled, "gfx942"):
         result = compiled[key]

@@ -27,8 +27,8 @@ from models_harness import (
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from pagedserve.models.loader import load_model
 from pagedserve.models.layers import GatedMLP
+from pagedserve.models.loader import load_model
 from pagedserve.moe.layer import SparseMoE
 
 _MOE_DECODER = {**TINY_DECODER, "num_hidden_layers": 3}
@@ -90,7 +90,11 @@ def test_moe_model_matches_transformers(name: str, tmp_path: Path) -> None:
     assert loaded.spec.implementation == "native"
     layers = list(loaded.model.model.layers)
     assert tuple(isinstance(layer.mlp, SparseMoE) for layer in layers) == sparse_layers
-    assert all(isinstance(layer.mlp, GatedMLP) for layer, sparse in zip(layers, sparse_layers) if not sparse)
+    assert all(
+        isinstance(layer.mlp, GatedMLP)
+        for layer, sparse in zip(layers, sparse_layers, strict=True)
+        if not sparse
+    )
 
     prompts = random_prompts(128, [9, 14, 3], seed=len(name))
     torch.testing.assert_close(

@@ -18,7 +18,8 @@ Inputs (drawn from the case's seed):
 
 Checks, in this order of reporting: the call must not raise; it must return a tensor of x's shape,
 dtype and device (the engine adds it to the residual stream); it must leave every input unchanged
-(bitwise); the step's rows must be finite and within the MoE tolerance of the oracle (`MOE_TOLERANCES`), which runs `MoEKernel.op`'s torch formulation on the same (rounded) inputs in
+(bitwise); the step's rows must be finite and within the MoE tolerance of the oracle
+(`MOE_TOLERANCES`), which runs `MoEKernel.op`'s torch formulation on the same (rounded) inputs in
 float64 on the CPU. With junk rows: the call without them must pass the same checks, and a second call
 whose junk rows of x hold other values (same router logits, so the same routing) must return the
 step's rows bit for bit (the values of rows past the step may change nothing; bits, not a tolerance,

@@ -19,7 +19,6 @@ from pagedserve.platforms.api import (
     CacheOps,
     GridOrder,
     LoRAKernel,
-    MoEKernel,
     PlatformInfo,
 )
 from pagedserve.platforms.hookspecs import hookimpl

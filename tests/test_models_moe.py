@@ -1,4 +1,4 @@
-"""Native mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers.
+"""Native mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss) against transformers.
 
 Each case builds a tiny random transformers model with more experts than a token uses, saves it
 as a safetensors checkpoint (one tensor per expert and projection, as released checkpoints are),
@@ -25,7 +25,7 @@ from models_harness import (
     tiny_hf_model,
 )
 from safetensors.torch import load_file, save_file
-from transformers import MixtralConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import GptOssConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from pagedserve.models.layers import GatedMLP
 from pagedserve.models.loader import load_model
@@ -73,7 +73,20 @@ def _mixtral() -> PretrainedConfig:
     )
 
 
+def _gpt_oss() -> PretrainedConfig:
+    # Sliding (window 4), full and sliding layers, sinks on every layer, biased router and experts.
+    return GptOssConfig(
+        **_MOE_DECODER,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        tie_word_embeddings=False,
+    )
+
+
 CASES = {
+    "gpt_oss": (_gpt_oss, "GptOssForCausalLM", (True, True, True)),
     "qwen3_moe": (_qwen3_moe, "Qwen3MoeForCausalLM", (True, False, True)),
     "qwen2_moe": (_qwen2_moe, "Qwen2MoeForCausalLM", (False, True, False)),
     "mixtral": (_mixtral, "MixtralForCausalLM", (True, True, True)),
@@ -88,6 +101,7 @@ def test_moe_model_matches_transformers(name: str, tmp_path: Path) -> None:
     loaded = load_model(tmp_path)
     assert loaded.spec.architecture == architecture
     assert loaded.spec.implementation == "native"
+    assert loaded.spec.attention_sinks == (name == "gpt_oss")
     layers = list(loaded.model.model.layers)
     assert tuple(isinstance(layer.mlp, SparseMoE) for layer in layers) == sparse_layers
     assert all(

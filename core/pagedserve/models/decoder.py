@@ -327,6 +327,7 @@ class DecoderForCausalLM(PagedCausalLM):
             sliding_windows=options.sliding_windows,
             logit_softcap=None,
             max_position_embeddings=getattr(config, "max_position_embeddings", None),
+            attention_sinks=options.attention_sinks,
         )
 
     @classmethod

@@ -65,6 +65,7 @@ def test_plugin_registers_cleanly_and_is_unavailable_without_gpu() -> None:
         "reduce_segments",
         "reshape_and_cache",
         "copy_blocks",
+        "fused_moe",
     }
     if not torch.cuda.is_available():
         availability = platform.availability

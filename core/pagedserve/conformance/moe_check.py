@@ -243,7 +243,7 @@ def _alternatives(case: MoECase, oracle: _Oracle) -> list[tuple[str, Callable[[]
     if bool(
         (oracle.logits[:, :, None] == oracle.logits[:, None, :]).sum(dim=(1, 2)).gt(case.num_experts).any()
     ):
-        flipped = ExpertWeights(*(None if t is None else t.flip(0) for t in _fields(experts)))
+        flipped = ExpertWeights(*(None if t is None else t.flip(0) for t in _fields(experts)))  # type: ignore[arg-type]
         # Reversed experts: a stable pick of the lower index there is the higher index here.
         alt("ties go to the higher expert index", logits=oracle.logits.flip(-1), experts=flipped)
     if routing.scoring == "softmax_topk":
@@ -325,7 +325,7 @@ def _call(
 
 def _on(experts: ExpertWeights, device: torch.device) -> ExpertWeights:
     # Copies even on the CPU, so that a kernel writing into its inputs cannot hide it.
-    return ExpertWeights(*(None if t is None else t.to(device, copy=True) for t in _fields(experts)))
+    return ExpertWeights(*(None if t is None else t.to(device, copy=True) for t in _fields(experts)))  # type: ignore[arg-type]
 
 
 def _output_problems(out: object, x: torch.Tensor, what: str) -> list[str]:

@@ -25,7 +25,7 @@ from torch import nn
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.distributed.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLogits
 from pagedserve.models.decoder import DecoderForCausalLM, DecoderLayer, head_size_of
-from pagedserve.models.layers import MergedLinear
+from pagedserve.models.layers import GatedMLP, MergedLinear
 from pagedserve.models.weights import safetensors_files
 from pagedserve.moe.layer import SparseMoE
 
@@ -217,6 +217,7 @@ def shard_model(model: DecoderForCausalLM, layout: ShardLayout, group: TensorPar
         if isinstance(mlp, SparseMoE):
             mlp.shard(layout.rank, layout.world_size, group)
             continue
+        assert isinstance(mlp, GatedMLP)
         inter = layout.local_intermediate
         mlp_bias = mlp.down_proj.bias is not None
         mlp.gate_up_proj = MergedLinear(hidden, {"gate_proj": inter, "up_proj": inter}, bias=mlp_bias)

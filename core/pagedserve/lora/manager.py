@@ -22,6 +22,7 @@ from pagedserve.lora.layers import NO_SLOT, LoRALinear, LoRAMapping, SlotShape
 from pagedserve.lora.reference import MASKED_LORA_KERNEL
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.decoder import DecoderForCausalLM, DecoderLayer
+from pagedserve.models.layers import GatedMLP
 from pagedserve.platforms.api import LoRAKernel
 
 
@@ -61,6 +62,11 @@ class LoRAManager:
         self.targets: list[dict[str, LoRALinear]] = []
         for layer in cast("Iterable[DecoderLayer]", model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, GatedMLP):
+                raise ValueError(
+                    f"LoRA adapters on {type(mlp).__name__} feed-forward layers (mixtures of experts) are "
+                    "not supported; serve this model with enable_lora=False"
+                )
             hidden = attn.qkv_proj.in_features
             q, kv = attn.q_size, attn.kv_size
             qkv = wrap(attn, "qkv_proj", hidden, {"q_proj": q, "k_proj": kv, "v_proj": kv})

@@ -157,6 +157,7 @@ class _Probe(AttentionBackend, CacheOps):
         kv_scales: KVCacheScales | None = None,
         new_key: torch.Tensor | None = None,
         new_value: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,  # never passed: attention_sinks is not declared
     ) -> torch.Tensor:
         """Appends to `self.calls`; returns zeros shaped like `query`."""
         layer_idx = _layer_of(kv_cache)

@@ -34,6 +34,7 @@ class GatherAttentionBackend(AttentionBackend):
         kv_scales: KVCacheScales | None = None,  # FP8 caches only, which this backend does not declare
         new_key: torch.Tensor | None = None,  # never passed: enable_new_kv_reads answers False
         new_value: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,  # never passed: attention_sinks is not declared
     ) -> torch.Tensor:
         """Attention for every request of the batch; does not mutate `kv_cache`, writes only `out`."""
         num_q_heads, head_size = query.shape[1], query.shape[2]

@@ -89,12 +89,11 @@ def _drops_the_last_expert(
     return moe_forward_reference(x, masked, e, r)
 
 
-def _accumulates_in_bfloat16(
+def _off_by_one_percent(
     x: torch.Tensor, logits: torch.Tensor, e: ExpertWeights, r: MoERouting
 ) -> torch.Tensor:
-    weights, ids = select_experts(logits, r)
-    out = moe_forward_reference(x, logits, e, r)
-    return (out.to(torch.float16).to(torch.bfloat16).to(out.dtype) * 1.01) if weights.numel() else out
+    # A scale slip (an epilogue multiplying by a wrong constant): 1% off, past every dtype's tolerance.
+    return moe_forward_reference(x, logits, e, r) * 1.01
 
 
 @pytest.mark.parametrize(

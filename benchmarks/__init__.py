@@ -3,7 +3,7 @@
 Every GPU number of docs/benchmarks.md comes from one command, `python -m benchmarks.gpu_suite`
 (docs/gpu_hosts.md says how to install on a GPU host); the scripts below are its stages and the
 tools behind the other tables. Scripts run from the repository root (`python benchmarks/NAME.py
---help`, `python benchmarks/kernels/NAME.py --help`); `workloads/` holds the two offline workloads
+--help`, `python benchmarks/kernel_benchmarks/NAME.py --help`); `workloads/` holds the two offline workloads
 every throughput number uses.
 
 What a user runs: the engine against its peers
@@ -26,7 +26,7 @@ What a user runs: the engine against its peers
   fp8_accuracy.py           what FP8 costs in accuracy against bfloat16
   gpu_requirements.py       the requirements to download for a GPU host without internet
 
-Kernels, one at a time: the package `kernels/` (its docstring lists each script)
+Kernels, one at a time: the package `kernel_benchmarks/` (its docstring lists each script)
 
 The host, without a GPU
   scheduler_step.py         one scheduler step at 256 running requests

@@ -12,8 +12,8 @@ still run:
   conformance every attention backend and cache op of the cuda and triton platforms against the
               cpu_reference oracle (`pagedserve conformance`)
   engine      greedy tokens on the cuda and triton platforms equal cpu_reference's (tiny models)
-  attention   the attention case table (`benchmarks/kernels/attention.py --table`)
-  variants    the prefill kernel variants' sweep (`benchmarks/kernels/attention.py --variants`), the winning
+  attention   the attention case table (`benchmarks/kernel_benchmarks/attention.py --table`)
+  variants    the prefill kernel variants' sweep (`benchmarks/kernel_benchmarks/attention.py --variants`), the winning
               configs written under OUT/variant_configs for review (not into the plugin)
   latency     single stream 512 -> 128 on Llama-3.1-8B shapes, GPU idle, the decode step at 256
               running requests, the engine as configured by default
@@ -23,9 +23,9 @@ still run:
   peers       HF transformers + static cache + torch.compile single stream, and HF continuous
               batching on the 256-request workload (scripts from PEERS_DIR)
   gemm        the linear layers of a decode step (1-128 rows, 8B shapes), the Triton GEMM the
-              engine uses against cuBLAS and torch._scaled_mm (`benchmarks/kernels/skinny_gemm.py --fp8`),
+              engine uses against cuBLAS and torch._scaled_mm (`benchmarks/kernel_benchmarks/skinny_gemm.py --fp8`),
               and 32 layers of them with and without programmatic dependent launches
-              (`benchmarks/kernels/programmatic_launch.py`, sm_90+)
+              (`benchmarks/kernel_benchmarks/programmatic_launch.py`, sm_90+)
   fp8         FP8 weights + FP8 KV cache against bfloat16: KV tokens, TPOT, throughput on the
               256-request workload (`benchmarks/gpu_fp8.py`)
   serve       `pagedserve serve` loaded by `pagedserve bench serve` (at once, 20 requests/s, one at a
@@ -203,7 +203,7 @@ def stage_attention(suite: Suite) -> dict[str, Any]:
     path = suite.out / "raw" / "attention_table.json"
     argv = [
         suite.python,
-        "benchmarks/kernels/attention.py",
+        "benchmarks/kernel_benchmarks/attention.py",
         "--table",
         "--flex-budget-s",
         "120",
@@ -219,7 +219,7 @@ def stage_variants(suite: Suite) -> dict[str, Any]:
     path = suite.out / "raw" / "attention_variants.json"
     configs = suite.out / "variant_configs"
     configs.mkdir(parents=True, exist_ok=True)
-    argv = [suite.python, "benchmarks/kernels/attention.py", "--variants", "--write-configs", str(configs)]
+    argv = [suite.python, "benchmarks/kernel_benchmarks/attention.py", "--variants", "--write-configs", str(configs)]
     res = suite.run("variants", [*argv, "--json", str(path)], timeout_s=900)
     res["result"] = read_json(path)
     return res
@@ -278,12 +278,12 @@ def stage_gemm(suite: Suite) -> dict[str, Any]:
     path = suite.out / "raw" / "skinny_gemm.json"
     res = suite.run(
         "gemm",
-        [suite.python, "benchmarks/kernels/skinny_gemm.py", "--fp8", "--json", str(path)],
+        [suite.python, "benchmarks/kernel_benchmarks/skinny_gemm.py", "--fp8", "--json", str(path)],
         timeout_s=600,
     )
     res["result"] = read_json(path)
     launches = suite.out / "raw" / "programmatic_launch.json"
-    argv = [suite.python, "benchmarks/kernels/programmatic_launch.py", "--json", str(launches)]
+    argv = [suite.python, "benchmarks/kernel_benchmarks/programmatic_launch.py", "--json", str(launches)]
     res["programmatic_launch"] = suite.run("gemm_programmatic_launch", argv, timeout_s=600)
     res["programmatic_launch"]["result"] = read_json(launches)
     return res

@@ -4,7 +4,7 @@ GPU of the same host, in the same run (`python -m benchmarks.gpu_suite --stages 
 On a host with N >= 2 GPUs it runs, each in a process of its own:
 
   all_reduce  the all-reduce's paths (NCCL, one-shot and two-shot over peer memory) inside CUDA
-              graphs at world sizes 2 and 4 (`benchmarks/kernels/all_reduce.py`)
+              graphs at world sizes 2 and 4 (`benchmarks/kernel_benchmarks/all_reduce.py`)
   tp_8b_T     Llama-3.1-8B shapes at T = 1, 2 and 4 (those the host has): single-stream TTFT/TPOT,
               the decode step at 64 requests with its collective time, and output tok/s on the
               1,000-request workload (`benchmarks/tp_gpu.py`)
@@ -62,7 +62,7 @@ def stage_multigpu(suite: Suite) -> dict[str, Any]:
     path = raw / "all_reduce.json"
     argv = [
         suite.python,
-        "benchmarks/kernels/all_reduce.py",
+        "benchmarks/kernel_benchmarks/all_reduce.py",
         "--world",
         ",".join(map(str, sizes)),
         "--json",

@@ -1,4 +1,4 @@
-"""The arithmetic of `benchmarks/kernels/attention.py --table` (`attention_cases.py`): needed K/V
+"""The arithmetic of `benchmarks/kernel_benchmarks/attention.py --table` (`attention_cases.py`): needed K/V
 bytes, causal FLOPs, the case table and its goals; and the baselines' layouts and masks
 (`attention_baselines.py`), the bottom-right causal mask handed to cuDNN among them.
 Hand-computed small cases; no GPU, no kernel launches."""
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ["TRITON_INTERPRET"] = "1"
 # The kernel scripts import their neighbours by file name, as when run from their folder.
 sys.path.insert(0, str(ROOT / "plugins" / "triton"))
-sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "kernel_benchmarks"))
 import attention_baselines as baselines  # noqa: E402
 import attention_batches as batches  # noqa: E402
 import attention_cases as case_table  # noqa: E402

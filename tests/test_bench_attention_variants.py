@@ -1,4 +1,4 @@
-"""The host logic of `benchmarks/kernels/attention.py --variants` (`attention_variants.py`,
+"""The host logic of `benchmarks/kernel_benchmarks/attention.py --variants` (`attention_variants.py`,
 `attention_configs.py`): scores, the decode verdict, the config overrides it times and the files it
 writes; then one tiny end-to-end run in Triton's interpreter (two variants, one launch point)."""
 
@@ -20,7 +20,7 @@ H100 = "NVIDIA H100 80GB HBM3"
 # the kernel scripts import their neighbours by file name.
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(ROOT / "plugins" / "triton"))
-sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "kernel_benchmarks"))
 import attention_cases as case_table  # noqa: E402
 import attention_configs as configs  # noqa: E402
 import attention_variants as variants  # noqa: E402

@@ -1,11 +1,11 @@
-"""`benchmarks/kernels/kernel_fingerprint.py`'s notion of "the same code": source locations, comments,
+"""`benchmarks/kernel_benchmarks/kernel_fingerprint.py`'s notion of "the same code": source locations, comments,
 debug sections and temporary label numbers do not count; any instruction does."""
 
 from __future__ import annotations
 
 from bench_support import load_benchmark
 
-fingerprint = load_benchmark("kernel_fingerprint", "kernels")
+fingerprint = load_benchmark("kernel_fingerprint", "kernel_benchmarks")
 
 PTX = """.visible .entry k(
 \t.loc 1 12 3

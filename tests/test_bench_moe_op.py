@@ -1,4 +1,4 @@
-"""The host logic of `benchmarks/kernels/moe_op.py`: its arguments, the memory bound and the
+"""The host logic of `benchmarks/kernel_benchmarks/moe_op.py`: its arguments, the memory bound and the
 report it prints and writes (the timing itself needs a GPU)."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import pytest
 import torch
 from bench_support import ROOT, load_benchmark
 
-moe_op = load_benchmark("moe_op", "kernels")
+moe_op = load_benchmark("moe_op", "kernel_benchmarks")
 
 
 def test_help_works_without_a_gpu() -> None:
     done = subprocess.run(
         [sys.executable, "moe_op.py", "--help"],
-        cwd=ROOT / "benchmarks" / "kernels",
+        cwd=ROOT / "benchmarks" / "kernel_benchmarks",
         capture_output=True,
         text=True,
         check=False,

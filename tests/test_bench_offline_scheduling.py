@@ -110,7 +110,7 @@ def test_host_window_reports_a_cprofile_per_step(offline: ModuleType) -> None:
 
 
 def test_skinny_rows_grid_is_weight_major_and_valid() -> None:
-    skinny = load_benchmark("skinny_gemm", "kernels")
+    skinny = load_benchmark("skinny_gemm", "kernel_benchmarks")
     configs = skinny._configs("rows", 28672, 4096, None, 128)
     assert len(configs) == len(set(configs)) == 20
     assert all(c.weight_major and c.block_n >= 64 for c in configs)

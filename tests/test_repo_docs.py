@@ -4,6 +4,7 @@ README's test command (nothing weaker)."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import re
 from pathlib import Path
 
@@ -198,7 +199,7 @@ def test_results_index_lists_every_entry() -> None:
 
 
 def test_benchmarks_map_names_every_script() -> None:
-    for folder in (ROOT / "benchmarks", ROOT / "benchmarks" / "kernels"):
+    for folder in (ROOT / "benchmarks", ROOT / "benchmarks" / "kernel_benchmarks"):
         doc = (folder / "__init__.py").read_text()
         named = set(re.findall(r"^  (\w+\.py)\b", doc, flags=re.MULTILINE))
         scripts = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
@@ -207,3 +208,15 @@ def test_benchmarks_map_names_every_script() -> None:
         assert named - scripts == set(), (
             f"{where}/__init__.py names scripts that are gone: {sorted(named - scripts)}"
         )
+
+
+def test_no_benchmark_module_shadows_an_installed_package() -> None:
+    # The scripts run with their folder first on sys.path, and tests and spawned workers inherit
+    # that path: a script or folder named like an installed package (transformers imports
+    # `kernels`, for one) would be imported in its place.
+    installed = set(importlib.metadata.packages_distributions())
+    for folder in (ROOT / "benchmarks", ROOT / "benchmarks" / "kernel_benchmarks"):
+        names = {p.stem for p in folder.glob("*.py") if p.name != "__init__.py"}
+        names |= {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+        clash = sorted(names & installed)
+        assert not clash, f"{folder.relative_to(ROOT)} has modules named like installed packages: {clash}"

@@ -18,7 +18,7 @@ NVLink multicast (NVLS) objects are never created: `TORCH_SYMM_MEM_DISABLE_MULTI
 before the first symmetric allocation, and no `multimem` operator is used, because a program that
 creates them can take a shared host's GPUs out of service.
 
-The size thresholds (`default_limits`) come from `benchmarks/kernels/all_reduce.py`, which times the
+The size thresholds (`default_limits`) come from `benchmarks/kernel_benchmarks/all_reduce.py`, which times the
 three paths inside CUDA graphs on the host it runs on; `docs/distributed.md` lists the table.
 `disable_custom_all_reduce=True` sends every message through NCCL (for debugging, or hosts where
 peer memory misbehaves).
@@ -55,7 +55,7 @@ class PeerMemoryLimits:
 
 def default_limits(world_size: int) -> PeerMemoryLimits:
     """The thresholds of `world_size` ranks. Two ranks: measured on two H200s linked by 18 NVLinks
-    (`benchmarks/kernels/all_reduce.py`, bfloat16 inside CUDA graphs, docs/distributed.md): one-shot is
+    (`benchmarks/kernel_benchmarks/all_reduce.py`, bfloat16 inside CUDA graphs, docs/distributed.md): one-shot is
     fastest up to 1 MiB (15.6 us there against NCCL's 16.8), two-shot from 2 to 32 MiB (147 us at
     32 MiB against NCCL's 157). Larger groups are not measured yet: one-shot reads every peer's
     whole message, so its range is halved per doubling of the group, and two-shot keeps NCCL's

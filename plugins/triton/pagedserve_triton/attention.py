@@ -58,7 +58,7 @@ from pagedserve_triton.unified_attention import (
 MAX_QUERY_LEN_3D = 16  # longer queries have query-block parallelism, and partials grow with tokens
 # Below ~64 keys a split costs more in partial writes + reduction than it saves. Measured on H100
 # (bf16, 32/8 heads, head 128): one decode of 512 keys takes 21 us in 2D, 6.5 us with 8 splits,
-# 5.7 us with 16; 2048 keys: 78 us in 2D, 8.1 us with 32 splits (benchmarks/kernels/attention.py).
+# 5.7 us with 16; 2048 keys: 78 us in 2D, 8.1 us with 32 splits (benchmarks/kernel_benchmarks/attention.py).
 # The split count rounds the context's 64-key chunks up to a power of two (a trailing split may
 # get part of a chunk or nothing): one decode of 576 keys, in 32 layers' CUDA graph, took 8.6 us
 # per layer with 16 splits against 10.1 with 8 (H100, bf16; 8.0 against 9.8 over an FP8 cache).

@@ -5,7 +5,7 @@ The files in `configs/` follow the framework schema (`pagedserve.platforms.tuned
 per kernel and device key ("default", a family token like "h100", or an exact device name). This
 module turns the loosely typed `params` into checked dataclasses and caches one answer per shape
 class, so the hot path does a dict lookup and never autotunes. The offline sweep
-`python benchmarks/kernels/attention.py --tune OUT_DIR` writes such files (see configs/README.md).
+`python benchmarks/kernel_benchmarks/attention.py --tune OUT_DIR` writes such files (see configs/README.md).
 
 Shape keys passed to the lookup (every file's `match` may use any of them, exact or `_le`/`_ge`):
   attention kernels ("unified_attention_2d", "unified_attention_3d"):

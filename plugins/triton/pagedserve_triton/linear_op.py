@@ -16,7 +16,7 @@ widened weights made the kernel compute-bound: the 8B layer's four products per 
 ms against 3.9 at 32 rows and 3.7 against 4.3 at 64, quantization included.
 
 Launch parameters per weight shape come from `choose_config`, fitted to the sweep of
-`benchmarks/kernels/skinny_gemm.py --sweep --fp8` on an H100 (8B Llama shapes, 1 row): the winners differ
+`benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --fp8` on an H100 (8B Llama shapes, 1 row): the winners differ
 by a few percent within each rule below, so the rules are kept short. Other GPUs get the same
 rules until measured. NVIDIA only: AMD GPUs keep torch's GEMMs (their FP8 encodings differ and the
 kernel has no AMD measurements).
@@ -86,7 +86,7 @@ def choose_config(
     activation codes, `activation_dtype`) the dot is weight-major: 64-column blocks (the FP8
     tensor cores' 64-row side), 4-stage pipelines, 256-deep K tiles (128 for wide outputs past 64
     rows), 2-way K splits for K > 8192 and for outputs of at most 4096 columns; fitted on an H100
-    to a sweep of `benchmarks/kernels/skinny_gemm.py --grid codes`'s grid for each 8B product at 16-128
+    to a sweep of `benchmarks/kernel_benchmarks/skinny_gemm.py --grid codes`'s grid for each 8B product at 16-128
     rows (docs/results/2026-11-26_h100_rev706b0c5/weight_major_fp8_codes_sweep.json): the best
     point or within 1% of it, except gate/up at 64 rows (45.3 us for 3 stages; this rule's 4
     stages were outside the sweep's top six).
@@ -174,7 +174,7 @@ def kernel_linear(
 
 # The BLAS library of the 16-bit products past the Triton kernel's rows on NVIDIA GPUs, and the
 # environment variable that overrides it: "cublas", "cublaslt" or "default" (torch's own pick,
-# cuBLAS for these products). Timed alone on an H100 (benchmarks/kernels/gemm_backends.py, retired;
+# cuBLAS for these products). Timed alone on an H100 (benchmarks/kernel_benchmarks/gemm_backends.py, retired;
 # at revision bb43c45), cuBLASLt ran
 # the 8B layer's down projection (K = 14,336) at 43-48 us against cuBLAS's 47-65 us at 64-192
 # rows and the other products within 1% (3% slower for gate/up at 256 rows): 32 layers' products

@@ -5,7 +5,7 @@ tables are shuffled so reads are not contiguous. Prints one row per case: the fa
 time of one layer's attention call (on a shared machine the fastest is the better estimate of the
 code's own cost), and the K/V bytes the batch covers divided by the fastest time.
 
-    .venv/bin/python benchmarks/kernels/cpu_reference_attention.py [--repeats N] [--threads T]
+    .venv/bin/python benchmarks/kernel_benchmarks/cpu_reference_attention.py [--repeats N] [--threads T]
 """
 
 from __future__ import annotations

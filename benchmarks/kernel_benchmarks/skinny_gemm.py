@@ -19,10 +19,10 @@ For the gate/up weight also `skinny-gated` / `skinny-fp8-gated` — the product 
 `silu(gate) * up` from its epilogue (`gated=True`, what the engine runs) against the plain product
 plus the separate `silu_mul` launch (`*-plus-silu-mul`). GB/s counts the weight bytes.
 
-    python benchmarks/kernels/skinny_gemm.py --sweep --fp8 --json skinny.json
-    python benchmarks/kernels/skinny_gemm.py --sweep --grid wide --sweep-rows 16 --rows 16 --fp8-only
-    python benchmarks/kernels/skinny_gemm.py --sweep --grid codes --sweep-rows 64 --rows 64 --fp8-only
-    python benchmarks/kernels/skinny_gemm.py --sweep --grid rows --sweep-rows 128 --rows 32,64,96,128
+    python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --fp8 --json skinny.json
+    python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 16 --rows 16 --fp8-only
+    python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --grid codes --sweep-rows 64 --rows 64 --fp8-only
+    python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --grid rows --sweep-rows 128 --rows 32,64,96,128
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels/skinny_gemm.py needs a CUDA GPU")
+        raise SystemExit("benchmarks/kernel_benchmarks/skinny_gemm.py needs a CUDA GPU")
     rows = [int(r) for r in args.rows.split(",")]
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shapes": {}}
     print(

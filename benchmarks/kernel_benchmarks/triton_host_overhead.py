@@ -16,8 +16,8 @@ launches of one step fit in the launch queue, so this is the Python and launch c
 
 Each mode's outputs are compared with the cached mode's (bitwise: same kernels, same inputs).
 
-    python benchmarks/kernels/triton_host_overhead.py --json out.json
-    python benchmarks/kernels/triton_host_overhead.py --old-attention A.py --old-cache-ops C.py
+    python benchmarks/kernel_benchmarks/triton_host_overhead.py --json out.json
+    python benchmarks/kernel_benchmarks/triton_host_overhead.py --old-attention A.py --old-cache-ops C.py
 """
 
 from __future__ import annotations

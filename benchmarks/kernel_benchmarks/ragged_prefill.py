@@ -16,7 +16,7 @@ graph (`timing.time_graph`: median of 5 rounds of 50 calls):
 TFLOP/s counts causal attention FLOPs. Launch points that do not fit the GPU's shared memory
 are reported as failed rows.
 
-    python benchmarks/kernels/ragged_prefill.py --json ragged_prefill.json
+    python benchmarks/kernel_benchmarks/ragged_prefill.py --json ragged_prefill.json
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ temporary labels removed: the same fingerprint means the same instructions, so p
 assembler produce the same binary. Run it before and after the change and compare:
 
     # at the old revision, then at the new one
-    env -u TRITON_INTERPRET python benchmarks/kernels/kernel_fingerprint.py --json before.json
-    env -u TRITON_INTERPRET python benchmarks/kernels/kernel_fingerprint.py --compare before.json
+    env -u TRITON_INTERPRET python benchmarks/kernel_benchmarks/kernel_fingerprint.py --json before.json
+    env -u TRITON_INTERPRET python benchmarks/kernel_benchmarks/kernel_fingerprint.py --compare before.json
 
 Fingerprints depend on the Triton version: compare two runs of one environment only.
 """

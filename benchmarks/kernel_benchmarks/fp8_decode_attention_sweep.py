@@ -4,12 +4,12 @@ shipped configs on the same FP8 cache and on a bf16 cache.
 Three decode classes at Llama-3-8B layer shapes (32 query heads, 8 KV heads, head size 128,
 block size 16): 256 decodes of 384 keys, 128 of 640 and 64 of 2048. For each, every point of
 BLOCK_M 16 x TILE_SIZE 32/64/128 x 4/8 warps x 2/3/4 stages x PREFETCH_BLOCK_IDS off/on is timed
-(CUDA-graph replays, `benchmarks/kernels/timing.py`) with the other kernels on their shipped
+(CUDA-graph replays, `benchmarks/kernel_benchmarks/timing.py`) with the other kernels on their shipped
 configs; the best points and GB/s (cache bytes as stored) are printed and written as JSON. The
 winner common to all classes goes into `unified_attention_2d-<device>.json` as an entry matching
 `"kv_cache_dtype": "float8_e4m3fn"` (see the plugin's configs/README.md).
 
-    python benchmarks/kernels/fp8_decode_attention_sweep.py --json sweep.json
+    python benchmarks/kernel_benchmarks/fp8_decode_attention_sweep.py --json sweep.json
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels/fp8_decode_attention_sweep.py needs a CUDA GPU")
+        raise SystemExit("benchmarks/kernel_benchmarks/fp8_decode_attention_sweep.py needs a CUDA GPU")
     out: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     for name, (batch, context) in CASES.items():
         out[name] = sweep_case(batch, context)

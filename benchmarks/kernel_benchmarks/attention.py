@@ -7,9 +7,9 @@ heuristic chose, its time, the forced-2D time and, with --splits-sweep, every fo
 plus effective K/V bandwidth. SDPA and Flex read a contiguous (unpaged) copy of the same K/V, an
 upper bound that a paged kernel cannot beat by layout alone.
 
-    PYTHONPATH=core:plugins/triton python benchmarks/kernels/attention.py                  # decode grid
-    PYTHONPATH=core:plugins/triton python benchmarks/kernels/attention.py --prefill --splits-sweep
-    PYTHONPATH=core:plugins/triton python benchmarks/kernels/attention.py --tune OUT_DIR   # writes JSON
+    PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py                  # decode grid
+    PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py --prefill --splits-sweep
+    PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py --tune OUT_DIR   # writes JSON
 
 Defaults are a Llama-3-8B layer: 32 query heads, 8 KV heads, head size 128, bfloat16, block 16.
 
@@ -20,11 +20,11 @@ SDPA flash, SDPA cuDNN and compiled FlexAttention on contiguous copies, with vLL
 numbers and the table's goals beside them. "ctx N" of a decode or speculative request is its seq_len
 (keys it sees, new tokens included). The exact command for an H100 (about 3-4 minutes):
 
-    PYTHONPATH=core:plugins/triton python benchmarks/kernels/attention.py --table --json attention_table.json
+    PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py --table --json attention_table.json
 
 and the CPU plumbing check (tiny shapes, Triton interpreter, timings meaningless):
 
-    TRITON_INTERPRET=1 PYTHONPATH=core:plugins/triton python benchmarks/kernels/attention.py --table --smoke
+    TRITON_INTERPRET=1 PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py --table --smoke
 
 --variants times the unified kernels' variants (`LOOP_VARIANTS`: block-id prefetching, lazy
 rescaling, a per-loop pipelining depth, warp specialisation, longest-first launch order) across
@@ -32,13 +32,13 @@ rescaling, a per-loop pipelining depth, warp specialisation, longest-first launc
 cases, then the decode cases and the mixed batch as a no-regression check, in one compact table
 (about 3-4 minutes on an H100, mostly compiling); --write-configs writes the winners:
 
-    PYTHONPATH=core:plugins/triton python benchmarks/kernels/attention.py --variants \
+    PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py --variants \
         --write-configs plugins/triton/pagedserve_triton/configs --json variants.json
 """
 
 # This file is the command line. Its modes live beside it: attention_grid.py (the default grid and
 # --tune), attention_table.py (--table) and attention_variants.py (--variants), built on
-# attention_batches.py and the other attention_*.py modules (benchmarks/kernels/__init__.py lists
+# attention_batches.py and the other attention_*.py modules (benchmarks/kernel_benchmarks/__init__.py lists
 # them all).
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 # The modes live beside this file and import each other by file name: put this folder on the path
-# so that `python -m benchmarks.kernels.attention` (and loading this file by path) finds them too.
+# so that `python -m benchmarks.kernel_benchmarks.attention` (and loading this file by path) finds them too.
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
@@ -170,7 +170,7 @@ def main() -> None:
         raise SystemExit("--smoke and --json apply only with --table or --variants")
     if not torch.cuda.is_available():
         raise SystemExit(
-            "benchmarks/kernels/attention.py needs a CUDA/ROCm GPU (torch.cuda.is_available() is False)"
+            "benchmarks/kernel_benchmarks/attention.py needs a CUDA/ROCm GPU (torch.cuda.is_available() is False)"
         )
     shape = Shape(args.q_heads, args.kv_heads, args.head_size, args.block_size, DTYPES[args.dtype])
     print(f"{torch.cuda.get_device_name()}: {shape}")

@@ -18,8 +18,8 @@ each call routes to (averaged over the calls), read at the device's copy bandwid
 device-to-device copy timed in the same run, counting bytes read plus bytes written), and the
 triton op's time over it (`vs_bound`; the target is 1.25 or less).
 
-    python benchmarks/kernels/moe_op.py --json moe.json
-    python benchmarks/kernels/moe_op.py --models qwen3_30b_a3b --tokens 1,64,4096 --check
+    python benchmarks/kernel_benchmarks/moe_op.py --json moe.json
+    python benchmarks/kernel_benchmarks/moe_op.py --models qwen3_30b_a3b --tokens 1,64,4096 --check
 """
 
 from __future__ import annotations

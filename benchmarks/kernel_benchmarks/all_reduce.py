@@ -8,7 +8,7 @@ symmetric-memory one-shot kernel and its two-shot kernel, all through `GroupAllR
 result is checked against the sum computed on one rank first. NVLink multicast stays off
 (`TORCH_SYMM_MEM_DISABLE_MULTICAST=1`, `NCCL_NVLS_ENABLE=0`).
 
-    python benchmarks/kernels/all_reduce.py --world 2,4 --json all_reduce.json
+    python benchmarks/kernel_benchmarks/all_reduce.py --world 2,4 --json all_reduce.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ layers' caches (up to 32) that they do not all fit in L2, replayed from a CUDA g
   * every point of split count x the 3D kernel's KV tile (`TILE_SIZE`) of the grid below;
   * the best of them, and how far the shipped plan is from it.
 
-    python benchmarks/kernels/decode_attention_splits.py --json splits.json
+    python benchmarks/kernel_benchmarks/decode_attention_splits.py --json splits.json
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels/decode_attention_splits.py needs a CUDA GPU")
+        raise SystemExit("benchmarks/kernel_benchmarks/decode_attention_splits.py needs a CUDA GPU")
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cases": []}
     print(f"{results['device']}: us per layer, shipped plan against the best of splits x 3D tile")
     for cache in args.caches.split(","):

@@ -15,7 +15,7 @@ shapes, `--rows` activation rows, bf16 and FP8 weights) replayed from one CUDA g
 
 Each way's products are checked to equal the plain ones bit for bit.
 
-    python benchmarks/kernels/programmatic_launch.py --json programmatic_launch.json
+    python benchmarks/kernel_benchmarks/programmatic_launch.py --json programmatic_launch.json
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> int:
     args = parser.parse_args()
     if not (torch.cuda.is_available() and programmatic_launch_supported(torch.device("cuda"))):
         raise SystemExit(
-            "benchmarks/kernels/programmatic_launch.py needs an NVIDIA GPU of compute capability 9.0+"
+            "benchmarks/kernel_benchmarks/programmatic_launch.py needs an NVIDIA GPU of compute capability 9.0+"
         )
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "layers": args.layers, "runs": []}
     print(f"{results['device']}: {args.layers} layers' four products, ms per step (CUDA graph replay)")

@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks: one kernel (or one step's chain of them) at a time, against the library
 or the variant it competes with. On a GPU unless noted; run from the repository root, e.g.
-`python benchmarks/kernels/attention.py --table`. The scripts import their neighbours here by file
+`python benchmarks/kernel_benchmarks/attention.py --table`. The scripts import their neighbours here by file
 name (`from attention_batches import ...`), as when run from this folder.
 
   attention.py              the Triton attention backend's case table, prefill variants, tuning;

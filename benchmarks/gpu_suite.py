@@ -13,8 +13,9 @@ still run:
               cpu_reference oracle (`pagedserve conformance`)
   engine      greedy tokens on the cuda and triton platforms equal cpu_reference's (tiny models)
   attention   the attention case table (`benchmarks/kernel_benchmarks/attention.py --table`)
-  variants    the prefill kernel variants' sweep (`benchmarks/kernel_benchmarks/attention.py --variants`), the winning
-              configs written under OUT/variant_configs for review (not into the plugin)
+  variants    the prefill kernel variants' sweep (`benchmarks/kernel_benchmarks/attention.py
+              --variants`), the winning configs written under OUT/variant_configs for review
+              (not into the plugin)
   latency     single stream 512 -> 128 on Llama-3.1-8B shapes, GPU idle, the decode step at 256
               running requests, the engine as configured by default
               (`benchmarks/gpu_async_scheduling.py`)
@@ -23,7 +24,8 @@ still run:
   peers       HF transformers + static cache + torch.compile single stream, and HF continuous
               batching on the 256-request workload (scripts from PEERS_DIR)
   gemm        the linear layers of a decode step (1-128 rows, 8B shapes), the Triton GEMM the
-              engine uses against cuBLAS and torch._scaled_mm (`benchmarks/kernel_benchmarks/skinny_gemm.py --fp8`),
+              engine uses against cuBLAS and torch._scaled_mm
+              (`benchmarks/kernel_benchmarks/skinny_gemm.py --fp8`),
               and 32 layers of them with and without programmatic dependent launches
               (`benchmarks/kernel_benchmarks/programmatic_launch.py`, sm_90+)
   fp8         FP8 weights + FP8 KV cache against bfloat16: KV tokens, TPOT, throughput on the
@@ -219,7 +221,8 @@ def stage_variants(suite: Suite) -> dict[str, Any]:
     path = suite.out / "raw" / "attention_variants.json"
     configs = suite.out / "variant_configs"
     configs.mkdir(parents=True, exist_ok=True)
-    argv = [suite.python, "benchmarks/kernel_benchmarks/attention.py", "--variants", "--write-configs", str(configs)]
+    script = "benchmarks/kernel_benchmarks/attention.py"
+    argv = [suite.python, script, "--variants", "--write-configs", str(configs)]
     res = suite.run("variants", [*argv, "--json", str(path)], timeout_s=900)
     res["result"] = read_json(path)
     return res

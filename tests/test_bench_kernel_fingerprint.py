@@ -1,5 +1,5 @@
-"""`benchmarks/kernel_benchmarks/kernel_fingerprint.py`'s notion of "the same code": source locations, comments,
-debug sections and temporary label numbers do not count; any instruction does."""
+"""`benchmarks/kernel_benchmarks/kernel_fingerprint.py`'s notion of "the same code": source locations,
+comments, debug sections and temporary label numbers do not count; any instruction does."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The 2D unified attention kernel's variants compiled for an H100 (sm_90) by
 Triton's NVIDIA backend, without a GPU: each variant the tuned configs can select must compile at
 the H100 prefill shape (32 query / 8 KV heads, head 128, bfloat16, block 16) and its launch points
-of `benchmarks/kernel_benchmarks/attention.py --variants`, within an H100's shared memory. The compilations run in
-one child process without TRITON_INTERPRET (kernels decorated under the interpreter cannot be
-compiled)."""
+of `benchmarks/kernel_benchmarks/attention.py --variants`, within an H100's shared memory. The
+compilations run in one child process without TRITON_INTERPRET (kernels decorated under the
+interpreter cannot be compiled)."""
 
 from __future__ import annotations
 

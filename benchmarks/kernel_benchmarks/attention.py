@@ -7,9 +7,11 @@ heuristic chose, its time, the forced-2D time and, with --splits-sweep, every fo
 plus effective K/V bandwidth. SDPA and Flex read a contiguous (unpaged) copy of the same K/V, an
 upper bound that a paged kernel cannot beat by layout alone.
 
-    PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py                  # decode grid
-    PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py --prefill --splits-sweep
-    PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py --tune OUT_DIR   # writes JSON
+Run from the repository root with `PYTHONPATH=core:plugins/triton`:
+
+    python benchmarks/kernel_benchmarks/attention.py                          # decode grid
+    python benchmarks/kernel_benchmarks/attention.py --prefill --splits-sweep
+    python benchmarks/kernel_benchmarks/attention.py --tune OUT_DIR           # writes JSON
 
 Defaults are a Llama-3-8B layer: 32 query heads, 8 KV heads, head size 128, bfloat16, block 16.
 
@@ -20,11 +22,13 @@ SDPA flash, SDPA cuDNN and compiled FlexAttention on contiguous copies, with vLL
 numbers and the table's goals beside them. "ctx N" of a decode or speculative request is its seq_len
 (keys it sees, new tokens included). The exact command for an H100 (about 3-4 minutes):
 
-    PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py --table --json attention_table.json
+    PYTHONPATH=core:plugins/triton \
+        python benchmarks/kernel_benchmarks/attention.py --table --json attention_table.json
 
 and the CPU plumbing check (tiny shapes, Triton interpreter, timings meaningless):
 
-    TRITON_INTERPRET=1 PYTHONPATH=core:plugins/triton python benchmarks/kernel_benchmarks/attention.py --table --smoke
+    TRITON_INTERPRET=1 PYTHONPATH=core:plugins/triton \
+        python benchmarks/kernel_benchmarks/attention.py --table --smoke
 
 --variants times the unified kernels' variants (`LOOP_VARIANTS`: block-id prefetching, lazy
 rescaling, a per-loop pipelining depth, warp specialisation, longest-first launch order) across
@@ -170,7 +174,8 @@ def main() -> None:
         raise SystemExit("--smoke and --json apply only with --table or --variants")
     if not torch.cuda.is_available():
         raise SystemExit(
-            "benchmarks/kernel_benchmarks/attention.py needs a CUDA/ROCm GPU (torch.cuda.is_available() is False)"
+            "benchmarks/kernel_benchmarks/attention.py needs a CUDA/ROCm GPU "
+            "(torch.cuda.is_available() is False)"
         )
     shape = Shape(args.q_heads, args.kv_heads, args.head_size, args.block_size, DTYPES[args.dtype])
     print(f"{torch.cuda.get_device_name()}: {shape}")

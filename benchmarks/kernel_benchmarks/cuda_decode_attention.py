@@ -1,8 +1,8 @@
 """Decode attention on one NVIDIA GPU: CUDA v1 / v2 against the Triton unified kernel, and the sweep
 that fits the cuda platform's decode thresholds (`configs/cuda_paged_attention-<device>.json`).
 
-    python benchmarks/kernel_benchmarks/cuda_decode_attention.py                       # compare, default grid
-    python benchmarks/kernel_benchmarks/cuda_decode_attention.py --tune-out DIR        # also sweep and write DIR/*.json
+    python benchmarks/kernel_benchmarks/cuda_decode_attention.py                # compare, default grid
+    python benchmarks/kernel_benchmarks/cuda_decode_attention.py --tune-out DIR # also sweep, write DIR/*.json
 
 Shapes: a Llama-3-8B layer (32 query heads, 8 KV heads, head size 128, bfloat16, block size 16),
 batches of 1..256 decodes, every sequence at the same context length, blocks scattered randomly

@@ -101,7 +101,8 @@ def main() -> int:
     args = parser.parse_args()
     if not (torch.cuda.is_available() and programmatic_launch_supported(torch.device("cuda"))):
         raise SystemExit(
-            "benchmarks/kernel_benchmarks/programmatic_launch.py needs an NVIDIA GPU of compute capability 9.0+"
+            "benchmarks/kernel_benchmarks/programmatic_launch.py needs an NVIDIA GPU of compute "
+            "capability 9.0+"
         )
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "layers": args.layers, "runs": []}
     print(f"{results['device']}: {args.layers} layers' four products, ms per step (CUDA graph replay)")

@@ -3,7 +3,8 @@
 VGPRs, spills, LDS and waves per EU of every variant the rocm tables can select, beside alternatives
 (8 warps, the NVIDIA-tuned tiles). Runs on any machine with triton (no GPU).
 
-    python benchmarks/kernel_benchmarks/rocm_compile_table.py [--arch gfx942 gfx950] [--out docs/results/FILE.md]
+    python benchmarks/kernel_benchmarks/rocm_compile_table.py [--arch gfx942 gfx950] \
+        [--out docs/results/FILE.md]
 
 Rows "table" are the tables' entries at their most demanding shape (`amdgcn.table_variants`:
 float32 unless the entry names a dtype, softcap and window on). Rows "alternative" are bfloat16,

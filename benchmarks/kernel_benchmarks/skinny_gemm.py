@@ -20,9 +20,12 @@ For the gate/up weight also `skinny-gated` / `skinny-fp8-gated` — the product 
 plus the separate `silu_mul` launch (`*-plus-silu-mul`). GB/s counts the weight bytes.
 
     python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --fp8 --json skinny.json
-    python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 16 --rows 16 --fp8-only
-    python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --grid codes --sweep-rows 64 --rows 64 --fp8-only
-    python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --grid rows --sweep-rows 128 --rows 32,64,96,128
+    python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --grid wide --sweep-rows 16 --rows 16 \
+        --fp8-only
+    python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --grid codes --sweep-rows 64 --rows 64 \
+        --fp8-only
+    python benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --grid rows --sweep-rows 128 \
+        --rows 32,64,96,128
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ class PeerMemoryLimits:
 
 def default_limits(world_size: int) -> PeerMemoryLimits:
     """The thresholds of `world_size` ranks. Two ranks: measured on two H200s linked by 18 NVLinks
-    (`benchmarks/kernel_benchmarks/all_reduce.py`, bfloat16 inside CUDA graphs, docs/distributed.md): one-shot is
-    fastest up to 1 MiB (15.6 us there against NCCL's 16.8), two-shot from 2 to 32 MiB (147 us at
+    (`benchmarks/kernel_benchmarks/all_reduce.py`, bfloat16 inside CUDA graphs, docs/distributed.md):
+    one-shot is fastest up to 1 MiB (15.6 us there against NCCL's 16.8), two-shot from 2 to 32 MiB (147 us at
     32 MiB against NCCL's 157). Larger groups are not measured yet: one-shot reads every peer's
     whole message, so its range is halved per doubling of the group, and two-shot keeps NCCL's
     side of 8 MiB. Pure."""

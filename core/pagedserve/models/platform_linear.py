@@ -3,8 +3,8 @@
 Why. A decode step of a small batch is a stream of weight reads; the GEMM library's tile choice
 for one activation row leaves bandwidth unused on some shapes (on an H100, cuBLAS reads the
 4096 x 4096 output projection of an 8B model at 2.0 TB/s, a weight-streaming Triton kernel at
-2.4; `benchmarks/kernel_benchmarks/skinny_gemm.py`). FP8 weights gain most: the platform can stream one byte per
-weight with bf16 activations, where `torch._scaled_mm` first quantizes the activations.
+2.4; `benchmarks/kernel_benchmarks/skinny_gemm.py`). FP8 weights gain most: the platform can
+stream one byte per weight with bf16 activations, where `torch._scaled_mm` first quantizes the activations.
 
 How. `route_linear_layers` swaps every `nn.Linear` of the decoder (fused ones included) for a
 `PlatformLinear` holding the same parameters, hands the kernel to every `Fp8Linear`, and gives

@@ -16,8 +16,8 @@ widened weights made the kernel compute-bound: the 8B layer's four products per 
 ms against 3.9 at 32 rows and 3.7 against 4.3 at 64, quantization included.
 
 Launch parameters per weight shape come from `choose_config`, fitted to the sweep of
-`benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --fp8` on an H100 (8B Llama shapes, 1 row): the winners differ
-by a few percent within each rule below, so the rules are kept short. Other GPUs get the same
+`benchmarks/kernel_benchmarks/skinny_gemm.py --sweep --fp8` on an H100 (8B Llama shapes, 1 row): the
+winners differ by a few percent within each rule below, so the rules are kept short. Other GPUs get the same
 rules until measured. NVIDIA only: AMD GPUs keep torch's GEMMs (their FP8 encodings differ and the
 kernel has no AMD measurements).
 """
@@ -86,10 +86,11 @@ def choose_config(
     activation codes, `activation_dtype`) the dot is weight-major: 64-column blocks (the FP8
     tensor cores' 64-row side), 4-stage pipelines, 256-deep K tiles (128 for wide outputs past 64
     rows), 2-way K splits for K > 8192 and for outputs of at most 4096 columns; fitted on an H100
-    to a sweep of `benchmarks/kernel_benchmarks/skinny_gemm.py --grid codes`'s grid for each 8B product at 16-128
-    rows (docs/results/2026-11-26_h100_rev706b0c5/weight_major_fp8_codes_sweep.json): the best
-    point or within 1% of it, except gate/up at 64 rows (45.3 us for 3 stages; this rule's 4
-    stages were outside the sweep's top six).
+    to a sweep of `benchmarks/kernel_benchmarks/skinny_gemm.py --grid codes`'s grid for each 8B
+    product at 16-128 rows
+    (docs/results/2026-11-26_h100_rev706b0c5/weight_major_fp8_codes_sweep.json): the best point
+    or within 1% of it, except gate/up at 64 rows (45.3 us for 3 stages; this rule's 4 stages
+    were outside the sweep's top six).
     float32 (tiny test models) gets small tiles. The pipeline depth is then cut until the
     stages' tiles fit `shared_memory`."""
     if weight_dtype.itemsize == 4 or x_dtype.itemsize == 4:

@@ -37,8 +37,8 @@ is built for the weight stream only:
   kernels between the products launched the same way (as inductor's `triton.enable_pdl` builds
   them), 32 layers' four products of an 8B model in one CUDA graph took 2.93 against 3.07 ms per
   step (FP8, one row), 5.04 against 5.15 (bf16, one row) and 3.70 against 3.95 (FP8, 64 rows,
-  quantization included) on an H100 (`benchmarks/kernel_benchmarks/programmatic_launch.py`); after kernels that do
-  not let them launch early the products alone were 2% slower at 1-8 rows. Prefetching each
+  quantization included) on an H100 (`benchmarks/kernel_benchmarks/programmatic_launch.py`); after
+  kernels that do not let them launch early the products alone were 2% slower at 1-8 rows. Prefetching each
   program's leading weight bytes into L2 before the wait was slower still (3.5-5.2 ms for 1-4 KiB
   per row, FP8, one row).
 

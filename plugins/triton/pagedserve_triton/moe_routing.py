@@ -50,6 +50,12 @@ TILE_ELEMENTS = 2048  # tokens x experts of a chunk's tiles, and of the scan's s
 MAX_CHUNK_TOKENS = 64
 FUSED_PAIRS = 4096  # up to this many pairs one launch routes and groups (the ticket's winner scans, scatters)
 SCATTER_BLOCK = 1024  # pairs per program of `moe_scatter_kernel` and per step of the fused scatter
+# Warps of the route launch. AMD's wave64 keeps the top-k loop's per-lane masks (`free`,
+# `chosen`, ...) in scalar register pairs, one per element a lane holds: with 4 waves a
+# 16 x 128 chunk is 8 elements a lane and spilled 52-61 SGPRs on gfx942; 8 waves halve that and
+# compile clean (tests/test_triton_moe_compile.py). NVIDIA keeps them in predicate registers.
+ROUTE_WARPS = 4
+ROUTE_WARPS_AMD = 8
 
 
 @triton.jit
@@ -251,6 +257,11 @@ def moe_scatter_kernel(
     )  # fmt: skip
 
 
+def route_warps(device: torch.device) -> int:
+    """The route launch's `num_warps` on `device`'s GPU vendor (`ROUTE_WARPS_AMD` on ROCm)."""
+    return ROUTE_WARPS_AMD if device.type == "cuda" and torch.version.hip is not None else ROUTE_WARPS
+
+
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Blocks of `block_m` rows that any routing of `num_pairs` pairs over `num_experts` experts
     fills at most: each expert that gets a pair pads its run by under `block_m` rows. Pure."""
@@ -354,7 +365,7 @@ def route_and_group(
         BLOCK_B=tiles.block_b,
         BLOCK_S=SCATTER_BLOCK,
         FUSED=tiles.fused,
-        num_warps=4,
+        num_warps=route_warps(device),
     )
     if not tiles.fused:
         moe_scan_kernel[(1,)](

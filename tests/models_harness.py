@@ -96,6 +96,19 @@ def hf_greedy(hf_model: Any, prompts: list[list[int]], max_new_tokens: int) -> l
     return out
 
 
+@torch.no_grad()
+def hf_argmax_tokens(hf_model: Any, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """transformers' forward on each prompt, its argmax token appended `steps` times (no EOS
+    check, like `ignore_eos`), one prompt at a time; returns the new tokens."""
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=hf_model.device)
+        for _ in range(steps):
+            ids = torch.cat([ids, hf_model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
 # Shared by the model tests: a 2-layer decoder small enough for exact comparisons in seconds.
 # Large initializer_range: random tiny models then have peaked logits, so greedy choices are not
 # decided by float rounding. No EOS, so every generation runs its full length.

@@ -435,6 +435,12 @@ class DecoderForCausalLM(PagedCausalLM):
             if proj in _FUSED_PROJECTIONS:
                 fused_name = f"{owner}.{_FUSED_PROJECTIONS[proj]}"
                 fused = modules.get(fused_name)
+                if isinstance(fused, CheckpointPart):  # a quantized stacked layer places its own rows
+                    key = fused.load_checkpoint_tensor(f"{proj}.{param_name}", tensor)
+                    if key is None:
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in {fused_name}")
+                    loaded.add(f"{fused_name}.{key}")
+                    continue
                 if not isinstance(fused, MergedLinear):
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
                 fused.load_shard(proj, param_name, tensor)

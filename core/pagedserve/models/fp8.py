@@ -22,9 +22,9 @@ adds an FP8 copy of the matrix (vocab x hidden bytes).
 
 Where it runs: `torch._scaled_mm` with row-wise scales needs an NVIDIA GPU of compute capability
 8.9 or newer (Ada, Hopper) or a torch whose CPU build implements it (torch 2.13's does);
-`check_fp8_support` probes the device once and names what is missing otherwise. Loading FP8
-checkpoints (compressed-tensors / `quantization_config`) is not built: weights are quantized from a
-bfloat16/float16/float32 checkpoint at load time.
+`check_fp8_support` probes the device once and names what is missing otherwise. Weights are
+quantized here from a bfloat16/float16/float32 checkpoint at load time; FP8 checkpoints load
+through `pagedserve.quantization` instead (`Fp8CheckpointLinear`, an `Fp8Linear` filled as stored).
 """
 
 from __future__ import annotations
@@ -107,6 +107,11 @@ class Fp8Linear(nn.Module):
         else:
             y = scaled_linear(rows, self.weight, self.weight_scale, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def per_channel(self) -> bool:
+        """Whether `weight_scale` alone scales the weight and activations get per-token scales:
+        the FP8 form `LinearKernel.op` takes. Layers that keep other scales say False."""
+        return True
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 per-channel"

@@ -24,6 +24,7 @@ from pagedserve.models.layers import RotaryEmbedding
 from pagedserve.models.registry import architecture_of, choose_model
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.models.weights import fill_dummy_weights, iter_gguf, iter_safetensors
+from pagedserve.quantization.checkpoint_config import CheckpointQuantization
 
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 Quantization = Literal["gguf", "fp8"]
@@ -171,7 +172,18 @@ def load_model(
     if quantization is not None:
         _check_quantization(quantization, fmt, dtype, device)
     config = load_config(source)
+    checkpoint_quant = _checkpoint_quantization(config, fmt, quantization)
     choice = choose_model(config, allow_fallback=allow_fallback)
+    if checkpoint_quant is not None and choice.native_class is None:
+        raise ValueError(
+            f"the checkpoint is quantized ({checkpoint_quant.describe()}), which is read for native "
+            f"pagedserve models only; {choice.architecture} runs through the transformers fallback"
+        )
+    if checkpoint_quant is not None and tp is not None and tp.world_size > 1:
+        raise ValueError(
+            f"the checkpoint is quantized ({checkpoint_quant.describe()}); quantized layers are not "
+            "sharded over tensor-parallel ranks yet: use tensor_parallel_size=1"
+        )
     if tp is not None and tp.world_size > 1:
         return _load_shard(choice.native_class, config, source, fmt, dtype, device, seed, quantization, tp)
     built: PagedCausalLM
@@ -186,7 +198,16 @@ def load_model(
         built = _build_fallback(config, source, fmt, dtype, device, seed)
     else:
         built = _build_native(
-            choice.native_class, config, source, fmt, dtype, device, seed, quantization, quantize_lm_head
+            choice.native_class,
+            config,
+            source,
+            fmt,
+            dtype,
+            device,
+            seed,
+            quantization,
+            quantize_lm_head,
+            checkpoint_quant,
         )
     built.eval()
     return LoadedModel(model=built, hf_config=config, spec=built.spec, source=source)
@@ -223,10 +244,11 @@ def _build_native(
     seed: int,
     quantization: Quantization | None,
     quantize_lm_head: bool = False,
+    checkpoint_quant: CheckpointQuantization | None = None,
 ) -> DecoderForCausalLM:
     """The native model for `config`, with the weights `fmt` names (GGUF blocks kept packed for
     `quantization="gguf"`; linear layers, and the LM head with `quantize_lm_head`, quantized after
-    loading for `quantization="fp8"`)."""
+    loading for `quantization="fp8"`; a quantized checkpoint's layers kept as it stores them)."""
     # Built on the meta device and materialized uninitialized: every parameter is written
     # by the checkpoint or the dummy filler, so an init pass would be wasted time.
     with torch.device("meta"):
@@ -241,10 +263,36 @@ def _build_native(
         assert source.gguf_path is not None
         native.load_weights(iter_gguf(source.gguf_path, config))
     else:
+        if checkpoint_quant is not None:
+            from pagedserve.quantization.apply import place_quantized_layers
+
+            place_quantized_layers(native, checkpoint_quant)
         native.load_weights(iter_safetensors(source.directory))
     if quantization == "fp8":
         _quantize_fp8(native, quantize_lm_head)
     return native
+
+
+def _checkpoint_quantization(
+    config: Any, fmt: LoadFormat, quantization: Quantization | None
+) -> CheckpointQuantization | None:
+    """The checkpoint's own quantization, refused where it cannot combine with the load asked for."""
+    from pagedserve.quantization.apply import checkpoint_quantization
+
+    quant = checkpoint_quantization(config)
+    if quant is None:
+        return None
+    if fmt == "dummy":
+        raise ValueError(
+            f"load_format='dummy' draws dense random weights, but the checkpoint's quantization_config "
+            f"({quant.describe()}) describes quantized tensors: load its real weights, or use a dense config"
+        )
+    if quantization is not None:
+        raise ValueError(
+            f"quantization={quantization!r} quantizes dense weights, but the checkpoint is already quantized "
+            f"({quant.describe()}): drop quantization="
+        )
+    return quant
 
 
 def _materialize(native: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:

@@ -58,7 +58,7 @@ def _routable(module: nn.Module, kernel: LinearKernel, dtype: torch.dtype) -> bo
     an `nn.Linear` / `MergedLinear` in `dtype` (subclasses with a forward of their own, like the
     tensor-parallel RowParallelLinear, which all-reduces, keep it). Pure."""
     if isinstance(module, Fp8Linear):
-        return module.weight.dtype in kernel.weight_dtypes
+        return module.weight.dtype in kernel.weight_dtypes and module.per_channel()
     return type(module) in (nn.Linear, MergedLinear) and module.weight.dtype == dtype
 
 

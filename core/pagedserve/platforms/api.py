@@ -94,6 +94,13 @@ compiled forwards and CUDA graphs alike. No answer: the core's torch formulation
 (`pagedserve.moe.reference`), which gathers each expert's tokens on the host's schedule and so
 suits CPUs, not graph capture.
 
+Integer-weight linear layers (API 1.14): a platform may run the products of linear layers whose
+weights a quantized checkpoint stores as 4- or 8-bit integer codes with per-group scales and zero
+points (`IntLinearKernel`, hook `pagedserve_int_linear_kernel`; the weights as `PackedIntWeight`),
+reading the codes instead of a dense copy. The engine calls it for every such layer it takes, in
+eager steps, compiled forwards and CUDA graphs alike. No answer: the core's dequantize-then-multiply
+formulation (`pagedserve.quantization.int_linear`).
+
 Attention sinks (API 1.13): a layer may add one learned logit per query head, its *sink*, to every
 softmax denominator (gpt-oss, on sliding-window and full layers alike). For query row q of head h
 whose visible scores are s_j (after the scale, the softcap and the causal and window masks), with
@@ -122,9 +129,9 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.13"
+PLUGIN_API_VERSION = "1.14"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.13"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.14"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -350,6 +357,50 @@ class MoEKernel:
     op: MoEOp
     weight_dtypes: frozenset[torch.dtype]  # expert dtypes `op` takes besides the activation's (FP8)
     activations: frozenset[str] = frozenset({"silu"})  # the `MoEActivation`s it computes
+
+
+@dataclass(frozen=True, slots=True)
+class PackedIntWeight:
+    """One linear layer's integer weight (API 1.14), N outputs and K inputs:
+
+        w[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size]
+
+    with q the signed `bits`-bit code (zeros 0 when `zeros` is None)."""
+
+    packed: torch.Tensor  # [N, ceil(K * bits / 32)] int32: code i in bits [i*bits, (i+1)*bits), + 2**(bits-1)
+    scales: torch.Tensor  # [N, ceil(K / group_size)] float32
+    zeros: torch.Tensor | None  # [N, ceil(K / group_size)] int8, signed like q; None: symmetric
+    bits: int  # 4 or 8
+    group_size: int  # inputs per scale (K for one scale per output channel)
+    in_features: int  # K
+
+
+# (x [M, K], weight, bias [N] or None) -> [M, N] in x's dtype
+IntLinearOp = Callable[[torch.Tensor, PackedIntWeight, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class IntLinearKernel:
+    """The products of linear layers with integer weights (API 1.14).
+
+    `op(x, weight, bias)` returns `x @ W.T + bias` for any number of rows M, where W is `weight`
+    dequantized exactly (`PackedIntWeight`'s formula in float32) and rounded once to x's dtype;
+    products accumulate in float32 and the result is rounded to x's dtype once. Row m depends on
+    row m of x alone (a CUDA graph's padding rows change no other row). It must not sync, may
+    allocate only within the call, must be recordable in CUDA graphs, and must be a torch operator
+    `torch.compile` keeps opaque (a `torch.library.custom_op`) or torch code dynamo traces. The
+    engine passes it only weights whose `bits` it lists and whose `group_size` is K or a multiple
+    of `group_multiple`."""
+
+    name: str  # for logs, e.g. "triton int4/int8 weight GEMM"
+    op: IntLinearOp
+    bits: frozenset[int]  # code widths it takes (of 4, 8)
+    group_multiple: int = 1  # group sizes it takes besides K: the multiples of this
+
+    def takes(self, weight: PackedIntWeight) -> bool:
+        """Whether `op` computes `weight` (its width and group size). Pure."""
+        size = weight.group_size
+        return weight.bits in self.bits and (size == weight.in_features or size % self.group_multiple == 0)
 
 
 @dataclass(frozen=True, slots=True)

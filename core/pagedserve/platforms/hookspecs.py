@@ -19,6 +19,7 @@ from pagedserve.platforms.api import (
     AttentionBackend,
     CacheOps,
     GridOrder,
+    IntLinearKernel,
     LinearKernel,
     LoRAKernel,
     MoEKernel,
@@ -72,6 +73,13 @@ def pagedserve_lora_kernel(platform: str) -> LoRAKernel | None:
 def pagedserve_moe_kernel(platform: str) -> MoEKernel | None:
     """Return the `MoEKernel` that runs the experts of mixture-of-experts layers on `platform` (API
     1.13), or None to leave them to the core's torch formulation. The first non-None answer wins."""
+
+
+@hookspec(firstresult=True)
+def pagedserve_int_linear_kernel(platform: str) -> IntLinearKernel | None:
+    """Return the `IntLinearKernel` that runs linear layers with integer weights (4- or 8-bit codes
+    of a quantized checkpoint) on `platform` (API 1.14), or None to leave them to the core's
+    dequantize-then-multiply formulation. The first non-None answer wins."""
 
 
 @hookspec

@@ -18,6 +18,7 @@ from pagedserve.platforms.api import (
     Availability,
     CacheOps,
     GridOrder,
+    IntLinearKernel,
     LinearKernel,
     LoRAKernel,
     MoEKernel,
@@ -27,7 +28,7 @@ from pagedserve.platforms.discovery import AcceptedPlugin, PluginProblems, call_
 from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.tuned_configs import TunedConfigs
 
-_Kernel = TypeVar("_Kernel", LinearKernel, LoRAKernel, MoEKernel)
+_Kernel = TypeVar("_Kernel", LinearKernel, LoRAKernel, MoEKernel, IntLinearKernel)
 
 
 class LoadedPlatform:
@@ -168,6 +169,12 @@ class LoadedPlatform:
         then take the core's torch formulation). A malformed answer is reported as the plugin's
         problem and skipped. Asks the plugins on every call."""
         return self._first_kernel("pagedserve_moe_kernel", MoEKernel)
+
+    def int_linear_kernel(self) -> IntLinearKernel | None:
+        """The platform's `IntLinearKernel` (API 1.14), or None when no plugin provides one
+        (integer-weight layers then take the core's formulation). A malformed answer is reported
+        as the plugin's problem and skipped. Asks the plugins on every call."""
+        return self._first_kernel("pagedserve_int_linear_kernel", IntLinearKernel)
 
     def _first_kernel(self, hook: str, kind: type[_Kernel]) -> _Kernel | None:
         """The first answer of `hook` that is a `kind` with a callable `op`; other non-None

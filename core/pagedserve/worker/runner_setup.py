@@ -184,6 +184,7 @@ def load_device_model(
     if args.platform_linear and device.type == "cuda":
         _route_linear_layers(loaded.model, platform, dtype, programmatic)
     _route_moe_layers(loaded.model, platform)
+    _route_int_weight_layers(loaded.model, platform)
     max_model_len = _max_model_len(args, loaded.spec)
     backend, kv_dtype = choose_backend(platform, loaded.spec, args.block_size, args.kv_cache_dtype)
     cache_ops = platform.cache_ops()
@@ -248,6 +249,19 @@ def _route_moe_layers(model: PagedCausalLM, platform: LoadedPlatform) -> None:
         logger.info("MoE layers: %d on %s", routed, kernel.name)
     if fallback:
         logger.info("MoE layers: the others on %s (the platform's kernel does not take them)", fallback)
+
+
+def _route_int_weight_layers(model: PagedCausalLM, platform: LoadedPlatform) -> None:
+    """Run a quantized checkpoint's integer-weight layers on the platform's `IntLinearKernel`
+    where it takes them, else on the core's formulation. Mutates `model`."""
+    from pagedserve.quantization.int_linear import route_int_weight_layers
+
+    kernel = platform.int_linear_kernel()
+    routed, left = route_int_weight_layers(model, kernel)
+    if routed and kernel is not None:
+        logger.info("integer-weight layers: %d on %s", routed, kernel.name)
+    if left:
+        logger.info("integer-weight layers: %d on the core's dequantize-then-multiply formulation", left)
 
 
 def fit_kv_blocks(dm: DeviceModel, args: EngineArgs, device: torch.device) -> int:

@@ -14,16 +14,18 @@ from pagedserve.platforms.api import (
     AttentionBackend,
     Availability,
     CacheOps,
+    IntLinearKernel,
     LoRAKernel,
     MoEKernel,
     PlatformInfo,
 )
 from pagedserve.platforms.hookspecs import hookimpl
+from pagedserve.quantization.int_linear import REFERENCE_INT_LINEAR_KERNEL
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend
 
-PAGEDSERVE_PLUGIN_API = "1.13"
+PAGEDSERVE_PLUGIN_API = "1.14"
 
 PLATFORM_NAME = "cpu_reference"
 
@@ -71,3 +73,10 @@ def pagedserve_moe_kernel(platform: str) -> MoEKernel | None:
     # The core's torch formulation, registered like any plugin's kernel: it is also the
     # conformance kit's MoE oracle.
     return REFERENCE_MOE_KERNEL if platform == PLATFORM_NAME else None
+
+
+@hookimpl
+def pagedserve_int_linear_kernel(platform: str) -> IntLinearKernel | None:
+    # The core's dequantize-then-multiply formulation, registered like any plugin's kernel: it is
+    # also the oracle the integer-weight kernels are checked against.
+    return REFERENCE_INT_LINEAR_KERNEL if platform == PLATFORM_NAME else None

@@ -15,6 +15,7 @@ from pagedserve.platforms.api import (
     AttentionBackend,
     Availability,
     CacheOps,
+    IntLinearKernel,
     LinearKernel,
     LoRAKernel,
     MoEKernel,
@@ -25,7 +26,7 @@ from pagedserve_cuda.compiler import INSTALL_HINT, CudaToolError, nvrtc_version
 from pagedserve_cuda.selection import MIN_CAPABILITY
 from pagedserve_cuda.tuning import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.13"
+PAGEDSERVE_PLUGIN_API = "1.14"
 
 PLATFORM_NAME = "cuda"
 PRIORITY = 20  # above triton (10): on an NVIDIA GPU the CUDA decode kernels are preferred
@@ -133,3 +134,14 @@ def pagedserve_moe_kernel(platform: str) -> MoEKernel | None:
 @hookimpl
 def pagedserve_tuned_config_files(platform: str) -> list[Path] | None:
     return tuned_config_files() if platform == PLATFORM_NAME else None
+
+
+@hookimpl
+def pagedserve_int_linear_kernel(platform: str) -> IntLinearKernel | None:
+    """The triton plugin's integer-weight GEMM (compiled for sm_90, gfx942 and gfx950 without
+    spills; never timed on a GPU)."""
+    if platform != PLATFORM_NAME:
+        return None
+    from pagedserve_triton.int_linear import INT_LINEAR_KERNEL
+
+    return INT_LINEAR_KERNEL

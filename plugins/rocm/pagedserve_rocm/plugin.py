@@ -18,6 +18,7 @@ from pagedserve.platforms.api import (
     Availability,
     CacheOps,
     GridOrder,
+    IntLinearKernel,
     LoRAKernel,
     MoEKernel,
     PlatformInfo,
@@ -26,7 +27,7 @@ from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_rocm.arch import ARCH_ENV, KNOWN_ARCHES, base_arch, table_key, xcd_count, xcd_grid_order
 from pagedserve_rocm.tuning import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.13"
+PAGEDSERVE_PLUGIN_API = "1.14"
 
 PLATFORM_NAME = "rocm"
 PRIORITY = 15  # above triton (10), which also runs on AMD GPUs but with NVIDIA-tuned tables
@@ -165,3 +166,14 @@ def pagedserve_moe_kernel(platform: str) -> MoEKernel | None:
 @hookimpl
 def pagedserve_tuned_config_files(platform: str) -> list[Path] | None:
     return tuned_config_files() if platform == PLATFORM_NAME else None
+
+
+@hookimpl
+def pagedserve_int_linear_kernel(platform: str) -> IntLinearKernel | None:
+    """The triton plugin's integer-weight GEMM (compiled for sm_90, gfx942 and gfx950 without
+    spills; never timed on a GPU)."""
+    if platform != PLATFORM_NAME or not _triton_installed():
+        return None
+    from pagedserve_triton.int_linear import INT_LINEAR_KERNEL
+
+    return INT_LINEAR_KERNEL

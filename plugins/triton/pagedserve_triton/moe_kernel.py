@@ -63,22 +63,12 @@ from pagedserve_triton.interpreter import INTERPRETED
 from pagedserve_triton.launch_params import device_name_of, dtype_key, tuned_config_files
 from pagedserve_triton.linear_activations import silu_times
 from pagedserve_triton.moe_routing import max_blocks, route_and_group
+from pagedserve_triton.rounding import rounded_to
 
 ParamValue = int | float | str | bool  # a tuned-config param (`pagedserve.platforms.tuned_configs.Params`)
 KERNEL = "fused_moe"
 TARGET_PROGRAMS = 528  # busy down-product programs to aim for when splitting K (4 per H100 SM)
 MAX_SPLIT_K = 8
-
-
-@triton.jit
-def _rounded(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """float32 `x` as `dtype`. With ROUND_BF16 (the interpreter, whose cast to bfloat16 truncates)
-    bfloat16 is rounded to nearest even first by integer ops, so that the cast is exact."""
-    if ROUND_BF16 and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -114,7 +104,7 @@ def moe_gemm_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw bits
-    ROUND_BF16: tl.constexpr,  # interpreter only: see `_rounded`
+    ROUND_BF16: tl.constexpr,  # interpreter only: see `rounding.rounded_to`
     WIDEN_BITS: tl.constexpr,  # FP8 weights widened by `widen_fp8`'s bit-moving path (NVIDIA)
     WEIGHT_MAJOR: tl.constexpr,
 ):
@@ -185,12 +175,14 @@ def moe_gemm_kernel(
         col = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out = out_ptr + pair[:, None] * stride_om + col[None, :]
         tl.store(
-            out, _rounded(h, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask_m[:, None] & (col < N)[None, :]
+            out,
+            rounded_to(h, out_ptr.dtype.element_ty, ROUND_BF16),
+            mask=mask_m[:, None] & (col < N)[None, :],
         )
     else:
         out = out_ptr + pid_k * stride_os + pair[:, None] * stride_om + offs_n[None, :]
         tl.store(
-            out, _rounded(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask_m[:, None] & mask_n[None, :]
+            out, rounded_to(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask_m[:, None] & mask_n[None, :]
         )
 
 
@@ -225,7 +217,7 @@ def moe_combine_kernel(
             )
         acc += weight[:, None] * part
     out = out_ptr + t[:, None].to(tl.int64) * stride_om + h[None, :]
-    tl.store(out, _rounded(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+    tl.store(out, rounded_to(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 @dataclass(frozen=True, slots=True)

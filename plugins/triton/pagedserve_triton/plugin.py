@@ -17,6 +17,7 @@ from pagedserve.platforms.api import (
     AttentionBackend,
     Availability,
     CacheOps,
+    IntLinearKernel,
     LinearKernel,
     LoRAKernel,
     MoEKernel,
@@ -25,7 +26,7 @@ from pagedserve.platforms.api import (
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_triton.launch_params import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.13"
+PAGEDSERVE_PLUGIN_API = "1.14"
 
 PLATFORM_NAME = "triton"
 
@@ -133,3 +134,14 @@ def pagedserve_moe_kernel(platform: str) -> MoEKernel | None:
 @hookimpl
 def pagedserve_tuned_config_files(platform: str) -> list[Path] | None:
     return tuned_config_files() if platform == PLATFORM_NAME else None
+
+
+@hookimpl
+def pagedserve_int_linear_kernel(platform: str) -> IntLinearKernel | None:
+    """The triton plugin's integer-weight GEMM (compiled for sm_90, gfx942 and gfx950 without
+    spills; never timed on a GPU)."""
+    if platform != PLATFORM_NAME or not _triton_installed():
+        return None
+    from pagedserve_triton.int_linear import INT_LINEAR_KERNEL
+
+    return INT_LINEAR_KERNEL

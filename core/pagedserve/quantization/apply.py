@@ -1,0 +1,118 @@
+"""Giving a built model the quantized layers its checkpoint's `quantization_config` describes,
+before the checkpoint is read into them.
+
+Each linear layer of the decoder is looked up under the checkpoint's names: a stacked layer
+(`qkv_proj`, `gate_up_proj`) under each projection it stacks, which must share one scheme. Layers
+the checkpoint quantizes become `IntWeightLinear` (integer weights) or `Fp8CheckpointLinear` (FP8);
+the others stay dense. What is not read is refused by name: a quantized LM head, quantized MoE
+experts, and checkpoints of the transformers fallback or sharded over tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from pagedserve.models.decoder import DecoderForCausalLM
+from pagedserve.models.layers import MergedLinear
+from pagedserve.moe.layer import RouterLinear, SparseMoE
+from pagedserve.quantization.checkpoint_config import (
+    CheckpointQuantization,
+    IntWeightScheme,
+    WeightScheme,
+    parse_quantization_config,
+)
+from pagedserve.quantization.fp8_linear import Fp8CheckpointLinear
+from pagedserve.quantization.int_linear import IntWeightLinear
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | None:
+    """The checkpoint's quantization (`quantization_config` of its transformers config), or None
+    for a dense checkpoint. Raises `QuantizationConfigError` naming what is not read. Pure."""
+    raw = getattr(hf_config, "quantization_config", None)
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        to_dict = getattr(raw, "to_dict", None)
+        if to_dict is None:
+            raise ValueError(f"quantization_config of type {type(raw).__name__} cannot be read")
+        raw = to_dict()
+    return parse_quantization_config(raw)
+
+
+def _checkpoint_name(path: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """Our module path under the checkpoint's names (`checkpoint_renames` undone)."""
+    for fragment, ours in renames:
+        path = path.replace(ours, fragment)
+    return path
+
+
+def _scheme_of(quant: CheckpointQuantization, names: list[str], path: str) -> WeightScheme | None:
+    schemes = {name: quant.scheme_for(name) for name in names}
+    distinct = set(schemes.values())
+    if len(distinct) > 1:
+        shown = ", ".join(f"{name}: {scheme}" for name, scheme in schemes.items())
+        raise ValueError(
+            f"{path} stacks projections that the checkpoint quantizes differently ({shown}); "
+            "they must share one scheme"
+        )
+    return distinct.pop()
+
+
+def place_quantized_layers(model: DecoderForCausalLM, quant: CheckpointQuantization) -> int:
+    """Swap every linear layer that `quant` quantizes for its quantized layer, empty, on the
+    model's device; returns how many. Raises `ValueError` for layers that are not read quantized.
+    Mutates `model`."""
+    renames = type(model).checkpoint_renames
+    dtype = model.model.embed_tokens.weight.dtype
+    device = model.model.embed_tokens.weight.device
+    if model.lm_head is not None and quant.scheme_for("lm_head") is not None:
+        raise ValueError(
+            "the checkpoint quantizes lm_head, which is not read quantized: requantize with lm_head "
+            "in the ignore list (it stays in the model's dtype)"
+        )
+    for path, module in model.named_modules():
+        if isinstance(module, SparseMoE):
+            expert = f"{_checkpoint_name(path, renames)}.experts.0.{module.names.gate}"
+            if quant.scheme_for(expert) is not None:
+                raise ValueError(
+                    f"the checkpoint quantizes the experts of {path}, and quantized experts are not read "
+                    "yet: requantize with the experts in the ignore list, or serve the bfloat16 checkpoint"
+                )
+    replaced = 0
+    for path, module in list(model.model.named_modules()):
+        if not isinstance(module, nn.Linear) or isinstance(module, RouterLinear):
+            continue
+        full = f"model.{path}"
+        owner = _checkpoint_name(full.rpartition(".")[0], renames)
+        if isinstance(module, MergedLinear):
+            sizes = {shard: rows for shard, (_, rows) in module.shard_offsets.items()}
+            names = [f"{owner}.{shard}" for shard in sizes]
+        else:
+            sizes = {"": module.out_features}
+            names = [_checkpoint_name(full, renames)]
+        scheme = _scheme_of(quant, names, full)
+        if scheme is None:
+            continue
+        options: dict[str, Any] = dict(bias=module.bias is not None, dtype=dtype, device=device)
+        where = owner if isinstance(module, MergedLinear) else names[0]
+        layer: nn.Module
+        if isinstance(scheme, IntWeightScheme):
+            layer = IntWeightLinear(module.in_features, sizes, scheme, name=where, **options)
+        else:
+            layer = Fp8CheckpointLinear(module.in_features, sizes, scheme, name=where, **options)
+        parent, _, attr = path.rpartition(".")
+        setattr(model.model.get_submodule(parent) if parent else model.model, attr, layer)
+        replaced += 1
+    if replaced == 0:
+        raise ValueError(
+            f"the checkpoint's quantization_config ({quant.describe()}) quantizes none of this model's "
+            "linear layers: its targets or ignore list do not match the layer names"
+        )
+    logger.info("quantized checkpoint: %d linear layers kept quantized, %s", replaced, quant.describe())
+    return replaced

@@ -1,0 +1,247 @@
+"""`IntWeightLinear`: a linear layer whose weights stay 4- or 8-bit integer codes with per-group
+scales (and zero points), loaded from compressed-tensors, GPTQ or AWQ checkpoints.
+
+Why keep the codes: a decode step streams every weight once, so its time and the model's memory
+are the weights' bytes; 4-bit codes are a quarter of bfloat16's (a 70B model fits one 80 GB GPU).
+
+Storage (one layout whatever the checkpoint's, `int_formats`): `packed` [N, ceil(K / pack)] int32
+with the codes of each output row along the inputs (code i of a word in bits [i*b, (i+1)*b),
+stored plus 2**(b-1): compressed-tensors' own layout, so its tensors are copied as they are),
+`scales` [N, G] float32, `zeros` [N, G] int8 or none, and for activation-ordered checkpoints each
+input's group per stacked projection (`g_idx` [P, K]).
+
+Computing: on the platform's `IntLinearKernel` where it takes the layer (`route_int_weight_layers`),
+else the core's formulation: the weight dequantized (exact in float32, rounded once to the
+activations' dtype) and one dense GEMM. The formulation is what every kernel must equal; it reads
+the codes but writes a dense copy per call, so it saves memory, not time. Fused projections
+(q/k/v, gate/up) stack their output rows in one layer, as `MergedLinear` does for dense weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pagedserve.platforms.api import IntLinearKernel, PackedIntWeight
+from pagedserve.quantization.checkpoint_config import IntWeightScheme
+from pagedserve.quantization.int_formats import (
+    IntWeights,
+    num_groups,
+    pack_codes,
+    read_int_weights,
+    unpack_codes,
+)
+from pagedserve.quantization.stacking import copy_checked, row_ranges
+
+# Tensors of one projection each layout needs (biases aside).
+_REQUIRED = {
+    "compressed-tensors": ("weight_packed", "weight_scale"),
+    "gptq": ("qweight", "qzeros", "scales"),
+    "gptq_v2": ("qweight", "qzeros", "scales"),
+    "awq": ("qweight", "qzeros", "scales"),
+}
+_KNOWN = {
+    "compressed-tensors": {
+        "weight_packed",
+        "weight_scale",
+        "weight_zero_point",
+        "weight_shape",
+        "weight_g_idx",
+    },
+    "gptq": {"qweight", "qzeros", "scales", "g_idx"},
+    "gptq_v2": {"qweight", "qzeros", "scales", "g_idx"},
+    "awq": {"qweight", "qzeros", "scales"},
+}
+
+
+class IntWeightLinear(nn.Module):
+    """`y = x @ W.T + b` with `W` kept as integer codes (module docstring)."""
+
+    packed: torch.Tensor  # [N, ceil(K / pack)] int32
+    scales: torch.Tensor  # [N, G] float32
+    zeros: torch.Tensor | None  # [N, G] int8 (signed), or None for symmetric weights
+    g_idx: torch.Tensor | None  # [P, K] int32: each input's group, per stacked projection
+    bias: torch.Tensor | None  # [N] in the activations' dtype
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],  # checkpoint projection -> output rows, in stacking order ("" alone)
+        scheme: IntWeightScheme,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        name: str = "",  # the checkpoint's name of the layer (of the stacked projections' owner), for errors
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(shard_sizes.values())
+        self.scheme = scheme
+        self.checkpoint_name = name
+        self.shard_offsets = row_ranges(shard_sizes)  # projection -> (first row, rows)
+        n, k = self.out_features, in_features
+        pack = 32 // scheme.bits
+        groups = num_groups(scheme, k)
+        self.register_buffer("packed", torch.empty((n, -(-k // pack)), dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.empty((n, groups), dtype=torch.float32, device=device))
+        # Asymmetric schemes get zeros; GPTQ's symmetric ones arrive as explicit zeros of 0.
+        has_zeros = not scheme.symmetric
+        self.register_buffer(
+            "zeros", torch.zeros((n, groups), dtype=torch.int8, device=device) if has_zeros else None
+        )
+        g_idx = (
+            torch.empty((len(shard_sizes), k), dtype=torch.int32, device=device) if scheme.act_order else None
+        )
+        self.register_buffer("g_idx", g_idx)
+        self.register_buffer("bias", torch.empty(n, dtype=dtype, device=device) if bias else None)
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}  # projection -> its tensors so far
+        self.kernel: IntLinearKernel | None = None  # the platform's, set by `route_int_weight_layers`
+
+    def extra_repr(self) -> str:
+        groups = "channel" if self.scheme.group_size is None else f"group {self.scheme.group_size}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int{self.scheme.bits} {groups} ({self.scheme.layout})"
+        )
+
+    # --- loading (the `CheckpointPart` protocol of `models.decoder`) --------------------------
+
+    @torch.no_grad()
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Take checkpoint tensor `name` ("weight_packed", or "q_proj.weight_packed" for a stacked
+        layer); once a projection's tensors are all here, write its rows. Returns the key filled.
+        Raises `ValueError` for a tensor this layout does not have. Mutates the buffers."""
+        shard, _, field = name.rpartition(".")
+        name = f"{self.checkpoint_name}.{name}" if self.checkpoint_name else name
+        if shard not in self.shard_offsets:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in this quantized layer")
+        start, rows = self.shard_offsets[shard]
+        prefix = f"{shard}:" if shard else ""
+        if field == "bias":
+            if self.bias is None:
+                raise ValueError(f"checkpoint has a bias {name!r} but the model was built without biases")
+            copy_checked(self.bias[start : start + rows], tensor, name)
+            return f"{prefix}bias"
+        layout = self.scheme.layout
+        if field not in _KNOWN[layout]:
+            hint = (
+                " (a dense weight: the quantization config does not match the weights)"
+                if field == "weight"
+                else ""
+            )
+            raise ValueError(f"checkpoint tensor {name!r} is not a tensor of the {layout} layout{hint}")
+        pending = self._pending.setdefault(shard, {})
+        pending[field] = tensor
+        if not self._complete(pending):
+            return f"{prefix}{field}"
+        del self._pending[shard]
+        weights = read_int_weights(pending, self.scheme, rows, self.in_features, name.rpartition(".")[0])
+        self._write(shard, start, rows, weights)
+        return f"{prefix}weight"
+
+    def _complete(self, pending: dict[str, torch.Tensor]) -> bool:
+        scheme = self.scheme
+        needed = list(_REQUIRED[scheme.layout])
+        if scheme.layout == "compressed-tensors" and not scheme.symmetric:
+            needed.append("weight_zero_point")
+        if scheme.act_order:
+            needed.append("weight_g_idx" if scheme.layout == "compressed-tensors" else "g_idx")
+        return all(field in pending for field in needed)
+
+    def _write(self, shard: str, start: int, rows: int, weights: IntWeights) -> None:
+        offset = 1 << (self.scheme.bits - 1)
+        unsigned = weights.codes.to(torch.int16) + offset
+        self.packed[start : start + rows].copy_(pack_codes(unsigned, self.scheme.bits))
+        self.scales[start : start + rows].copy_(weights.scales)
+        if weights.zeros is not None:
+            if self.zeros is None:
+                raise ValueError(
+                    f"checkpoint projection {shard or 'weight'!r} has zero points, "
+                    "but its config says symmetric"
+                )
+            self.zeros[start : start + rows].copy_(weights.zeros)
+        elif self.zeros is not None:
+            self.zeros[start : start + rows].zero_()
+        if self.g_idx is not None:
+            assert weights.g_idx is not None  # act_order schemes read one (`read_int_weights`)
+            self.g_idx[list(self.shard_offsets).index(shard)].copy_(weights.g_idx)
+
+    def missing_checkpoint_keys(self, loaded: set[str]) -> list[str]:
+        """The keys still to fill: each projection's weight (and bias). Pure."""
+        missing = []
+        for shard in self.shard_offsets:
+            prefix = f"{shard}:" if shard else ""
+            wanted = [f"{prefix}weight"] + ([f"{prefix}bias"] if self.bias is not None else [])
+            missing += [key for key in wanted if key not in loaded]
+        return missing
+
+    # --- computing ------------------------------------------------------------------------
+
+    def packed_weight(self) -> PackedIntWeight:
+        """The weight as the platform contract takes it (layers without `g_idx` only). Pure."""
+        assert self.g_idx is None, "activation-ordered layers keep the core's formulation"
+        size = self.in_features if self.scheme.group_size is None else self.scheme.group_size
+        return PackedIntWeight(self.packed, self.scales, self.zeros, self.scheme.bits, size, self.in_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] in `dtype`: `(codes - zeros) * scales`, exact in float32, rounded
+        once. Pure."""
+        if self.g_idx is None:
+            return dequantize_packed(self.packed_weight(), dtype)
+        bits, k = self.scheme.bits, self.in_features
+        values = (unpack_codes(self.packed, bits, k, dim=1) - (1 << (bits - 1))).to(torch.float32)
+        zeros = None if self.zeros is None else self.zeros.to(torch.float32)
+        parts = []
+        for row, (start, rows) in enumerate(self.shard_offsets.values()):
+            index = self.g_idx[row].long()
+            part = values[start : start + rows]
+            if zeros is not None:
+                part = part - zeros[start : start + rows][:, index]
+            parts.append(part * self.scales[start : start + rows][:, index])
+        return torch.cat(parts).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., out_features] in x's dtype
+        """Does not mutate `x`."""
+        if self.kernel is None:
+            return F.linear(x, self.dequantized(x.dtype), self.bias)
+        rows = x.reshape(-1, self.in_features)
+        y = self.kernel.op(rows, self.packed_weight(), self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def dequantize_packed(weight: PackedIntWeight, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` [N, K] in `dtype`: `(q - zeros) * scales` per group, exact in float32 (int8 codes
+    times bfloat16/float16/float32 scales), rounded once. Pure."""
+    k, bits = weight.in_features, weight.bits
+    values = (unpack_codes(weight.packed, bits, k, dim=1) - (1 << (bits - 1))).to(torch.float32)
+    index = torch.arange(k, device=values.device) // weight.group_size
+    if weight.zeros is not None:
+        values = values - weight.zeros.to(torch.float32)[:, index]
+    return (values * weight.scales[:, index]).to(dtype)
+
+
+def int_linear_reference(x: torch.Tensor, weight: PackedIntWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`IntLinearKernel.op` as the core computes it: the weight dequantized, one dense GEMM. Pure."""
+    return F.linear(x, dequantize_packed(weight, x.dtype), bias)
+
+
+REFERENCE_INT_LINEAR_KERNEL = IntLinearKernel(
+    name="torch dequantize-then-multiply (the oracle)",
+    op=int_linear_reference,
+    bits=frozenset({4, 8}),
+)
+
+
+def route_int_weight_layers(model: nn.Module, kernel: IntLinearKernel | None) -> tuple[int, int]:
+    """Give every `IntWeightLinear` in `model` that `kernel` takes the kernel (activation-ordered
+    layers keep the core's formulation). Returns (layers routed, layers left). Mutates them."""
+    routed = left = 0
+    for module in model.modules():
+        if not isinstance(module, IntWeightLinear):
+            continue
+        takes = kernel is not None and module.g_idx is None and kernel.takes(module.packed_weight())
+        module.kernel = kernel if takes else None
+        routed, left = (routed + 1, left) if takes else (routed, left + 1)
+    return routed, left

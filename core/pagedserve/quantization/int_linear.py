@@ -190,17 +190,14 @@ class IntWeightLinear(nn.Module):
         once. Pure."""
         if self.g_idx is None:
             return dequantize_packed(self.packed_weight(), dtype)
-        bits, k = self.scheme.bits, self.in_features
-        values = (unpack_codes(self.packed, bits, k, dim=1) - (1 << (bits - 1))).to(torch.float32)
-        zeros = None if self.zeros is None else self.zeros.to(torch.float32)
-        parts = []
+        parts = []  # each stacked projection with its own input groups
         for row, (start, rows) in enumerate(self.shard_offsets.values()):
-            index = self.g_idx[row].long()
-            part = values[start : start + rows]
-            if zeros is not None:
-                part = part - zeros[start : start + rows][:, index]
-            parts.append(part * self.scales[start : start + rows][:, index])
-        return torch.cat(parts).to(dtype)
+            stop = start + rows
+            zeros = None if self.zeros is None else self.zeros[start:stop]
+            shard = PackedIntWeight(self.packed[start:stop], self.scales[start:stop], zeros, self.scheme.bits,
+                                    self.in_features, self.in_features)  # fmt: skip
+            parts.append(dequantize_packed(shard, dtype, groups=self.g_idx[row]))
+        return torch.cat(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., out_features] in x's dtype
         """Does not mutate `x`."""
@@ -211,12 +208,16 @@ class IntWeightLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def dequantize_packed(weight: PackedIntWeight, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_packed(
+    weight: PackedIntWeight,
+    dtype: torch.dtype,
+    groups: torch.Tensor | None = None,  # [K] each input's group; None: k // group_size
+) -> torch.Tensor:
     """`weight` [N, K] in `dtype`: `(q - zeros) * scales` per group, exact in float32 (int8 codes
     times bfloat16/float16/float32 scales), rounded once. Pure."""
     k, bits = weight.in_features, weight.bits
     values = (unpack_codes(weight.packed, bits, k, dim=1) - (1 << (bits - 1))).to(torch.float32)
-    index = torch.arange(k, device=values.device) // weight.group_size
+    index = torch.arange(k, device=values.device) // weight.group_size if groups is None else groups.long()
     if weight.zeros is not None:
         values = values - weight.zeros.to(torch.float32)[:, index]
     return (values * weight.scales[:, index]).to(dtype)
@@ -243,5 +244,6 @@ def route_int_weight_layers(model: nn.Module, kernel: IntLinearKernel | None) ->
             continue
         takes = kernel is not None and module.g_idx is None and kernel.takes(module.packed_weight())
         module.kernel = kernel if takes else None
-        routed, left = (routed + 1, left) if takes else (routed, left + 1)
+        routed += takes
+        left += not takes
     return routed, left

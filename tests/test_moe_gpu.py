@@ -1,7 +1,7 @@
 """Mixture-of-experts models on a real GPU: the conformance kit's MoE cases on the NVIDIA
-platforms' fused MoE kernel, and tiny Qwen3-MoE, Qwen2-MoE and Mixtral models whose tokens in every
-CUDA-graph mode (with the compiled forward) equal `enforce_eager=True`'s, which equal
-transformers' (float32, on the GPU).
+platforms' fused MoE kernel, its routing kernel's grouping (every pair once, in pair order), and
+tiny Qwen3-MoE, Qwen2-MoE and Mixtral models whose tokens in every CUDA-graph mode (with the
+compiled forward) equal `enforce_eager=True`'s, which equal transformers' (float32, on the GPU).
 
 Skipped without a CUDA GPU. On a GPU machine run this file in its own pytest process (the
 interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernels on the CPU).
@@ -21,6 +21,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.conformance.results import Status
 from pagedserve.conformance.suite import ConformanceSuite
 from pagedserve.moe.layer import SparseMoE
+from pagedserve.moe.routing import select_experts
+from pagedserve.platforms.api import MoERouting
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins" / "triton"))
@@ -79,6 +81,32 @@ def test_moe_conformance_cases_pass_on_the_gpu(platform: str) -> None:
     assert items, f"{platform} offers no MoE kernel"
     results = [suite.run_item(item) for item in items]
     assert all(r.status is Status.PASSED for r in results), "\n".join(r.summary() for r in results)
+
+
+# (tokens, experts, top_k): single- and multi-chunk steps at the tile sizes the kit's cases and the
+# tiny models use; a grouping that loses pairs shows as unset rows there, at random.
+ROUTING_SHAPES = [(1, 16, 4), (3, 16, 2), (24, 16, 4), (32, 8, 2), (64, 8, 2), (5, 32, 8), (17, 32, 8),
+                  (100, 16, 2), (300, 16, 4), (700, 128, 8)]  # fmt: skip
+
+
+@pytest.mark.parametrize("scoring", ["softmax_topk", "topk_softmax"])
+def test_routing_groups_every_pair_once_on_the_gpu(scoring: str) -> None:
+    from pagedserve_triton.moe_routing import route_and_group
+
+    for m, e, k in ROUTING_SHAPES:
+        logits = torch.randn(m, e, device="cuda", generator=torch.Generator("cuda").manual_seed(m))
+        _, ids = select_experts(logits.cpu(), MoERouting(k, scoring, True))  # type: ignore[arg-type]
+        for _ in range(4):  # a race shows on some launches only
+            group = route_and_group(logits, k, scoring, True, 16)
+            assert torch.equal(group.ids.cpu().long(), ids), (m, e, k)
+            blocks, rows = int(group.num_blocks), group.block_rows.cpu()
+            sorted_pairs, block_expert = group.sorted_pairs.cpu().long(), group.block_expert.cpu()
+            grouped: list[int] = []
+            for b in range(blocks):
+                pairs = sorted_pairs[b * 16 : b * 16 + int(rows[b])]
+                assert bool((ids.reshape(-1)[pairs] == block_expert[b]).all()), (m, e, k, b)
+                grouped += pairs.tolist()
+            assert grouped == torch.argsort(ids.reshape(-1), stable=True).tolist(), (m, e, k)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from pagedserve_triton.moe_kernel import (
     parse_config,
     plan_launch,
 )
-from pagedserve_triton.moe_routing import FUSED_PAIRS, max_blocks, route_and_group
+from pagedserve_triton.moe_routing import max_blocks, route_and_group
 
 if not isinstance(moe_gemm_kernel, InterpretedFunction):
     pytest.skip(
@@ -129,8 +129,7 @@ def test_both_scorings_pick_and_weigh_like_select_experts(scoring: str, renormal
 def test_routing_kernel_equals_select_experts_and_groups_every_pair_once(
     m: int, e: int, k: int, block_m: int
 ) -> None:
-    """(700 tokens x 6 are more pairs than one launch groups: the scan and scatter kernels run.)"""
-    assert (m * k > FUSED_PAIRS) == (m == 700)
+    """(700 tokens x 6 pairs take several scatter programs and route chunks.)"""
     logits = torch.randn(m, e, generator=torch.Generator().manual_seed(m))
     routing = MoERouting(k, "softmax_topk", True)
     group = route_and_group(logits, k, routing.scoring, routing.renormalize, block_m)

@@ -80,16 +80,14 @@ def launches(device, model, e, k, h, i, tokens, wdtype):
     fp8 = wdtype == "float8_e4m3fn"
     route_warps = mr.ROUTE_WARPS if device == H100 else mr.ROUTE_WARPS_AMD  # as `route_warps` picks
     yield "route", mr.moe_route_kernel, route_warps, 1, dict(
-        TOP_K=k, K_PAD=tiles.k_pad, SOFTMAX_FIRST=True, RENORMALIZE=True, BLOCK_M=config.block_m,
-        BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e, BLOCK_C=tiles.block_c, BLOCK_B=tiles.block_b,
-        BLOCK_S=mr.SCATTER_BLOCK, FUSED=tiles.fused), {"logits_ptr": "*fp32", "weights_ptr": "*fp32"}, \
-        dict(M=tokens, E=e, stride_lm=e, max_blocks=plan.max_blocks), ()
-    if not tiles.fused:
-        yield "scan", mr.moe_scan_kernel, 4, 1, dict(BLOCK_M=config.block_m, BLOCK_E=tiles.block_e,
-            BLOCK_C=tiles.block_c, BLOCK_B=tiles.block_b), {}, dict(num_chunks=tiles.num_chunks, E=e,
-            max_blocks=plan.max_blocks), ()
-        yield "scatter", mr.moe_scatter_kernel, 4, 1, dict(TOP_K=k, BLOCK_T=tiles.block_t,
-            BLOCK_S=mr.SCATTER_BLOCK), {}, dict(num_pairs=tokens * k, E=e), ()
+        TOP_K=k, K_PAD=tiles.k_pad, SOFTMAX_FIRST=True, RENORMALIZE=True, BLOCK_T=tiles.block_t,
+        BLOCK_E=tiles.block_e), {"logits_ptr": "*fp32", "weights_ptr": "*fp32"}, \
+        dict(M=tokens, E=e, stride_lm=e), ()
+    yield "scan", mr.moe_scan_kernel, 4, 1, dict(BLOCK_M=config.block_m, BLOCK_E=tiles.block_e,
+        BLOCK_C=tiles.block_c, BLOCK_B=tiles.block_b), {}, dict(num_chunks=tiles.num_chunks, E=e,
+        max_blocks=plan.max_blocks), ()
+    yield "scatter", mr.moe_scatter_kernel, 4, 1, dict(TOP_K=k, BLOCK_T=tiles.block_t,
+        BLOCK_S=mr.SCATTER_BLOCK), {}, dict(num_pairs=tokens * k, E=e), ()
     gemm_ptrs = {"a_ptr": "*bf16", "w_ptr": w_ty, "scale_ptr": "*fp32", "bias_ptr": "*bf16"}
     pairs = tokens * k
     for name, tiles_, gated, split, n, kk, ints in (

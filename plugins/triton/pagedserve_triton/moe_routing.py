@@ -20,18 +20,18 @@ tokens, one program each (`moe_route_kernel`):
    ids and valid-row counts, and the number of valid blocks.
 4. scatter: each pair to `run_start[e] + chunk_offset[c, e] + rank` in `sorted_pairs`.
 
-Steps of up to `FUSED_PAIRS` pairs run 3 and 4 in the last program of the route launch to finish
-(a ticket on a zeroed counter, as `skinny_gemm`'s split-K sums), so a decode step's routing and
-grouping is one launch. Larger steps launch `moe_scan_kernel` (one program) and
-`moe_scatter_kernel` (`BLOCK_S` pairs a program) instead: one program scattering tens of
-thousands of pairs would take longer than the two launches.
+Steps 3 and 4 are launches of their own (`moe_scan_kernel`, one program, and
+`moe_scatter_kernel`, `BLOCK_S` pairs a program). The last route program to finish could do them
+(a ticket on a counter, as `skinny_gemm`'s split-K sums do), saving two launches a layer, but on an
+H100 that variant left parts of the block table unwritten at 4 and 8 warps, at random (1 warp was
+correct, and so are the separate launches): the kit's MoE cases caught it.
 
 Pairs of one expert stay in pair order, so the grouping, and with it every result, is
 deterministic. Buffers are sized by the shapes only (`max_blocks`): the worst case of
 `pairs + min(E, pairs) * (BLOCK_M - 1)` padded rows.
 
 Rows past the step's tokens may hold anything: a row whose logits are NaN still picks k distinct
-experts in range (a lane no score equals falls back to the lowest free one), so its pairs are
+experts in range (NaN ranks below every number, above every taken expert), so its pairs are
 only extra rows in some blocks, whose results touch no other row.
 """
 
@@ -43,18 +43,16 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve_triton.skinny_gemm import split_counters
-
 TILE_ELEMENTS = 2048  # tokens x experts of a chunk's tiles, and of the scan's steps: 4096 took 255
 # registers on sm_90 and spilled scalar registers on gfx942 (tests/test_triton_moe_compile.py)
 MAX_CHUNK_TOKENS = 64
-FUSED_PAIRS = 4096  # up to this many pairs one launch routes and groups (the ticket's winner scans, scatters)
-SCATTER_BLOCK = 1024  # pairs per program of `moe_scatter_kernel` and per step of the fused scatter
+SCATTER_BLOCK = 1024  # pairs per program of `moe_scatter_kernel`
 # Warps of the route launch. AMD's wave64 keeps the top-k loop's per-lane masks (`free`,
 # `chosen`, ...) in scalar register pairs, one per element a lane holds: with 4 waves a
 # 16 x 128 chunk is 8 elements a lane and spilled 52-61 SGPRs on gfx942; 8 waves halve that and
 # compile clean (tests/test_triton_moe_compile.py). NVIDIA keeps them in predicate registers.
 ROUTE_WARPS = 4
+FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 ROUTE_WARPS_AMD = 8
 
 
@@ -88,14 +86,13 @@ def _route_chunk(
     values = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     slot_of = tl.full((BLOCK_T, BLOCK_E), K_PAD, tl.int32)  # the slot that picked each expert
     total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    # Free lanes rank by score, NaN and -inf scores last but still above every taken lane (-inf),
+    # so each pick is a free expert in range and a token's k experts are distinct.
+    ranked = tl.where(scores == scores, tl.maximum(scores, -FLOAT32_MAX), -FLOAT32_MAX)
     for slot in tl.static_range(TOP_K):
-        candidates = tl.where(free, scores, -float("inf"))
-        best = tl.max(candidates, axis=1)
-        lanes = tl.where(free & (candidates == best[:, None]), e[None, :], BLOCK_E)
-        pick = tl.min(lanes, axis=1)
-        # A NaN row matches no lane: its lowest free expert keeps the id in range and distinct.
-        fallback = tl.min(tl.where(free, e[None, :], BLOCK_E), axis=1)
-        pick = tl.where(pick < BLOCK_E, pick, fallback)
+        # One argmax reduction decides the lane (ties to the lowest): no score is compared with a
+        # maximum reduced apart from it, so no row can find no lane.
+        pick = tl.argmax(tl.where(free, ranked, -float("inf")), axis=1, tie_break_left=True).to(tl.int32)
         chosen = e[None, :] == pick[:, None]
         value = tl.sum(tl.where(chosen, scores, 0.0), axis=1)
         free = free & ~chosen
@@ -185,54 +182,21 @@ def moe_route_kernel(
     ids_ptr,  # [M, TOP_K] int32 out: each token's experts, best first
     weights_ptr,  # [M, TOP_K] float32 out
     rank_ptr,  # [M * TOP_K] int32 scratch: each pair's rank among its chunk's pairs of its expert
-    hist_ptr,  # [num_chunks, E] int32 scratch: histograms, then chunk offsets
-    base_ptr,  # [E] int32 out: each expert's first row in `sorted`
-    sorted_ptr,  # [max_blocks * BLOCK_M] int32 out: pair ids grouped by expert (FUSED)
-    block_expert_ptr,  # [max_blocks] int32 out
-    block_rows_ptr,  # [max_blocks] int32 out: valid rows of each block (0 past the last)
-    num_blocks_ptr,  # [1] int32 out: valid blocks
-    counter_ptr,  # [1] int32, zero between launches (the ticket; FUSED only)
+    hist_ptr,  # [num_chunks, E] int32 out: each chunk's histogram (the scan's input)
     M,
     E,
     stride_lm,
-    max_blocks,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,  # next power of two of TOP_K
     SOFTMAX_FIRST: tl.constexpr,  # "softmax_topk" (else "topk_softmax")
     RENORMALIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    FUSED: tl.constexpr,  # the last program scans and scatters (else the two kernels below do)
 ):
-    chunk = tl.program_id(0)
-    num_chunks = tl.num_programs(0)
     _route_chunk(
-        logits_ptr, ids_ptr, weights_ptr, rank_ptr, hist_ptr, chunk, M, E, stride_lm,
+        logits_ptr, ids_ptr, weights_ptr, rank_ptr, hist_ptr, tl.program_id(0), M, E, stride_lm,
         TOP_K, K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_T, BLOCK_E,
     )  # fmt: skip
-    if FUSED:
-        # Every thread's ids, ranks and histogram are written before the ticket is taken; the
-        # ticket releases them to the device and acquires the other chunks' for the last one to
-        # arrive.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == num_chunks - 1:
-            tl.debug_barrier()
-            _scan(
-                hist_ptr, base_ptr, block_expert_ptr, block_rows_ptr, num_blocks_ptr, num_chunks, E,
-                max_blocks, BLOCK_M, BLOCK_E, BLOCK_C, BLOCK_B,
-            )  # fmt: skip
-            tl.store(counter_ptr, 0)  # ready for the next launch
-            tl.debug_barrier()  # the offsets and run starts this program just wrote
-            for p0 in range(0, M * TOP_K, BLOCK_S):
-                _scatter(
-                    ids_ptr, rank_ptr, hist_ptr, base_ptr, sorted_ptr, p0, M * TOP_K, E, TOP_K, BLOCK_T,
-                    BLOCK_S,
-                )  # fmt: skip
 
 
 @triton.jit
@@ -278,7 +242,6 @@ class RoutingTiles:
     block_c: int  # chunks per step of the scan
     block_b: int  # blocks per step of the block table
     num_chunks: int
-    fused: bool  # one launch: the ticket's winner scans and scatters
 
 
 def routing_tiles(m: int, num_experts: int, top_k: int, num_blocks: int) -> RoutingTiles:
@@ -296,7 +259,6 @@ def routing_tiles(m: int, num_experts: int, top_k: int, num_blocks: int) -> Rout
         block_c=min(per_step, triton.next_power_of_2(num_chunks)),
         block_b=min(per_step, triton.next_power_of_2(num_blocks)),
         num_chunks=num_chunks,
-        fused=m * top_k <= FUSED_PAIRS,
     )
 
 
@@ -339,41 +301,16 @@ def route_and_group(
     )
     weights = torch.empty((m, top_k), dtype=torch.float32, device=device)
     moe_route_kernel[(tiles.num_chunks,)](
-        router_logits,
-        ids,
-        weights,
-        rank,
-        hist,
-        base,
-        sorted_pairs,
-        block_expert,
-        block_rows,
-        num_blocks,
-        split_counters(device, 1),
-        m,
-        num_experts,
-        router_logits.stride(0),
-        blocks,
-        TOP_K=top_k,
-        K_PAD=tiles.k_pad,
-        SOFTMAX_FIRST=scoring == "softmax_topk",
-        RENORMALIZE=renormalize,
-        BLOCK_M=block_m,
-        BLOCK_T=tiles.block_t,
-        BLOCK_E=tiles.block_e,
-        BLOCK_C=tiles.block_c,
-        BLOCK_B=tiles.block_b,
-        BLOCK_S=SCATTER_BLOCK,
-        FUSED=tiles.fused,
-        num_warps=route_warps(device),
-    )
-    if not tiles.fused:
-        moe_scan_kernel[(1,)](
-            hist, base, block_expert, block_rows, num_blocks, tiles.num_chunks, num_experts, blocks,
-            BLOCK_M=block_m, BLOCK_E=tiles.block_e, BLOCK_C=tiles.block_c, BLOCK_B=tiles.block_b, num_warps=4,
-        )  # fmt: skip
-        moe_scatter_kernel[(triton.cdiv(pairs, SCATTER_BLOCK),)](
-            ids, rank, hist, base, sorted_pairs, pairs, num_experts,
-            TOP_K=top_k, BLOCK_T=tiles.block_t, BLOCK_S=SCATTER_BLOCK, num_warps=4,
-        )  # fmt: skip
+        router_logits, ids, weights, rank, hist, m, num_experts, router_logits.stride(0),
+        TOP_K=top_k, K_PAD=tiles.k_pad, SOFTMAX_FIRST=scoring == "softmax_topk", RENORMALIZE=renormalize,
+        BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e, num_warps=route_warps(device),
+    )  # fmt: skip
+    moe_scan_kernel[(1,)](
+        hist, base, block_expert, block_rows, num_blocks, tiles.num_chunks, num_experts, blocks,
+        BLOCK_M=block_m, BLOCK_E=tiles.block_e, BLOCK_C=tiles.block_c, BLOCK_B=tiles.block_b, num_warps=4,
+    )  # fmt: skip
+    moe_scatter_kernel[(triton.cdiv(pairs, SCATTER_BLOCK),)](
+        ids, rank, hist, base, sorted_pairs, pairs, num_experts,
+        TOP_K=top_k, BLOCK_T=tiles.block_t, BLOCK_S=SCATTER_BLOCK, num_warps=4,
+    )  # fmt: skip
     return Grouping(ids.view(m, top_k), weights, sorted_pairs, block_expert, block_rows, num_blocks, block_m)

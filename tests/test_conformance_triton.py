@@ -51,11 +51,11 @@ def test_quick_set_covers_the_platform() -> None:
     groups = {i.case.group for i in ITEMS}
     assert {"prefill", "chunked_prefill", "decode", "spec_decode", "mixed", "gqa", "sliding_window"} <= groups
     assert {"reshape_and_cache", "copy_blocks", "swap_blocks_to_host", "swap_blocks_from_host"} <= groups
-    assert {i.component for i in ITEMS} == {"triton_unified", "cache_ops", "lora", "moe"}
+    assert {i.component for i in ITEMS} == {"triton_unified", "cache_ops", "lora", "moe", "int_linear"}
     assert {i.case.case_id for i in ITEMS if i.component == "lora"} >= {"lora[prefill]", "lora[no_adapter]"}
-    # The interpreter is slow: the quick set must stay small. The LoRA and MoE cases take a few
-    # seconds together; the attention and cache cases stay within 60.
-    kernels = [i for i in ITEMS if i.component in ("lora", "moe")]
+    # The interpreter is slow: the quick set must stay small. The LoRA, MoE and integer-weight
+    # linear cases take a few seconds together; the attention and cache cases stay within 60.
+    kernels = [i for i in ITEMS if i.component in ("lora", "moe", "int_linear")]
     assert len(ITEMS) - len(kernels) <= 60, len(ITEMS) - len(kernels)
 
 

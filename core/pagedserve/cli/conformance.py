@@ -24,9 +24,11 @@ EXIT_UNUSABLE = 2  # unknown or unavailable platform, or no oracle: nothing was 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "conformance",
-        help="check a platform's attention backends and cache ops against cpu_reference",
-        description="Run every attention backend and the cache ops of a platform against the float64 "
-        "cpu_reference over the conformance case matrix. Exits 1 if any case fails.",
+        help="check a platform's attention backends, cache ops and LoRA, MoE and integer-weight "
+        "linear kernels against cpu_reference",
+        description="Run every attention backend, the cache ops and the LoRA, MoE and integer-weight "
+        "linear kernels of a platform against the float64 cpu_reference over the conformance case "
+        "matrix. Exits 1 if any case fails.",
     )
     parser.add_argument("--platform", required=True, help="platform name (see `pagedserve platforms`)")
     parser.add_argument("--quick", action="store_true", help="the small case set (CI, Triton interpreter)")

@@ -29,6 +29,8 @@ seed. The matrix is derived from what a backend *declares*, intersected with fix
   tied router logits, every declared dtype, FP8 expert weights and biases with the clamped SwiGLU
   (when the kernel declares them), each scoring, junk rows past the step's tokens, and token
   counts from 1 to 300 over varied shapes.
+* Integer-weight linear groups (`IntLinearCase`, platforms with an `IntLinearKernel`): in their own
+  module, `int_linear_cases`.
 
 `quick=True` keeps every group and every declared dtype but fewer head sizes, block sizes, windows
 and softcaps, and no long-sequence cases: small enough for the Triton interpreter in CI.

@@ -41,6 +41,7 @@ import torch
 
 from pagedserve.conformance.cases import MoECase, RouterPattern, dtype_name
 from pagedserve.conformance.guards import count_changed
+from pagedserve.conformance.judging import judge_runs, junk_rows_problems
 from pagedserve.conformance.results import CaseResult, ErrorStats, Status
 from pagedserve.conformance.tolerances import Tolerance, moe_tolerance_for
 from pagedserve.moe.reference import activate
@@ -220,17 +221,6 @@ class _Oracle:
         return self.op(self.x, self.logits, self.experts, self.routing)
 
 
-def _stats(got: torch.Tensor, want: torch.Tensor, tolerance: Tolerance) -> ErrorStats:
-    err = (got - want).abs()
-    if not err.numel():
-        return ErrorStats(0.0, 0.0, 0.0)
-    return ErrorStats(
-        max_abs_err=float(err.max()),
-        max_rel_err=float((err / want.abs().clamp_min(tolerance.atol)).max()),
-        worst_ratio=float((err / tolerance.bound(want)).max()),
-    )
-
-
 def _alternatives(case: MoECase, oracle: _Oracle) -> list[tuple[str, Callable[[], torch.Tensor]]]:
     """(cause, the oracle's output under that bug) for the bugs this case can show. Pure."""
     routing, experts = oracle.routing, oracle.experts
@@ -375,33 +365,23 @@ def check_moe_case(kernel: MoEKernel, case: MoECase, device: torch.device, oracl
             problems += _output_problems(clean, x[:m], "op without the junk rows")
             runs.append((" without the junk rows", clean))
             other = _call(kernel, inputs.other_junk_x.to(device), logits, experts, case.routing, device)
-            if not problems and count_changed(out[:m], other[:m]):
-                again = _call(kernel, x, logits, experts, case.routing, device)
-                why = (
-                    "the kernel is not deterministic: the same call twice changed them"
-                    if count_changed(out[:m], again[:m])
-                    else "the values of rows past the step leak into the step's rows"
-                )
-                problems.append(
-                    f"{count_changed(out[:m], other[:m])} elements of the step's rows changed bits when "
-                    f"only the junk rows of x held other values (same router logits): {why}"
+            if not problems:
+                problems += junk_rows_problems(
+                    out,
+                    other,
+                    lambda: _call(kernel, x, logits, experts, case.routing, device),
+                    m,
+                    "only the junk rows of x held other values (same router logits)",
                 )
         if not problems:
-            for label, result in runs:
-                got = result[:m].cpu().double()
-                if not torch.isfinite(got).all():
-                    problems.append(f"non-finite values in the step's rows{label}")
-                    problems += diagnose(case, got, want, tolerance, reference)
-                    continue
-                stats = _stats(got, want, tolerance)
-                if errors is None or stats.worst_ratio > errors.worst_ratio:
-                    errors = stats
-                if stats.worst_ratio > 1:
-                    problems.append(
-                        f"the step's rows{label} differ from the reference beyond the "
-                        + f"{dtype_name(case.dtype)} MoE tolerance"
-                    )
-                    problems += diagnose(case, got, want, tolerance, reference)
+            problems, errors = judge_runs(
+                runs,
+                m,
+                want,
+                tolerance,
+                f"{dtype_name(case.dtype)} MoE",
+                lambda got: diagnose(case, got, want, tolerance, reference),
+            )
     except Exception as e:
         problems.append(f"op raised {type(e).__name__}: {e}")
     status = Status.FAILED if problems else Status.PASSED

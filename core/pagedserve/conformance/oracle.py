@@ -1,6 +1,6 @@
-"""The oracle: the cpu_reference platform's attention backend, cache ops, LoRA and MoE kernels,
-found through the platform registry like any other plugin and run on CPU tensors (float64 for
-attention, LoRA and MoE)."""
+"""The oracle: the cpu_reference platform's attention backend, cache ops, LoRA, MoE and
+integer-weight linear kernels, found through the platform registry like any other plugin and run
+on CPU tensors (float64 for attention, LoRA, MoE and the integer-weight linear op)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 from pagedserve.lora.reference import MASKED_LORA_KERNEL
 from pagedserve.moe.reference import REFERENCE_MOE_KERNEL
-from pagedserve.platforms.api import AttentionBackend, CacheOps, LoRAKernel, MoEKernel
+from pagedserve.platforms.api import AttentionBackend, CacheOps, IntLinearKernel, LoRAKernel, MoEKernel
 from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.registry import PlatformRegistry, load_platforms
+from pagedserve.quantization.int_linear import REFERENCE_INT_LINEAR_KERNEL
 
 ORACLE_PLATFORM = "cpu_reference"
 
@@ -23,6 +24,7 @@ class Oracle:
     cache_ops: CacheOps
     lora: LoRAKernel = MASKED_LORA_KERNEL  # run on float64 CPU tensors
     moe: MoEKernel = REFERENCE_MOE_KERNEL  # run on float64 CPU tensors
+    int_linear: IntLinearKernel = REFERENCE_INT_LINEAR_KERNEL  # float64 x and bias on the CPU
 
     @classmethod
     def find(cls, registry: PlatformRegistry | None = None) -> Oracle:
@@ -38,7 +40,10 @@ class Oracle:
             backend = next((b for b in backends if b.name == ORACLE_PLATFORM), backends[0])
             lora = platform.lora_kernel() or MASKED_LORA_KERNEL
             moe = platform.moe_kernel() or REFERENCE_MOE_KERNEL
-            return cls(attention=backend(), cache_ops=platform.cache_ops(), lora=lora, moe=moe)
+            int_linear = platform.int_linear_kernel() or REFERENCE_INT_LINEAR_KERNEL
+            return cls(
+                attention=backend(), cache_ops=platform.cache_ops(), lora=lora, moe=moe, int_linear=int_linear
+            )
         raise PlatformError(
             f"the conformance suite compares against the {ORACLE_PLATFORM!r} platform, which is not "
             "installed: reinstall pagedserve (it ships the pagedserve_cpu_reference plugin)"

@@ -20,6 +20,7 @@ from pagedserve.conformance.cases import (
     RouterPattern,
     dtype_name,
 )
+from pagedserve.conformance.int_linear_cases import IntLinearCase
 from pagedserve.conformance.results import CaseResult, Status
 
 
@@ -83,7 +84,9 @@ def pattern_hints(results: list[CaseResult]) -> list[str]:
     """Hints from which cases of an attention backend fail and which pass: only window cases, only
     GQA ratios above 1, only one dtype, only FP8 caches, only batches with multi-token queries,
     only calls without `out=`, only the engine smoke check; and of an MoE kernel: only FP8 experts,
-    only the SwiGLU, only tied logits, only junk rows, only one dtype. Pure."""
+    only the SwiGLU, only tied logits, only junk rows, only one dtype; and of an integer-weight
+    linear kernel: only zero points, one code width, some group sizes, partial last groups, odd
+    widths, junk rows, a bias, some dtypes. Pure."""
     hints = []
     for component in dict.fromkeys(r.component for r in results):
         mine = [r for r in results if r.component == component and r.status is not Status.UNSUPPORTED]
@@ -96,6 +99,13 @@ def pattern_hints(results: list[CaseResult]) -> list[str]:
             moe_found = _moe_pattern(moe_failed, [r.case for r in passed if isinstance(r.case, MoECase)])
             if moe_found is not None:
                 hints.append(f"{component}: {moe_found}")
+            continue
+        int_failed = [r.case for r in failed if isinstance(r.case, IntLinearCase)]
+        if int_failed:
+            int_passed = [r.case for r in passed if isinstance(r.case, IntLinearCase)]
+            int_found = _int_linear_pattern(int_failed, int_passed)
+            if int_found is not None:
+                hints.append(f"{component}: {int_found}")
             continue
         kernel_failed = [r.case for r in failed if isinstance(r.case, AttentionCase)]
         kernel_passed = [r.case for r in passed if isinstance(r.case, AttentionCase)]
@@ -165,6 +175,60 @@ def _moe_pattern(failed: list[MoECase], passed: list[MoECase]) -> str | None:
     dtypes = {c.dtype for c in failed}
     if len(dtypes) == 1 and only(lambda c: c.dtype in dtypes):
         return f"only {dtype_name(next(iter(dtypes)))} cases fail: look at that dtype's path"
+    return None
+
+
+def _int_linear_pattern(failed: list[IntLinearCase], passed: list[IntLinearCase]) -> str | None:
+    # Stricter than the attention and MoE patterns: the property must hold for every failing case
+    # and for no passing one. Every case has some width, group size and dtype (the base's, most of
+    # them), so "not all passing cases have it" would name the base's values for any bug.
+    def only(pred: Callable[[IntLinearCase], bool]) -> bool:
+        return all(pred(c) for c in failed) and not any(pred(c) for c in passed)
+
+    def names(values: set[str]) -> str:
+        return ", ".join(sorted(values, key=_sort_key))
+
+    if only(lambda c: c.junk_rows > 0):
+        return (
+            "only cases with junk rows past the step fail: look at what reads across rows (a max or "
+            "sum over the batch, such as an activation scale, or a row tile's mask)"
+        )
+    if only(lambda c: c.zero_points):
+        return (
+            "only cases with zero points fail: look at the zero points (int8, signed like the codes, "
+            "subtracted from them)"
+        )
+    if only(lambda c: c.bias):
+        return (
+            "only cases with a bias fail: look at the bias (x's dtype, added once before the output's "
+            "rounding)"
+        )
+    widths = {c.bits for c in failed}
+    if len(widths) == 1 and only(lambda c: c.bits in widths):
+        bits = next(iter(widths))
+        return (
+            f"only int{bits} cases fail: look at how {bits}-bit codes are unpacked ({32 // bits} to a word) "
+            f"and their offset of 2**{bits - 1}"
+        )
+    if only(lambda c: c.in_features % c.weight_group_size != 0):
+        return (
+            "only input widths with a partial last group fail: look at the group count "
+            "ceil(K / group_size) and the mask of the last K step"
+        )
+    sizes = {c.group_label for c in failed}
+    if only(lambda c: c.group_label in sizes):
+        return (
+            f"only group sizes {names(sizes)} fail: look at the group index k // group_size of the "
+            "scales (and zeros), and the row stride of the scales"
+        )
+    if only(lambda c: c.out_features % 32 != 0 or c.in_features % 64 != 0):
+        return "only widths off the power-of-two tiles fail: look at the masks of the last N and K tiles"
+    dtypes = {c.dtype for c in failed}
+    if only(lambda c: c.dtype in dtypes):
+        return (
+            f"only {names({dtype_name(d) for d in dtypes})} cases fail: look at that dtype's path (a "
+            "float32 accumulator, the weight rounded once to x's dtype)"
+        )
     return None
 
 
@@ -288,6 +352,18 @@ _MOE_PROPERTIES: list[tuple[str, Callable[[Any], str | None]]] = [  # of an MoEC
 ]
 
 
+_INT_LINEAR_PROPERTIES: list[tuple[str, Callable[[Any], str | None]]] = [  # of an IntLinearCase
+    ("dtype", lambda c: dtype_name(c.dtype)),
+    ("code width", lambda c: f"int{c.bits}"),
+    ("group size", lambda c: c.group_label),
+    ("zero points", lambda c: "yes" if c.zero_points else "no"),
+    ("bias", lambda c: "yes" if c.bias else "no"),
+    ("rows", lambda c: str(c.num_tokens)),
+    ("in features", lambda c: str(c.in_features)),
+    ("out features", lambda c: str(c.out_features)),
+]
+
+
 def _property_rows(
     results: list[CaseResult],
     properties: list[tuple[str, Callable[[Any], str | None]]] = _PROPERTIES,
@@ -366,6 +442,15 @@ def matrix_section(info: RunInfo, results: list[CaseResult]) -> str:
         elif isinstance(mine[0].case, MoECase):
             lines += ["", f"### MoE kernel (`{component}`)", "", _moe_declarations(mine), ""]
             lines += [*_property_rows(mine, _MOE_PROPERTIES, MoECase), "", *_group_rows(groups)]
+        elif isinstance(mine[0].case, IntLinearCase):
+            lines += [
+                "",
+                f"### Integer-weight linear kernel (`{component}`)",
+                "",
+                _int_linear_declarations(mine),
+                "",
+            ]
+            lines += [*_property_rows(mine, _INT_LINEAR_PROPERTIES, IntLinearCase), "", *_group_rows(groups)]
         elif isinstance(mine[0].case, LoRACase):
             lines += ["", "### LoRA kernel", "", "Compared with the float64 torch formulation.", ""]
             lines += ["| case | passed | failed | shape |", "|---|---|---|---|"]
@@ -399,6 +484,22 @@ def _moe_declarations(results: list[CaseResult]) -> str:
         + (", ".join(f"`{d}`" for d in fp8) if fp8 else "none besides the activations'")
         + "; activations "
         + ", ".join(f"`{a}`" for a in activations)
+        + "."
+    )
+
+
+def _int_linear_declarations(results: list[CaseResult]) -> str:
+    """What the integer-weight linear kernel declared, as the cases drawn from it show
+    (`int_linear_cases` draws exactly the widths and group sizes the kernel takes). Pure."""
+    cases = [r.case for r in results if isinstance(r.case, IntLinearCase)]
+    widths = sorted({c.bits for c in cases})
+    sizes = sorted({c.group_label for c in cases}, key=_sort_key)
+    return (
+        "Compared with the float64 dequantize-then-multiply formulation. Declared by the kernel "
+        "(the cases drawn from it): code widths "
+        + ", ".join(f"`int{b}`" for b in widths)
+        + "; group sizes "
+        + ", ".join(f"`{s}`" for s in sizes)
         + "."
     )
 

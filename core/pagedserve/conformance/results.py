@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from pagedserve.conformance.cases import AttentionCase, CacheOpCase, EngineCase, LoRACase, MoECase
+from pagedserve.conformance.int_linear_cases import IntLinearCase
 
 
 class Status(enum.Enum):
@@ -27,8 +28,8 @@ class ErrorStats:
 class CaseResult:
     """The outcome of one case for one component (an attention backend, or the platform's cache ops)."""
 
-    component: str  # attention backend name, "cache_ops", "lora" or "moe"
-    case: AttentionCase | CacheOpCase | EngineCase | LoRACase | MoECase
+    component: str  # attention backend name, "cache_ops", "lora", "moe" or "int_linear"
+    case: AttentionCase | CacheOpCase | EngineCase | LoRACase | MoECase | IntLinearCase
     status: Status
     problems: tuple[str, ...]  # why it failed, every check that did; empty when passed
     errors: ErrorStats | None  # None when no output was compared (unsupported, raised, exact ops)

@@ -11,8 +11,9 @@ An item is one case for one component: every attention backend of the platform g
 case matrix derived from its declared capabilities and the engine smoke cases (a tiny model's
 greedy tokens in each declared engine dtype, with the platform's cache ops); the platform's cache
 ops get the cache-op cases for the platform's dtypes and its backends' block sizes; a platform with
-a `LoRAKernel` gets the LoRA cases in its dtypes, and one with an `MoEKernel` the MoE cases in its
-dtypes and the kernel's declared weight dtypes and activations.
+a `LoRAKernel` gets the LoRA cases in its dtypes, one with an `MoEKernel` the MoE cases in its
+dtypes and the kernel's declared weight dtypes and activations, and one with an `IntLinearKernel`
+the integer-weight linear cases in its dtypes and the kernel's declared widths and group sizes.
 """
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ from pagedserve.conformance.cases import (
     moe_cases,
 )
 from pagedserve.conformance.engine_check import check_engine_case
+from pagedserve.conformance.int_linear_cases import IntLinearCase, int_linear_cases
+from pagedserve.conformance.int_linear_check import COMPONENT as INT_LINEAR_COMPONENT
+from pagedserve.conformance.int_linear_check import check_int_linear_case
 from pagedserve.conformance.lora_check import COMPONENT as LORA_COMPONENT
 from pagedserve.conformance.lora_check import check_lora_case
 from pagedserve.conformance.moe_check import COMPONENT as MOE_COMPONENT
 from pagedserve.conformance.moe_check import check_moe_case
 from pagedserve.conformance.oracle import Oracle
 from pagedserve.conformance.results import CaseResult
-from pagedserve.platforms.api import AttentionBackend, CacheOps, LoRAKernel, MoEKernel
+from pagedserve.platforms.api import AttentionBackend, CacheOps, IntLinearKernel, LoRAKernel, MoEKernel
 from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.registry import LoadedPlatform, PlatformRegistry, load_platforms
 
@@ -52,8 +56,8 @@ from pagedserve.platforms.registry import LoadedPlatform, PlatformRegistry, load
 class SuiteItem:
     """One case for one component of the platform."""
 
-    component: str  # attention backend name, "cache_ops", "lora" or "moe"
-    case: AttentionCase | CacheOpCase | EngineCase | LoRACase | MoECase
+    component: str  # attention backend name, "cache_ops", "lora", "moe" or "int_linear"
+    case: AttentionCase | CacheOpCase | EngineCase | LoRACase | MoECase | IntLinearCase
 
     @property
     def item_id(self) -> str:
@@ -95,6 +99,8 @@ class ConformanceSuite:
         self._lora_asked = False
         self._moe: MoEKernel | None = None
         self._moe_asked = False
+        self._int_linear: IntLinearKernel | None = None
+        self._int_linear_asked = False
 
     @classmethod
     def for_platform(
@@ -131,8 +137,8 @@ class ConformanceSuite:
 
     def items(self) -> list[SuiteItem]:
         """Every item, attention backends first (in the platform's order), then cache ops, then the
-        LoRA kernel's, then the MoE kernel's. Pure (asks the plugins for their LoRA and MoE
-        kernels)."""
+        LoRA kernel's, the MoE kernel's and the integer-weight linear kernel's. Pure (asks the
+        plugins for their LoRA, MoE and integer-weight linear kernels)."""
         found: list[SuiteItem] = []
         for name, backend in self._backend_classes.items():
             found += [
@@ -178,6 +184,14 @@ class ConformanceSuite:
                     seed=self.seed,
                 )
             ]
+        int_linear = self._int_linear_kernel()
+        if int_linear is not None:
+            found += [
+                SuiteItem(INT_LINEAR_COMPONENT, c)
+                for c in int_linear_cases(
+                    int_linear, self.platform.info.supported_dtypes, quick=self.quick, seed=self.seed
+                )
+            ]
         return found
 
     def run_item(self, item: SuiteItem) -> CaseResult:
@@ -193,6 +207,10 @@ class ConformanceSuite:
             moe = self._moe_kernel()
             assert moe is not None, "MoE items come only from a platform with an MoE kernel"
             return check_moe_case(moe, item.case, self.device, self.oracle.moe)
+        if isinstance(item.case, IntLinearCase):
+            int_linear = self._int_linear_kernel()
+            assert int_linear is not None, "int-linear items come only from a platform with such a kernel"
+            return check_int_linear_case(int_linear, item.case, self.device, self.oracle.int_linear)
         if isinstance(item.case, EngineCase):
             # A fresh backend, as an engine constructs one: the check asks `enable_new_kv_reads`.
             engine_backend = self._backend_classes[item.component]()
@@ -221,6 +239,12 @@ class ConformanceSuite:
             self._moe = self.platform.moe_kernel()
             self._moe_asked = True
         return self._moe
+
+    def _int_linear_kernel(self) -> IntLinearKernel | None:
+        if not self._int_linear_asked:
+            self._int_linear = self.platform.int_linear_kernel()
+            self._int_linear_asked = True
+        return self._int_linear
 
     def _ops(self) -> CacheOps:
         if self._cache_ops is None:

@@ -8,15 +8,17 @@ With more ranks than KV heads, each KV head is replicated on `world_size / num_k
 (rank r holds KV head `r * num_kv_heads // world_size`, the one its query heads attend with).
 Mixture-of-experts blocks (`SparseMoE.shard`) split every expert's (and the shared expert's)
 intermediate dimension the same way, the router replicated: one all-reduce per layer.
+Quantized checkpoints cut their codes, scales, zero points and `g_idx` along the same split
+(`quantization.tensor_parallel`, which hands `iter_safetensors_shard` the part of each tensor).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -166,6 +168,22 @@ def _moe_intermediate_sizes(config: Any) -> tuple[int | None, int | None]:
     return int(expert), None if shared is None else int(shared)
 
 
+class TensorPart(Protocol):
+    """What a rank holds of one checkpoint tensor, cut from the whole or read from disk."""
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole tensor (a copy). Does not mutate `tensor`."""
+        ...
+
+    def read(self, lazy: Any) -> torch.Tensor:
+        """This rank's part read from a safetensors slice handle, reading no more than needed."""
+        ...
+
+
+# checkpoint tensor name -> this rank's part of it; None: the whole (replicated) tensor
+PartOf = Callable[[str], TensorPart | None]
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSlice:
     """`length` rows (dim 0) or columns (dim 1) from `start`, zero-padded to `padded` along `dim`."""
@@ -234,19 +252,25 @@ def shard_model(model: DecoderForCausalLM, layout: ShardLayout, group: TensorPar
 
 
 def shard_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], layout: ShardLayout
+    weights: Iterable[tuple[str, torch.Tensor]], layout: ShardLayout, part_of: PartOf | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Cut whole checkpoint tensors down to this rank's part (for formats read whole, e.g. GGUF)."""
+    """Cut whole checkpoint tensors down to this rank's part (for formats read whole, e.g. GGUF);
+    `part_of` as for `iter_safetensors_shard`."""
+    part_of = part_of or layout.slice_of
     for name, tensor in weights:
-        part = layout.slice_of(name)
+        part = part_of(name)
         yield name, tensor if part is None else part.take(tensor)
 
 
-def iter_safetensors_shard(directory: Path, layout: ShardLayout) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_shard(
+    directory: Path, layout: ShardLayout, part_of: PartOf | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield this rank's part of every tensor of a safetensors checkpoint, reading only that part
-    from disk: a rank never holds the whole checkpoint."""
+    from disk: a rank never holds the whole checkpoint. `part_of` says what the part of a tensor
+    is (a quantized checkpoint's, `quantization.tensor_parallel`); by default `layout.slice_of`."""
+    part_of = part_of or layout.slice_of
     for path in safetensors_files(directory):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                part = layout.slice_of(name)
+                part = part_of(name)
                 yield name, f.get_tensor(name) if part is None else part.read(f.get_slice(name))

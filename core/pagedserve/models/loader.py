@@ -179,13 +179,10 @@ def load_model(
             f"the checkpoint is quantized ({checkpoint_quant.describe()}), which is read for native "
             f"pagedserve models only; {choice.architecture} runs through the transformers fallback"
         )
-    if checkpoint_quant is not None and tp is not None and tp.world_size > 1:
-        raise ValueError(
-            f"the checkpoint is quantized ({checkpoint_quant.describe()}); quantized layers are not "
-            "sharded over tensor-parallel ranks yet: use tensor_parallel_size=1"
-        )
     if tp is not None and tp.world_size > 1:
-        return _load_shard(choice.native_class, config, source, fmt, dtype, device, seed, quantization, tp)
+        return _load_shard(
+            choice.native_class, config, source, fmt, dtype, device, seed, quantization, tp, checkpoint_quant
+        )
     built: PagedCausalLM
     if choice.native_class is None:
         if quantization is not None:
@@ -387,10 +384,12 @@ def _load_shard(
     seed: int,
     quantization: Quantization | None,
     tp: TensorParallelGroup,
+    checkpoint_quant: CheckpointQuantization | None = None,
 ) -> LoadedModel:
     """`load_model` for one rank of a tensor-parallel group: the native model with this rank's
-    shapes, filled with this rank's part of every tensor. Dummy weights are drawn per shard (so
-    they differ from an unsharded model's: they are for benchmarks only)."""
+    shapes, filled with this rank's part of every tensor (a quantized checkpoint's codes, scales,
+    zero points and `g_idx` cut with their weights: `quantization.tensor_parallel`). Dummy weights
+    are drawn per shard (so they differ from an unsharded model's: they are for benchmarks only)."""
     from pagedserve.distributed.sharding import (
         ShardLayout,
         iter_safetensors_shard,
@@ -419,6 +418,13 @@ def _load_shard(
     elif fmt == "gguf":
         assert source.gguf_path is not None
         native.load_weights(shard_weights(iter_gguf(source.gguf_path, config), layout))
+    elif checkpoint_quant is not None:
+        from pagedserve.quantization.apply import place_quantized_layers
+        from pagedserve.quantization.tensor_parallel import quantized_part_of
+
+        place_quantized_layers(native, checkpoint_quant, layout)
+        parts = quantized_part_of(native, layout)
+        native.load_weights(iter_safetensors_shard(source.directory, layout, parts))
     else:
         native.load_weights(iter_safetensors_shard(source.directory, layout))
     native.eval()

@@ -5,7 +5,12 @@ Each linear layer of the decoder is looked up under the checkpoint's names: a st
 (`qkv_proj`, `gate_up_proj`) under each projection it stacks, which must share one scheme. Layers
 the checkpoint quantizes become `IntWeightLinear` (integer weights) or `Fp8CheckpointLinear` (FP8);
 the others stay dense. What is not read is refused by name: a quantized LM head, quantized MoE
-experts, and checkpoints of the transformers fallback or sharded over tensor-parallel ranks.
+experts, and checkpoints of the transformers fallback.
+
+A model sharded over tensor-parallel ranks (`distributed.sharding.shard_model`) gets each rank's
+quantized layers: of its local shapes, row-parallel ones summing over the group, activation-ordered
+row-parallel ones with the whole scale table; shards that would cut a packed word, a scale group
+or an FP8 block are refused here, before a tensor is read (`quantization.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any
 
 from torch import nn
 
+from pagedserve.distributed.layers import RowParallelLinear
+from pagedserve.distributed.sharding import ShardLayout
 from pagedserve.models.decoder import DecoderForCausalLM
 from pagedserve.models.layers import MergedLinear
 from pagedserve.moe.layer import RouterLinear, SparseMoE
@@ -27,6 +34,7 @@ from pagedserve.quantization.checkpoint_config import (
 )
 from pagedserve.quantization.fp8_linear import Fp8CheckpointLinear
 from pagedserve.quantization.int_linear import IntWeightLinear
+from pagedserve.quantization.tensor_parallel import check_shard, scale_groups
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +72,28 @@ def _scheme_of(quant: CheckpointQuantization, names: list[str], path: str) -> We
     return distinct.pop()
 
 
-def place_quantized_layers(model: DecoderForCausalLM, quant: CheckpointQuantization) -> int:
+def _checked_row_parallel(names: list[str], scheme: WeightScheme, layout: ShardLayout | None) -> bool:
+    """Whether a rank's layer of the projections `names` holds a slice of their inputs (o_proj,
+    down_proj) rather than of their outputs or all of them. Raises `ValueError` naming the first
+    projection whose shard would cut a packed word, a scale group or an FP8 block (`check_shard`).
+    Pure."""
+    row_parallel = False
+    for name in names:
+        split = None if layout is None else layout.slice_of(f"{name}.weight")
+        if split is not None:
+            assert layout is not None
+            check_shard(scheme, name, split, layout.world_size)
+            row_parallel |= split.dim == 1
+    return row_parallel
+
+
+def place_quantized_layers(
+    model: DecoderForCausalLM, quant: CheckpointQuantization, layout: ShardLayout | None = None
+) -> int:
     """Swap every linear layer that `quant` quantizes for its quantized layer, empty, on the
-    model's device; returns how many. Raises `ValueError` for layers that are not read quantized.
-    Mutates `model`."""
+    model's device; returns how many. With the `layout` of a sharded model, the layers are that
+    rank's (module docstring). Raises `ValueError` for layers that are not read quantized, or
+    whose shards would cut what the checkpoint packs. Mutates `model`."""
     renames = type(model).checkpoint_renames
     dtype = model.model.embed_tokens.weight.dtype
     device = model.model.embed_tokens.weight.device
@@ -101,9 +127,15 @@ def place_quantized_layers(model: DecoderForCausalLM, quant: CheckpointQuantizat
             continue
         options: dict[str, Any] = dict(bias=module.bias is not None, dtype=dtype, device=device)
         where = owner if isinstance(module, MergedLinear) else names[0]
+        # Only the all-reduce of a sharded o_proj / down_proj is the layer's own: a row-parallel
+        # shared expert's partial products are summed by its MoE block.
+        options["reduce"] = module.group if isinstance(module, RowParallelLinear) else None
+        row_parallel = _checked_row_parallel(names, scheme, layout)
         layer: nn.Module
         if isinstance(scheme, IntWeightScheme):
-            layer = IntWeightLinear(module.in_features, sizes, scheme, name=where, **options)
+            world = 1 if layout is None else layout.world_size
+            groups = scale_groups(scheme, module.in_features, world if row_parallel else 1)
+            layer = IntWeightLinear(module.in_features, sizes, scheme, name=where, groups=groups, **options)
         else:
             layer = Fp8CheckpointLinear(module.in_features, sizes, scheme, name=where, **options)
         parent, _, attr = path.rpartition(".")

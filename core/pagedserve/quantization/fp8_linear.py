@@ -12,9 +12,18 @@ run as they are stored (no requantization).
 * Block scales (FP8_BLOCK: a float32 scale per `block` of the weight, dynamic activations per
   group of inputs): `block_fp8_linear`, the dequantize-then-multiply formulation in float32. No
   faster kernel exists for it yet on any platform.
+* Row-parallel shards (tensor parallelism, `reduce`; `quantization.tensor_parallel` reads a rank's
+  columns): the partial products are summed over the group and the bias added once after. Dynamic
+  per-token activation scales are taken over the whole input row, every rank's amax exchanged in
+  one small all-reduce, so a rank's codes are the single device's (a scale from its own slice
+  would round differently); these layers therefore keep `torch._scaled_mm`, not the platform's
+  FP8 kernel, which computes its own scales. Per-group activation scales need no exchange: a rank's
+  inputs start on a group boundary (`check_shard`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +32,9 @@ from torch.nn import functional as F
 from pagedserve.models.fp8 import AMAX_FLOOR, FP8_MAX, FP8_WEIGHT_DTYPE, INV_FP8_MAX, Fp8Linear, scaled_linear
 from pagedserve.quantization.checkpoint_config import Fp8WeightScheme
 from pagedserve.quantization.stacking import copy_checked, row_ranges
+
+if TYPE_CHECKING:
+    from pagedserve.distributed.group import TensorParallelGroup
 
 
 def block_fp8_linear(
@@ -66,6 +78,7 @@ class Fp8CheckpointLinear(Fp8Linear):
         dtype: torch.dtype,
         device: torch.device,
         name: str = "",  # the checkpoint's name of the layer (of the stacked projections' owner), for errors
+        reduce: TensorParallelGroup | None = None,  # row-parallel: the group summing the partial products
     ) -> None:
         nn.Module.__init__(self)  # Fp8Linear's own __init__ quantizes a dense weight: not here
         self.in_features = in_features
@@ -73,6 +86,7 @@ class Fp8CheckpointLinear(Fp8Linear):
         self.scheme = scheme
         self.kernel = None
         self.checkpoint_name = name
+        self.reduce = reduce
         self.shard_offsets = row_ranges(shard_sizes)  # projection -> (first row, rows)
         for shard, (start, _) in self.shard_offsets.items():
             if scheme.block is not None and start % scheme.block[0]:
@@ -95,11 +109,13 @@ class Fp8CheckpointLinear(Fp8Linear):
         self.register_buffer("bias", torch.empty(n, dtype=dtype, device=device) if bias else None)
 
     def per_channel(self) -> bool:
-        """Block scales and stored activation scales are not the form platform kernels take."""
-        return self.block_scale is None and self.input_scale is None
+        """Block scales and stored activation scales are not the form platform kernels take, nor
+        row-parallel shards (their activation scales span every rank's inputs)."""
+        return self.block_scale is None and self.input_scale is None and self.reduce is None
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme}"
+        parallel = f", row-parallel over {self.reduce.world_size}" if self.reduce is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme}{parallel}"
 
     @torch.no_grad()
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> str | None:
@@ -172,9 +188,11 @@ class Fp8CheckpointLinear(Fp8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., out_features] in x's dtype
         """Does not mutate `x`."""
-        if self.block_scale is None and self.input_scale is None:
+        if self.per_channel():
             return super().forward(x)  # FP8_DYNAMIC: `quantization="fp8"`'s format and kernels
         rows = x.reshape(-1, self.in_features)
+        # Row-parallel: the bias joins after the sum (added before it, it would count once per rank).
+        bias = self.bias if self.reduce is None else None
         if self.block_scale is not None:
             assert self.scheme.block is not None and self.scheme.activation_group is not None
             y = block_fp8_linear(
@@ -183,15 +201,34 @@ class Fp8CheckpointLinear(Fp8Linear):
                 self.block_scale,
                 self.scheme.block,
                 self.scheme.activation_group,
-                self.bias,
+                bias,
             )
-        else:
-            assert self.input_scale is not None
+        elif self.input_scale is not None:
             scale = self.input_scale
 
             def static(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 codes = (a.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_WEIGHT_DTYPE)
                 return codes, scale.expand(a.shape[0], 1).contiguous()  # _scaled_mm wants real rows
 
-            y = scaled_linear(rows, self.weight, self.weight_scale, self.bias, quantize=static)
+            y = scaled_linear(rows, self.weight, self.weight_scale, bias, quantize=static)
+        else:
+            y = scaled_linear(rows, self.weight, self.weight_scale, None, quantize=self._rows_over_ranks)
+        if self.reduce is not None:
+            y = self.reduce.all_reduce(y)
+            if self.bias is not None:
+                y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _rows_over_ranks(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`quantize_rows` of the whole input row, of which `a` [M, in_features] is this rank's
+        slice: the same codes and scales as on one device. Pure but for the collective."""
+        assert self.reduce is not None
+        group = self.reduce
+        local = a.abs().amax(dim=-1, keepdim=True).to(torch.float32)  # [M, 1]
+        # Each rank's amax in its own column, zeros elsewhere: the sum over the ranks holds every
+        # rank's amax exactly (a sum is the one collective the group has), their max the row's.
+        spread = F.pad(local, (group.rank, group.world_size - group.rank - 1))
+        amax = group.all_reduce(spread).amax(dim=-1, keepdim=True)
+        scales = amax.clamp_min(AMAX_FLOOR) * INV_FP8_MAX
+        codes = (a.to(torch.float32) / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_WEIGHT_DTYPE)
+        return codes, scales

@@ -95,12 +95,15 @@ def read_int_weights(
     out_features: int,
     in_features: int,
     layer: str,  # the checkpoint's layer name, for errors
+    groups: int | None = None,  # scale groups per row; None: `num_groups(scheme, in_features)`
 ) -> IntWeights:
-    """One projection's tensors (names without the layer prefix) in the one form. Raises
-    `ValueError` naming the tensor that is missing or has the wrong shape. Pure."""
+    """One projection's tensors (names without the layer prefix) in the one form. `groups` is
+    larger than the inputs' own for a tensor-parallel shard of the inputs of an activation-ordered
+    layer, which keeps the whole scale table. Raises `ValueError` naming the tensor that is
+    missing or has the wrong shape. Pure."""
     n, k, bits = out_features, in_features, scheme.bits
     pack = 32 // bits
-    groups = num_groups(scheme, k)
+    groups = num_groups(scheme, k) if groups is None else groups
     offset = 1 << (bits - 1)
     if scheme.layout == "compressed-tensors":
         packed = _tensor(tensors, "weight_packed", layer)

@@ -10,6 +10,11 @@ stored plus 2**(b-1): compressed-tensors' own layout, so its tensors are copied 
 `scales` [N, G] float32, `zeros` [N, G] int8 or none, and for activation-ordered checkpoints each
 input's group per stacked projection (`g_idx` [P, K]).
 
+Tensor parallelism: a rank's layer holds its output rows (column-parallel) or input columns
+(row-parallel, `reduce`: the partial products summed over the group, the bias added once after),
+read by `quantization.tensor_parallel`; a row-parallel activation-ordered layer keeps the whole
+scale table (`groups`), which its inputs' `g_idx` index.
+
 Computing: on the platform's `IntLinearKernel` where it takes the layer (`route_int_weight_layers`),
 else the core's formulation: the weight dequantized (exact in float32, rounded once to the
 activations' dtype) and one dense GEMM. The formulation is what every kernel must equal; it reads
@@ -18,6 +23,8 @@ the codes but writes a dense copy per call, so it saves memory, not time. Fused 
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,6 +40,9 @@ from pagedserve.quantization.int_formats import (
     unpack_codes,
 )
 from pagedserve.quantization.stacking import copy_checked, row_ranges
+
+if TYPE_CHECKING:
+    from pagedserve.distributed.group import TensorParallelGroup
 
 # Tensors of one projection each layout needs (biases aside).
 _REQUIRED = {
@@ -74,6 +84,8 @@ class IntWeightLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         name: str = "",  # the checkpoint's name of the layer (of the stacked projections' owner), for errors
+        groups: int | None = None,  # scale groups per row; None: those of `in_features`
+        reduce: TensorParallelGroup | None = None,  # row-parallel: the group summing the partial products
     ) -> None:
         super().__init__()
         self.in_features = in_features
@@ -81,9 +93,11 @@ class IntWeightLinear(nn.Module):
         self.scheme = scheme
         self.checkpoint_name = name
         self.shard_offsets = row_ranges(shard_sizes)  # projection -> (first row, rows)
+        self.reduce = reduce
         n, k = self.out_features, in_features
         pack = 32 // scheme.bits
-        groups = num_groups(scheme, k)
+        groups = num_groups(scheme, k) if groups is None else groups
+        self.groups = groups
         self.register_buffer("packed", torch.empty((n, -(-k // pack)), dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.empty((n, groups), dtype=torch.float32, device=device))
         # Asymmetric schemes get zeros; GPTQ's symmetric ones arrive as explicit zeros of 0.
@@ -101,9 +115,10 @@ class IntWeightLinear(nn.Module):
 
     def extra_repr(self) -> str:
         groups = "channel" if self.scheme.group_size is None else f"group {self.scheme.group_size}"
+        parallel = f", row-parallel over {self.reduce.world_size}" if self.reduce is not None else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"int{self.scheme.bits} {groups} ({self.scheme.layout})"
+            f"int{self.scheme.bits} {groups} ({self.scheme.layout}){parallel}"
         )
 
     # --- loading (the `CheckpointPart` protocol of `models.decoder`) --------------------------
@@ -137,7 +152,8 @@ class IntWeightLinear(nn.Module):
         if not self._complete(pending):
             return f"{prefix}{field}"
         del self._pending[shard]
-        weights = read_int_weights(pending, self.scheme, rows, self.in_features, name.rpartition(".")[0])
+        layer = name.rpartition(".")[0]
+        weights = read_int_weights(pending, self.scheme, rows, self.in_features, layer, self.groups)
         self._write(shard, start, rows, weights)
         return f"{prefix}weight"
 
@@ -201,11 +217,17 @@ class IntWeightLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., out_features] in x's dtype
         """Does not mutate `x`."""
+        # Row-parallel: the bias joins after the sum (added before it, it would count once per rank).
+        bias = self.bias if self.reduce is None else None
         if self.kernel is None:
-            return F.linear(x, self.dequantized(x.dtype), self.bias)
-        rows = x.reshape(-1, self.in_features)
-        y = self.kernel.op(rows, self.packed_weight(), self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            y = F.linear(x, self.dequantized(x.dtype), bias)
+        else:
+            rows = x.reshape(-1, self.in_features)
+            y = self.kernel.op(rows, self.packed_weight(), bias).reshape(*x.shape[:-1], self.out_features)
+        if self.reduce is None:
+            return y
+        y = self.reduce.all_reduce(y)
+        return y if self.bias is None else y + self.bias
 
 
 def dequantize_packed(

@@ -323,13 +323,15 @@ async def _serve(
             ),
         )
         host, port = sock.getsockname()[:2]
-        print(
+        line = (
             f"pagedserve: serving {config.served_model_name!r} on http://{host}:{port} "
             f"(engine core pid {engine.core_pid})"
-            + (f", data-parallel replicas' pids {engine.core_pids}" if len(engine.core_pids) > 1 else ""),
-            file=sys.stderr,
-            flush=True,
+            + (f", data-parallel replicas' pids {engine.core_pids}" if len(engine.core_pids) > 1 else "")
         )
+        # One write with its newline: several API-server processes share stderr, and print's
+        # separate write of the newline let two of these lines run together.
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
         await server.serve(sockets=[sock])
     finally:
         await engine.shutdown()

@@ -293,3 +293,38 @@ def write_mixed_checkpoint(tmp: Path, specs: dict[str, Spec], config: LlamaConfi
 
     groups = [_ct_group(spec, [f"re:{re.escape(prefix)}\\."]) for prefix, spec in specs.items()]
     return _write(tmp, config, spec_of, _compressed_tensors(groups, "mixed-precision"))[0]
+
+
+def write_moe_expert_checkpoint(tmp: Path, config: Any, spec: Spec) -> tuple[Path, Any]:
+    """A compressed-tensors checkpoint of a tiny transformers MoE model (`config`, Qwen3-MoE's
+    stacked experts) whose experts are quantized by `spec`, stored one projection per expert as
+    llm-compressor writes them; attention, router and head stay dense. Returns the checkpoint and
+    the transformers model holding the dequantized experts."""
+    torch.manual_seed(0)
+    hf: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = {name: t.contiguous() for name, t in hf.state_dict().items()}
+    gen = torch.Generator().manual_seed(2)
+    inter = config.moe_intermediate_size
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate_up, down = tensors.pop(f"{prefix}.gate_up_proj"), tensors.pop(f"{prefix}.down_proj")
+        experts = hf.get_submodule(prefix)
+        for e in range(config.num_experts):
+            for proj, w, target in (
+                ("gate_proj", gate_up[e, :inter], experts.gate_up_proj.data[e, :inter]),
+                ("up_proj", gate_up[e, inter:], experts.gate_up_proj.data[e, inter:]),
+                ("down_proj", down[e], experts.down_proj.data[e]),
+            ):
+                parts, dense = (
+                    _int_tensors(spec, w, gen) if isinstance(spec, IntSpec) else _fp8_tensors(spec, w, 0)
+                )
+                target.copy_(dense)
+                tensors |= {f"{prefix}.{e}.{proj}.{field}": t for field, t in parts.items()}
+    path = tmp / "checkpoint"
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    raw = config.to_dict()
+    fmt = "pack-quantized" if isinstance(spec, IntSpec) else "float-quantized"
+    raw["quantization_config"] = _compressed_tensors([_ct_group(spec, [r"re:.*mlp\.experts\."])], fmt)
+    (path / "config.json").write_text(json.dumps(raw))
+    return path, hf

@@ -22,8 +22,9 @@ time, and the block keeps its slice.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -59,6 +60,19 @@ MIXTRAL_EXPERT_NAMES = ExpertNames(gate="w1", up="w3", down="w2")
 GPT_OSS_EXPERT_NAMES = ExpertNames(gate="gate_up_proj", up="gate_up_proj", down="down_proj", layout="gpt_oss")
 
 _PER_EXPERT = re.compile(r"experts\.(\d+)\.(\w+)\.(weight|bias)")
+_PER_EXPERT_ANY = re.compile(r"experts\.(\d+)\.(\w+)\.(\w+)")
+
+
+class QuantizedExpertReader(Protocol):
+    """What reads one expert projection's quantized checkpoint tensors (`IntWeightLinear` does)."""
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> str | None: ...
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+# (in_features, out rows, the checkpoint's name of the projection) -> a fresh reader
+ExpertReaderFactory = Callable[[int, int, str], QuantizedExpertReader]
 
 
 class SparseMoE(nn.Module):
@@ -98,6 +112,10 @@ class SparseMoE(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = RouterLinear(hidden_size, 1, bias=False) if shared_expert_gate else None
         self.kernel: MoEKernel = REFERENCE_MOE_KERNEL  # the platform's, set by `route_moe_layers`
+        # Set by `quantization.apply.place_quantized_layers` when the checkpoint's experts hold
+        # integer codes: each projection is read by its own reader and written dequantized.
+        self.expert_reader: ExpertReaderFactory | None = None
+        self._readers: dict[tuple[int, str], QuantizedExpertReader] = {}  # (expert, projection)
         self.group: TensorParallelGroup | None = None  # set by `shard`: sums the ranks' partials
 
     def experts(self) -> ExpertWeights:
@@ -128,21 +146,15 @@ class SparseMoE(nn.Module):
         fit. Mutates the expert parameters."""
         if self.names.layout == "gpt_oss":
             return self._load_gpt_oss(name, tensor)
+        if self.expert_reader is not None:
+            quantized = _PER_EXPERT_ANY.fullmatch(name)
+            if quantized is not None and quantized.group(3) != "bias":
+                return self._load_quantized(
+                    int(quantized.group(1)), quantized.group(2), quantized.group(3), tensor
+                )
         match = _PER_EXPERT.fullmatch(name)
         if match is not None:
-            expert, proj, kind = int(match.group(1)), match.group(2), match.group(3)
-            if kind == "bias" or expert >= self.num_experts:
-                raise ValueError(
-                    f"checkpoint tensor experts.{expert}.{proj}.{kind} has no place in this model"
-                )
-            inter = self.intermediate_size
-            if proj == self.names.gate:
-                return self._copy(self.w13[expert, :inter], tensor, f"w13:{expert}:gate", name)
-            if proj == self.names.up:
-                return self._copy(self.w13[expert, inter:], tensor, f"w13:{expert}:up", name)
-            if proj == self.names.down:
-                return self._copy(self.w2[expert], tensor, f"w2:{expert}", name)
-            raise ValueError(f"checkpoint tensor {name!r}: experts have no projection {proj!r}")
+            return self._load_expert(int(match.group(1)), match.group(2), match.group(3), tensor, name)
         if name == "experts.gate_up_proj":  # transformers' in-memory stacked layout [E, 2I, H]
             gate, up = self._local(tensor, 1, halves=True)
             self._copy(self.w13, torch.cat((gate, up), dim=1), "w13:all", name)
@@ -150,6 +162,41 @@ class SparseMoE(nn.Module):
         if name == "experts.down_proj":  # [E, H, I]
             return self._copy(self.w2, self._local(tensor, 2)[0], "w2:all", name)
         return None
+
+    def _load_expert(self, expert: int, proj: str, kind: str, tensor: torch.Tensor, name: str) -> str:
+        """A dense `experts.{expert}.{proj}.{kind}` into its slice of `w13` / `w2`."""
+        if kind == "bias" or expert >= self.num_experts:
+            raise ValueError(f"checkpoint tensor experts.{expert}.{proj}.{kind} has no place in this model")
+        inter = self.intermediate_size
+        if proj == self.names.gate:
+            return self._copy(self.w13[expert, :inter], tensor, f"w13:{expert}:gate", name)
+        if proj == self.names.up:
+            return self._copy(self.w13[expert, inter:], tensor, f"w13:{expert}:up", name)
+        if proj == self.names.down:
+            return self._copy(self.w2[expert], tensor, f"w2:{expert}", name)
+        raise ValueError(f"checkpoint tensor {name!r}: experts have no projection {proj!r}")
+
+    def _load_quantized(self, expert: int, proj: str, field: str, tensor: torch.Tensor) -> str:
+        """One quantized tensor of expert `expert`'s projection `proj`; once the projection's
+        tensors are all here, its weight dequantized to the experts' dtype is written like a dense
+        one. Returns the key filled."""
+        assert self.expert_reader is not None
+        where = f"experts.{expert}.{proj}"
+        if expert >= self.num_experts or proj not in (self.names.gate, self.names.up, self.names.down):
+            raise ValueError(f"checkpoint tensor {where}.{field} has no place in this model")
+        reader = self._readers.get((expert, proj))
+        if reader is None:
+            down = proj == self.names.down
+            in_features = self.intermediate_size if down else self.hidden_size
+            rows = self.hidden_size if down else self.intermediate_size
+            reader = self._readers[(expert, proj)] = self.expert_reader(in_features, rows, where)
+        key = reader.load_checkpoint_tensor(field, tensor)
+        if key != "weight":
+            return f"{where}:{key}"
+        del self._readers[(expert, proj)]
+        return self._load_expert(
+            expert, proj, "weight", reader.dequantized(self.w13.dtype), f"{where}.weight"
+        )
 
     def _load_gpt_oss(self, name: str, tensor: torch.Tensor) -> str | None:
         """gpt-oss's stacked experts: [E, H, 2I] gate/up interleaved along the last dimension,

@@ -87,6 +87,40 @@ def _checked_row_parallel(names: list[str], scheme: WeightScheme, layout: ShardL
     return row_parallel
 
 
+def _read_quantized_experts(
+    block: SparseMoE, quant: CheckpointQuantization, name: str, layout: ShardLayout | None
+) -> bool:
+    """Give `block` a reader of its experts' quantized tensors when the checkpoint quantizes them:
+    integer codes are read with the layer's own formats and written dequantized to the model's
+    dtype, so the experts run on the platform's MoE op as a dense checkpoint's do (their memory
+    saving is not kept); returns whether it did. Raises `ValueError` for expert formats that are
+    not read. Mutates `block`."""
+    names = [f"{name}.experts.0.{proj}" for proj in (block.names.gate, block.names.up, block.names.down)]
+    if block.names.layout != "per_expert" or all(quant.scheme_for(n) is None for n in names):
+        return False
+    scheme = _scheme_of(quant, names, f"{name}.experts")  # one scheme for the three, or it raises
+    if not isinstance(scheme, IntWeightScheme):
+        raise ValueError(
+            f"the checkpoint's experts of {name} are FP8 ({scheme}), which is not read for experts yet: "
+            "requantize with the experts in the ignore list, or serve the bfloat16 checkpoint"
+        )
+    if layout is not None and layout.world_size > 1:
+        raise ValueError(
+            f"the checkpoint quantizes the experts of {name}, which are not read under tensor "
+            "parallelism yet: use tensor_parallel_size=1"
+        )
+    device = block.w13.device
+
+    def reader(in_features: int, rows: int, where: str) -> IntWeightLinear:
+        return IntWeightLinear(
+            in_features, {"": rows}, scheme, bias=False, dtype=block.w13.dtype, device=device,
+            name=f"{name}.{where}",
+        )  # fmt: skip
+
+    block.expert_reader = reader
+    return True
+
+
 def place_quantized_layers(
     model: DecoderForCausalLM, quant: CheckpointQuantization, layout: ShardLayout | None = None
 ) -> int:
@@ -102,15 +136,10 @@ def place_quantized_layers(
             "the checkpoint quantizes lm_head, which is not read quantized: requantize with lm_head "
             "in the ignore list (it stays in the model's dtype)"
         )
+    replaced = 0  # layers and MoE blocks made quantized
     for path, module in model.named_modules():
         if isinstance(module, SparseMoE):
-            expert = f"{_checkpoint_name(path, renames)}.experts.0.{module.names.gate}"
-            if quant.scheme_for(expert) is not None:
-                raise ValueError(
-                    f"the checkpoint quantizes the experts of {path}, and quantized experts are not read "
-                    "yet: requantize with the experts in the ignore list, or serve the bfloat16 checkpoint"
-                )
-    replaced = 0
+            replaced += _read_quantized_experts(module, quant, _checkpoint_name(path, renames), layout)
     for path, module in list(model.model.named_modules()):
         if not isinstance(module, nn.Linear) or isinstance(module, RouterLinear):
             continue

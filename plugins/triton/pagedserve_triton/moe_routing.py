@@ -123,11 +123,11 @@ def _route_chunk(
 
 
 @triton.jit
-def _scan(
+def moe_scan_kernel(
     hist_ptr, base_ptr, block_expert_ptr, block_rows_ptr, num_blocks_ptr, num_chunks, E, max_blocks,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """Step 3: chunk offsets (in place of the histograms), run starts, the block table."""
+    """Step 3 (one program): chunk offsets (in place of the histograms), run starts, the block table."""
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -161,12 +161,12 @@ def _scan(
 
 
 @triton.jit
-def _scatter(
-    ids_ptr, rank_ptr, hist_ptr, base_ptr, sorted_ptr, first_pair, num_pairs, E,
+def moe_scatter_kernel(
+    ids_ptr, rank_ptr, hist_ptr, base_ptr, sorted_ptr, num_pairs, E,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """Pairs [first_pair, first_pair + BLOCK_S) to their places in `sorted`."""
-    p = first_pair + tl.arange(0, BLOCK_S)
+    """Step 4: this program's `BLOCK_S` pairs to their places in `sorted`."""
+    p = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     ok = p < num_pairs
     expert = tl.load(ids_ptr + p, mask=ok, other=0, cache_modifier=".cg")
     chunk = p // (TOP_K * BLOCK_T)
@@ -196,28 +196,6 @@ def moe_route_kernel(
     _route_chunk(
         logits_ptr, ids_ptr, weights_ptr, rank_ptr, hist_ptr, tl.program_id(0), M, E, stride_lm,
         TOP_K, K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_T, BLOCK_E,
-    )  # fmt: skip
-
-
-@triton.jit
-def moe_scan_kernel(
-    hist_ptr, base_ptr, block_expert_ptr, block_rows_ptr, num_blocks_ptr, num_chunks, E, max_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
-):  # fmt: skip
-    _scan(
-        hist_ptr, base_ptr, block_expert_ptr, block_rows_ptr, num_blocks_ptr, num_chunks, E, max_blocks,
-        BLOCK_M, BLOCK_E, BLOCK_C, BLOCK_B,
-    )  # fmt: skip
-
-
-@triton.jit
-def moe_scatter_kernel(
-    ids_ptr, rank_ptr, hist_ptr, base_ptr, sorted_ptr, num_pairs, E,
-    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    _scatter(
-        ids_ptr, rank_ptr, hist_ptr, base_ptr, sorted_ptr, tl.program_id(0) * BLOCK_S, num_pairs, E, TOP_K,
-        BLOCK_T, BLOCK_S,
     )  # fmt: skip
 
 

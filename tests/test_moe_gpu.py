@@ -1,6 +1,6 @@
 """Mixture-of-experts models on a real GPU: the conformance kit's MoE cases on the NVIDIA
 platforms' fused MoE kernel, its routing kernel's grouping (every pair once, in pair order), and
-tiny Qwen3-MoE, Qwen2-MoE and Mixtral models whose tokens in every CUDA-graph mode (with the
+tiny Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss models whose tokens in every CUDA-graph mode (with the
 compiled forward) equal `enforce_eager=True`'s, which equal transformers' (float32, on the GPU).
 
 Skipped without a CUDA GPU. On a GPU machine run this file in its own pytest process (the
@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    GptOssConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.conformance.results import Status
@@ -62,7 +69,14 @@ CONFIGS: dict[str, Any] = {
         shared_expert_intermediate_size=128,
     ),
     "mixtral": lambda: MixtralConfig(**_BASE, num_local_experts=8, num_experts_per_tok=2),
+    # Sliding and full layers (window 8, shorter than most prompts), sinks, biased router and
+    # experts, the clamped SwiGLU.
+    "gpt_oss": lambda: GptOssConfig(
+        **_BASE, head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8
+    ),
 }
+# The cuda platform's decode kernels lack attention sinks (it refuses gpt-oss); triton has them.
+PLATFORMS = {arch: ["triton"] if arch == "gpt_oss" else ["cuda", "triton"] for arch in CONFIGS}
 MODES = ["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"]
 
 
@@ -137,8 +151,9 @@ def _generate(path: Path, platform: str, **engine: Any) -> tuple[list[list[int]]
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
 
-@pytest.mark.parametrize("platform", ["cuda", "triton"])
-@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize(
+    ("arch", "platform"), [(arch, platform) for arch in CONFIGS for platform in PLATFORMS[arch]]
+)
 def test_every_graph_mode_gives_the_eager_tokens(
     checkpoints: dict[str, tuple[Path, Any]], arch: str, platform: str
 ) -> None:
@@ -165,7 +180,7 @@ def _hf_argmax(model: Any, prompt: list[int], steps: int) -> list[int]:
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_eager_tokens_equal_transformers(checkpoints: dict[str, tuple[Path, Any]], arch: str) -> None:
     path, hf = checkpoints[arch]
-    got, _ = _generate(path, "cuda", enforce_eager=True)
+    got, _ = _generate(path, PLATFORMS[arch][0], enforce_eager=True)
     hf = hf.cuda()
     try:
         for prompt, tokens in zip(PROMPTS, got, strict=True):

@@ -125,7 +125,11 @@ def test_both_scorings_pick_and_weigh_like_select_experts(scoring: str, renormal
     torch.testing.assert_close(group.weights, weights, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize(("m", "e", "k", "block_m"), [(1, 128, 8, 16), (37, 32, 4, 16), (700, 16, 6, 32)])
+@pytest.mark.parametrize(
+    ("m", "e", "k", "block_m"),
+    # one launch (one chunk: 1, 16 and 37 tokens); route, scan and scatter (17 and 700 tokens)
+    [(1, 128, 8, 16), (16, 128, 8, 16), (17, 128, 8, 16), (37, 32, 4, 64), (700, 16, 6, 32)],
+)
 def test_routing_kernel_equals_select_experts_and_groups_every_pair_once(
     m: int, e: int, k: int, block_m: int
 ) -> None:

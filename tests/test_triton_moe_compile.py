@@ -55,7 +55,9 @@ TARGETS = {"sm90": (H100, GPUTarget("cuda", 90, 32)), "gfx942": (MI300, GPUTarge
 
 def source(kernel, constexprs, pointers, ints, floats=()):
     # As a launch specialises the kernel: every pointer 16-byte aligned (fresh or aligned buffers),
-    # integers divisible by 16 marked so (`ints`: the launch's values).
+    # integers divisible by 16 marked so (`ints`: the launch's values) unless the kernel says not
+    # to specialise on them.
+    unspecialized = {kernel.arg_names[a] if isinstance(a, int) else a for a in kernel.do_not_specialize}
     signature, attrs = {}, {}
     for index, arg in enumerate(kernel.arg_names):
         if arg in constexprs:
@@ -65,7 +67,7 @@ def source(kernel, constexprs, pointers, ints, floats=()):
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[arg] = "fp32" if arg in floats else "i32"
-            if arg not in floats and ints[arg] % 16 == 0:
+            if arg not in floats and arg not in unspecialized and ints[arg] % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
@@ -75,19 +77,23 @@ def launches(device, model, e, k, h, i, tokens, wdtype):
     config = mk.moe_config(device, num_experts=e, hidden_size=h, intermediate_size=i, top_k=k,
                            dtype=torch.bfloat16, weight_dtype=weight, tokens=tokens)
     plan = mk.plan_launch(config, tokens, e, h, i, k)
-    tiles = mr.routing_tiles(tokens, e, k, plan.max_blocks)
+    tiles = mr.routing_tiles(e, k)
+    num_chunks = -(-tokens // tiles.block_t)
+    fused = num_chunks == 1
     w_ty = "*fp8e4nv" if wdtype == "float8_e4m3fn" else "*bf16"
     fp8 = wdtype == "float8_e4m3fn"
     route_warps = mr.ROUTE_WARPS if device == H100 else mr.ROUTE_WARPS_AMD  # as `route_warps` picks
-    yield "route", mr.moe_route_kernel, route_warps, 1, dict(
+    yield ("route", mr.moe_route_kernel, route_warps, 1, dict(
         TOP_K=k, K_PAD=tiles.k_pad, SOFTMAX_FIRST=True, RENORMALIZE=True, BLOCK_T=tiles.block_t,
-        BLOCK_E=tiles.block_e), {"logits_ptr": "*fp32", "weights_ptr": "*fp32"}, \
-        dict(M=tokens, E=e, stride_lm=e), ()
-    yield "scan", mr.moe_scan_kernel, 4, 1, dict(BLOCK_M=config.block_m, BLOCK_E=tiles.block_e,
-        BLOCK_C=tiles.block_c, BLOCK_B=tiles.block_b), {}, dict(num_chunks=tiles.num_chunks, E=e,
-        max_blocks=plan.max_blocks), ()
-    yield "scatter", mr.moe_scatter_kernel, 4, 1, dict(TOP_K=k, BLOCK_T=tiles.block_t,
-        BLOCK_S=mr.SCATTER_BLOCK), {}, dict(num_pairs=tokens * k, E=e), ()
+        BLOCK_E=tiles.block_e, FUSED=fused, BLOCK_M=config.block_m if fused else 16, BLOCK_B=tiles.block_b),
+        {"logits_ptr": "*fp32", "weights_ptr": "*fp32"},
+        dict(M=tokens, E=e, stride_lm=e, max_blocks=plan.max_blocks), ())
+    if not fused:
+        yield "scan", mr.moe_scan_kernel, 4, 1, dict(BLOCK_M=config.block_m, BLOCK_E=tiles.block_e,
+            BLOCK_C=tiles.block_c, BLOCK_B=tiles.block_b), {}, dict(num_chunks=num_chunks, E=e,
+            max_blocks=plan.max_blocks), ()
+        yield "scatter", mr.moe_scatter_kernel, 4, 1, dict(TOP_K=k, BLOCK_T=tiles.block_t,
+            BLOCK_S=mr.SCATTER_BLOCK), {}, dict(num_pairs=tokens * k, E=e), ()
     gemm_ptrs = {"a_ptr": "*bf16", "w_ptr": w_ty, "scale_ptr": "*fp32", "bias_ptr": "*bf16"}
     pairs = tokens * k
     for name, tiles_, gated, split, n, kk, ints in (
@@ -100,13 +106,13 @@ def launches(device, model, e, k, h, i, tokens, wdtype):
         even = kk % tiles_.block_k == 0 and (split == 1 or split * plan.k_per_split == kk)
         gpt_oss = model == "gpt_oss_20b"
         constexprs = dict(TOP_K=k, BLOCK_M=config.block_m, BLOCK_N=tiles_.block_n, BLOCK_K=tiles_.block_k,
-                          SPLIT_K=split, EVEN_K=even, GATED=gated, SWIGLU=gpt_oss, HAS_SCALE=fp8,
+                          EVEN_K=even, GATED=gated, SWIGLU=gpt_oss, HAS_SCALE=fp8,
                           HAS_BIAS=gpt_oss, DOT_IN_FP32=False, ROUND_BF16=False, WIDEN_BITS=widen,
                           WEIGHT_MAJOR=config.weight_major)
         out = "*fp32" if split > 1 else "*bf16"
         yield name, mk.moe_gemm_kernel, tiles_.num_warps, tiles_.num_stages, constexprs, \
             {**gemm_ptrs, "out_ptr": out}, dict(N=n, K=kk, **ints), ("swiglu_limit",)
-    block_t, block_h = mk.combine_tiles(tokens, h)
+    block_t, block_h = mk.combine_tiles(h)
     yield "combine", mk.moe_combine_kernel, 4, 1, dict(TOP_K=k, SPLIT_K=plan.split_k, BLOCK_T=block_t,
         BLOCK_H=block_h, ROUND_BF16=False), {"y_ptr": "*fp32" if plan.split_k > 1 else "*bf16",
         "weights_ptr": "*fp32", "out_ptr": "*bf16"}, dict(M=tokens, H=h, stride_ys=pairs * h, stride_yp=h,
@@ -134,7 +140,7 @@ for model, e, k, h, i, tokens, wdtype in json.loads(sys.argv[1]):
                 stats = stats_of(compiled.asm["amdgcn"], target, compiled.metadata.shared)
                 found = {"shared": compiled.metadata.shared, "vgpr_spills": stats.vgpr_spills,
                          "sgpr_spills": stats.sgpr_spills}
-            found["config"] = {n: v for n, v in constexprs.items() if n.startswith("BLOCK") or n == "SPLIT_K"}
+            found["config"] = {n: v for n, v in constexprs.items() if n.startswith("BLOCK") or n == "FUSED"}
             found["warps"], found["stages"] = warps, stages
             seen[spec] = results[key] = found
 print(json.dumps(results))
@@ -172,7 +178,8 @@ def test_every_model_and_size_compiled_each_kernel(compiled: dict[str, dict[str,
                     k.split("/")[3] for k in compiled if k.startswith(f"{model}/{tokens}/") and target in k
                 }
                 assert {"route", "gate_up", "down", "combine"} <= names, (model, tokens, target, names)
-    # Prefills of more pairs than the fused route kernel takes launch the scan and scatter kernels.
+    # Steps of one routing chunk route in one launch; prefills launch the scan and scatter too.
+    assert not any(k.startswith("qwen3_30b_a3b/1/") and ("/scan/" in k or "/scatter/" in k) for k in compiled)
     assert any("/scan/" in key for key in compiled) and any("/scatter/" in key for key in compiled)
 
 

@@ -3,17 +3,19 @@
 """The `MoEKernel` of the triton, cuda and rocm platforms: device routing, grouping by expert and
 two grouped GEMMs, with no host sync (`pagedserve.platforms.api.MoEKernel` is the contract).
 
-Four launches per MoE layer (five for prefills of over `moe_routing.FUSE_SCATTER_PAIRS` pairs):
+Four launches per MoE layer for steps of one routing chunk (every decode step of up to
+`moe_routing.routing_tiles(E, k).block_t` tokens: 16 for 128 experts), six above:
 
 1. `moe_routing.route_and_group`: each token's top-k experts and weights, and the (token, slot)
-   pairs grouped by expert into blocks of `BLOCK_M` rows (one expert per block).
+   pairs grouped by expert into blocks of `BLOCK_M` rows (one expert per block): one launch, or
+   three (route, scan, scatter) for longer steps.
 2. `moe_gemm_kernel` with GATED: per block and group of output columns, `x[token] @ w13[e].T`.
    Each weight tile holds `BLOCK_N / 2` gate rows and the matching up rows, so the loop is one
    tile and one dot (as `skinny_gemm`'s gated product, which measured faster than two
    accumulators); FP8 weights are widened exactly after the load and their per-channel scales
    multiply the float32 accumulator; the bias is added, the activation computed in float32 and
    rounded to x's dtype once, into `act` [pairs, I].
-3. `moe_gemm_kernel` without GATED: `act[pair] @ w2[e].T` (+ bias) into `y` [SPLIT_K, pairs, H],
+3. `moe_gemm_kernel` without GATED: `act[pair] @ w2[e].T` (+ bias) into `y` [splits, pairs, H],
    x's dtype, or float32 partial sums when the K dimension is split (decode steps of a few
    experts, where the output columns alone give too few programs to stream the weights).
 4. `moe_combine_kernel`: each token's k rows of `y` (and their splits) times the routing weights,
@@ -77,7 +79,7 @@ def moe_gemm_kernel(
     w_ptr,  # GATED: w13 [E, 2I, H]; else w2 [E, H, I] (x's dtype or FP8), contiguous
     scale_ptr,  # [E, weight rows] float32 (read only if HAS_SCALE)
     bias_ptr,  # [E, weight rows] x's dtype (read only if HAS_BIAS)
-    out_ptr,  # GATED: act [pairs, I]; else y [SPLIT_K, pairs, H]
+    out_ptr,  # GATED: act [pairs, I]; else y [splits, pairs, H]
     sorted_ptr,  # [max_blocks * BLOCK_M] int32 pair ids grouped by expert
     block_expert_ptr,  # [max_blocks] int32
     block_rows_ptr,  # [max_blocks] int32
@@ -97,7 +99,6 @@ def moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0 and the splits cover K exactly: no K masks
     GATED: tl.constexpr,
     SWIGLU: tl.constexpr,  # GATED: the "swiglu_limit" activation (else "silu")
@@ -186,7 +187,7 @@ def moe_gemm_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def moe_combine_kernel(
     y_ptr,  # [SPLIT_K, M * TOP_K, H]: each pair's expert output (or its K splits' partial sums)
     weights_ptr,  # [M, TOP_K] float32
@@ -358,10 +359,11 @@ def plan_launch(
     )
 
 
-def combine_tiles(m: int, hidden_size: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_H) of the combine: 4096-element tiles, a row's columns in a few programs."""
-    block_h = min(1024, triton.next_power_of_2(hidden_size))
-    return min(triton.next_power_of_2(m), max(1, 4096 // block_h)), block_h
+def combine_tiles(hidden_size: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_H) of the combine: one token's row, in programs of up to 1024 columns.
+    The hidden size's only, so that every step size runs one compiled variant per split; several
+    rows a program, unrolled over slots and splits, took 255 registers and a stack on sm_90."""
+    return 1, min(1024, triton.next_power_of_2(hidden_size))
 
 
 def fused_moe_forward(
@@ -413,7 +415,7 @@ def fused_moe_forward(
         intermediate, hidden, x.stride(0), w13.stride(0), w13.stride(1),
         _stride0(experts.w13_scale), _stride0(experts.w13_bias), 0, act.stride(0), hidden,
         float(routing.swiglu_limit or 0.0),
-        BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, SPLIT_K=1, EVEN_K=hidden % gu.block_k == 0, GATED=True,
+        BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=hidden % gu.block_k == 0, GATED=True,
         SWIGLU=routing.activation == "swiglu_limit", HAS_SCALE=experts.w13_scale is not None,
         HAS_BIAS=experts.w13_bias is not None, WIDEN_BITS=bit_widening(x.device, w13.dtype, x.dtype),
         num_warps=gu.num_warps, num_stages=gu.num_stages, **common,
@@ -429,12 +431,12 @@ def fused_moe_forward(
         hidden, intermediate, act.stride(0), w2.stride(0), w2.stride(1),
         _stride0(experts.w2_scale), _stride0(experts.w2_bias), y.stride(0), y.stride(1), plan.k_per_split,
         0.0,
-        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, SPLIT_K=plan.split_k, EVEN_K=even_k, GATED=False,
+        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=even_k, GATED=False,
         SWIGLU=False, HAS_SCALE=experts.w2_scale is not None, HAS_BIAS=experts.w2_bias is not None,
         WIDEN_BITS=bit_widening(x.device, w2.dtype, x.dtype),
         num_warps=dn.num_warps, num_stages=dn.num_stages, **common,
     )  # fmt: skip
-    block_t, block_h = combine_tiles(m, hidden)
+    block_t, block_h = combine_tiles(hidden)
     moe_combine_kernel[(triton.cdiv(m, block_t), triton.cdiv(hidden, block_h))](
         y, group.weights, out, m, hidden, y.stride(0), y.stride(1), out.stride(0),
         TOP_K=top_k, SPLIT_K=plan.split_k, BLOCK_T=block_t, BLOCK_H=block_h, ROUND_BF16=interpreted_bf16,

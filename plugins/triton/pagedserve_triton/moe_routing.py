@@ -20,11 +20,18 @@ tokens, one program each (`moe_route_kernel`):
    ids and valid-row counts, and the number of valid blocks.
 4. scatter: each pair to `run_start[e] + chunk_offset[c, e] + rank` in `sorted_pairs`.
 
-Steps 3 and 4 are launches of their own (`moe_scan_kernel`, one program, and
-`moe_scatter_kernel`, `BLOCK_S` pairs a program). The last route program to finish could do them
-(a ticket on a counter, as `skinny_gemm`'s split-K sums do), saving two launches a layer, but on an
-H100 that variant left parts of the block table unwritten at 4 and 8 warps, at random (1 warp was
-correct, and so are the separate launches): the kit's MoE cases caught it.
+A step of one chunk (at most `BLOCK_T` tokens: every decode step of a few requests) takes one
+launch: its program holds the whole histogram and every rank in registers, so it writes the block
+table and scatters its pairs itself (`FUSED`). Longer steps launch steps 3 and 4 apart
+(`moe_scan_kernel`, one program, and `moe_scatter_kernel`, `BLOCK_S` pairs a program): the last
+route program to finish could do them (a ticket on a counter, as `skinny_gemm`'s split-K sums
+do), but on an H100 that variant left parts of the block table unwritten at 4 and 8 warps, at
+random (1 warp was correct, and so are the separate launches): the kit's MoE cases caught it.
+
+Tile sizes depend on the expert count only, never on the token count, and the token counts are
+not specialized on (`do_not_specialize`), so every step size of a model runs the same two
+compiled variants of the route kernel (fused or not): CUDA-graph capture at dozens of sizes
+compiles nothing new.
 
 Pairs of one expert stay in pair order, so the grouping, and with it every result, is
 deterministic. Buffers are sized by the shapes only (`max_blocks`): the worst case of
@@ -58,11 +65,14 @@ ROUTE_WARPS_AMD = 8
 
 @triton.jit
 def _route_chunk(
-    logits_ptr, ids_ptr, weights_ptr, rank_ptr, hist_ptr, chunk, M, E, stride_lm,
+    logits_ptr, ids_ptr, weights_ptr, chunk, M, E, stride_lm,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    """Steps 1 and 2 of the module docstring for tokens [chunk * BLOCK_T, (chunk + 1) * BLOCK_T)."""
+    """Steps 1 and 2 of the module docstring for tokens [chunk * BLOCK_T, (chunk + 1) * BLOCK_T).
+    Returns the tokens [BLOCK_T], the slot that picked each (token, expert) cell (K_PAD where
+    none did), which cells a valid token picked, each picked cell's rank among the chunk's pairs
+    of its expert [BLOCK_T, BLOCK_E], and the chunk's histogram [BLOCK_E]."""
     t = chunk * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     j = tl.arange(0, K_PAD)
@@ -118,27 +128,18 @@ def _route_chunk(
     picked = (slot_of < TOP_K) & t_ok[:, None]
     ones = picked.to(tl.int32)
     earlier = tl.cumsum(ones, axis=0) - ones
-    tl.store(rank_ptr + t[:, None] * TOP_K + slot_of, earlier, mask=picked)
-    tl.store(hist_ptr + chunk * E + e, tl.sum(ones, axis=0), mask=e_ok)
+    return t, slot_of, picked, earlier, tl.sum(ones, axis=0)
 
 
 @triton.jit
-def moe_scan_kernel(
-    hist_ptr, base_ptr, block_expert_ptr, block_rows_ptr, num_blocks_ptr, num_chunks, E, max_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+def _block_table(
+    counts, base_ptr, block_expert_ptr, block_rows_ptr, num_blocks_ptr, E, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """Step 3 (one program): chunk offsets (in place of the histograms), run starts, the block table."""
+    """Step 3 from each expert's pair count [BLOCK_E]: run starts (in pairs, to `base`), the block
+    table and the number of valid blocks. Returns each expert's first block."""
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for c0 in range(0, num_chunks, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        cells = hist_ptr + c[:, None] * E + e[None, :]
-        mask = (c < num_chunks)[:, None] & e_ok[None, :]
-        # .cg: the other programs' histograms, from L2 (never a line this SM cached earlier).
-        tile = tl.load(cells, mask=mask, other=0, cache_modifier=".cg")
-        tl.store(cells, tl.cumsum(tile, axis=0) - tile + counts[None, :], mask=mask)
-        counts += tl.sum(tile, axis=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M  # 0 for lanes past E
     block_start = tl.cumsum(blocks, axis=0) - blocks
     tl.store(base_ptr + e, block_start * BLOCK_M, mask=e_ok)
@@ -158,9 +159,33 @@ def moe_scan_kernel(
         b_ok = b < max_blocks
         tl.store(block_expert_ptr + b, expert, mask=b_ok)
         tl.store(block_rows_ptr + b, rows, mask=b_ok)
+    return block_start
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "max_blocks"])
+def moe_scan_kernel(
+    hist_ptr, base_ptr, block_expert_ptr, block_rows_ptr, num_blocks_ptr, num_chunks, E, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """Step 3 (one program): chunk offsets (in place of the histograms), run starts, the block table."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        cells = hist_ptr + c[:, None] * E + e[None, :]
+        mask = (c < num_chunks)[:, None] & e_ok[None, :]
+        # .cg: the other programs' histograms, from L2 (never a line this SM cached earlier).
+        tile = tl.load(cells, mask=mask, other=0, cache_modifier=".cg")
+        tl.store(cells, tl.cumsum(tile, axis=0) - tile + counts[None, :], mask=mask)
+        counts += tl.sum(tile, axis=0)
+    _block_table(
+        counts, base_ptr, block_expert_ptr, block_rows_ptr, num_blocks_ptr, E, max_blocks,
+        BLOCK_M, BLOCK_E, BLOCK_B,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
 def moe_scatter_kernel(
     ids_ptr, rank_ptr, hist_ptr, base_ptr, sorted_ptr, num_pairs, E,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -176,27 +201,48 @@ def moe_scatter_kernel(
     tl.store(sorted_ptr + dest, p, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "max_blocks"])
 def moe_route_kernel(
     logits_ptr,  # [M, E], rows `stride_lm` apart (float32, or any float dtype: read as float32)
     ids_ptr,  # [M, TOP_K] int32 out: each token's experts, best first
     weights_ptr,  # [M, TOP_K] float32 out
     rank_ptr,  # [M * TOP_K] int32 scratch: each pair's rank among its chunk's pairs of its expert
     hist_ptr,  # [num_chunks, E] int32 out: each chunk's histogram (the scan's input)
+    base_ptr,  # [E] int32 (FUSED: out; else the scan's)
+    sorted_ptr,  # [max_blocks * BLOCK_M] int32 (FUSED: out; else the scatter's)
+    block_expert_ptr,  # [max_blocks] int32 (FUSED: out; else the scan's)
+    block_rows_ptr,  # [max_blocks] int32 (FUSED: out; else the scan's)
+    num_blocks_ptr,  # [1] int32 (FUSED: out; else the scan's)
     M,
     E,
     stride_lm,
+    max_blocks,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,  # next power of two of TOP_K
     SOFTMAX_FIRST: tl.constexpr,  # "softmax_topk" (else "topk_softmax")
     RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    FUSED: tl.constexpr,  # one chunk: steps 3 and 4 here, from registers
+    BLOCK_M: tl.constexpr,  # FUSED only
+    BLOCK_B: tl.constexpr,  # FUSED only
 ):
-    _route_chunk(
-        logits_ptr, ids_ptr, weights_ptr, rank_ptr, hist_ptr, tl.program_id(0), M, E, stride_lm,
+    chunk = tl.program_id(0)
+    t, slot_of, picked, earlier, counts = _route_chunk(
+        logits_ptr, ids_ptr, weights_ptr, chunk, M, E, stride_lm,
         TOP_K, K_PAD, SOFTMAX_FIRST, RENORMALIZE, BLOCK_T, BLOCK_E,
     )  # fmt: skip
+    e = tl.arange(0, BLOCK_E)
+    if FUSED:
+        block_start = _block_table(
+            counts, base_ptr, block_expert_ptr, block_rows_ptr, num_blocks_ptr, E, max_blocks,
+            BLOCK_M, BLOCK_E, BLOCK_B,
+        )  # fmt: skip
+        dest = block_start[None, :] * BLOCK_M + earlier
+        tl.store(sorted_ptr + dest, t[:, None] * TOP_K + slot_of, mask=picked)
+    else:
+        tl.store(rank_ptr + t[:, None] * TOP_K + slot_of, earlier, mask=picked)
+        tl.store(hist_ptr + chunk * E + e, counts, mask=e < E)
 
 
 def route_warps(device: torch.device) -> int:
@@ -212,31 +258,25 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class RoutingTiles:
-    """The routing launch's tile sizes, from the shapes only."""
+    """The routing launches' tile sizes: the expert and slot counts' only (module docstring)."""
 
     block_t: int  # tokens per chunk (program)
     block_e: int  # experts, padded to a power of two
     k_pad: int
     block_c: int  # chunks per step of the scan
     block_b: int  # blocks per step of the block table
-    num_chunks: int
 
 
-def routing_tiles(m: int, num_experts: int, top_k: int, num_blocks: int) -> RoutingTiles:
-    """Tile sizes for `m` tokens: chunks of at most TILE_ELEMENTS logits. Pure."""
+def routing_tiles(num_experts: int, top_k: int) -> RoutingTiles:
+    """Tile sizes: chunks and steps of at most TILE_ELEMENTS cells. Pure."""
     block_e = triton.next_power_of_2(num_experts)
-    k_pad = triton.next_power_of_2(top_k)
-    block_t = max(1, min(MAX_CHUNK_TOKENS, TILE_ELEMENTS // block_e))
-    block_t = min(block_t, triton.next_power_of_2(m))
     per_step = max(1, TILE_ELEMENTS // block_e)
-    num_chunks = triton.cdiv(m, block_t)
     return RoutingTiles(
-        block_t=block_t,
+        block_t=min(MAX_CHUNK_TOKENS, per_step),
         block_e=block_e,
-        k_pad=k_pad,
-        block_c=min(per_step, triton.next_power_of_2(num_chunks)),
-        block_b=min(per_step, triton.next_power_of_2(num_blocks)),
-        num_chunks=num_chunks,
+        k_pad=triton.next_power_of_2(top_k),
+        block_c=per_step,
+        block_b=per_step,
     )
 
 
@@ -267,28 +307,34 @@ def route_and_group(
         router_logits = router_logits.contiguous()
     pairs = m * top_k
     blocks = max_blocks(pairs, num_experts, block_m)
-    tiles = routing_tiles(m, num_experts, top_k, blocks)
+    tiles = routing_tiles(num_experts, top_k)
+    num_chunks = triton.cdiv(m, tiles.block_t)
     device = router_logits.device
     # One int32 allocation for every index buffer, each 16-byte aligned (as fresh tensors are,
     # so that the kernels' vector loads and compiled variants are those of separate buffers).
-    sizes = (pairs, pairs, tiles.num_chunks * num_experts, num_experts, blocks * block_m, blocks, blocks, 1)
+    sizes = (pairs, pairs, num_chunks * num_experts, num_experts, blocks * block_m, blocks, blocks, 1)
     padded = [triton.cdiv(size, 4) * 4 for size in sizes]
     ints = torch.empty(sum(padded), dtype=torch.int32, device=device)
     ids, rank, hist, base, sorted_pairs, block_expert, block_rows, num_blocks = (
         view[:size] for view, size in zip(ints.split(padded), sizes, strict=True)
     )
     weights = torch.empty((m, top_k), dtype=torch.float32, device=device)
-    moe_route_kernel[(tiles.num_chunks,)](
-        router_logits, ids, weights, rank, hist, m, num_experts, router_logits.stride(0),
+    fused = num_chunks == 1
+    moe_route_kernel[(num_chunks,)](
+        router_logits, ids, weights, rank, hist, base, sorted_pairs, block_expert, block_rows, num_blocks,
+        m, num_experts, router_logits.stride(0), blocks,
         TOP_K=top_k, K_PAD=tiles.k_pad, SOFTMAX_FIRST=scoring == "softmax_topk", RENORMALIZE=renormalize,
-        BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e, num_warps=route_warps(device),
+        # BLOCK_M is read only when fused: one compiled variant of the unfused kernel.
+        BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e, FUSED=fused, BLOCK_M=block_m if fused else 16,
+        BLOCK_B=tiles.block_b, num_warps=route_warps(device),
     )  # fmt: skip
-    moe_scan_kernel[(1,)](
-        hist, base, block_expert, block_rows, num_blocks, tiles.num_chunks, num_experts, blocks,
-        BLOCK_M=block_m, BLOCK_E=tiles.block_e, BLOCK_C=tiles.block_c, BLOCK_B=tiles.block_b, num_warps=4,
-    )  # fmt: skip
-    moe_scatter_kernel[(triton.cdiv(pairs, SCATTER_BLOCK),)](
-        ids, rank, hist, base, sorted_pairs, pairs, num_experts,
-        TOP_K=top_k, BLOCK_T=tiles.block_t, BLOCK_S=SCATTER_BLOCK, num_warps=4,
-    )  # fmt: skip
+    if not fused:
+        moe_scan_kernel[(1,)](
+            hist, base, block_expert, block_rows, num_blocks, num_chunks, num_experts, blocks,
+            BLOCK_M=block_m, BLOCK_E=tiles.block_e, BLOCK_C=tiles.block_c, BLOCK_B=tiles.block_b, num_warps=4,
+        )  # fmt: skip
+        moe_scatter_kernel[(triton.cdiv(pairs, SCATTER_BLOCK),)](
+            ids, rank, hist, base, sorted_pairs, pairs, num_experts,
+            TOP_K=top_k, BLOCK_T=tiles.block_t, BLOCK_S=SCATTER_BLOCK, num_warps=4,
+        )  # fmt: skip
     return Grouping(ids.view(m, top_k), weights, sorted_pairs, block_expert, block_rows, num_blocks, block_m)

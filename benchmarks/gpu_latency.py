@@ -10,9 +10,13 @@ For each mode of `--modes` (a `cudagraph_mode`, optionally with `+nocompile` for
     `PAGEDSERVE_CUDA_CACHE` unset) for the cold start, once more for the warm one;
   * single stream: one prompt of `--prompt-len` tokens, `--output-len` tokens out; TTFT is the
     first step (prefill + first sample), TPOT the median of the other steps (synchronised);
+  * streamed single stream (`--what stream`): the same request with no synchronisation between
+    steps, TTFT and TPOT from the wall times at which the engine hands out each token (the
+    scoreboard's method, `gpu_async_scheduling.single_stream`);
   * GPU idle: a torch-profiler trace of `--profile-steps` single-stream decode steps, and of as
     many decode steps with `--batch` requests running; the idle fraction is 1 - (union of the
-    device's kernel and copy intervals) / (first device start .. last device end);
+    device's kernel and copy intervals) / (first device start .. last device end), and the 30
+    kernels that took the most device time per step;
   * throughput (`--what throughput --workload FILE`): `pagedserve bench throughput`'s loop on
     the workload file.
 
@@ -222,7 +226,12 @@ def decode_profile(engine: LLMEngine, batch: int, steps: int, context: int) -> d
         torch.cuda.synchronize()
     while engine.has_unfinished_requests():
         engine.step()
-    return {"batch": batch, "step_median_ms": statistics.median(plain) * 1e3, **_gpu_busy(prof)}
+    return {
+        "batch": batch,
+        "step_median_ms": statistics.median(plain) * 1e3,
+        **_gpu_busy(prof),
+        "kernels": kernel_table(prof, steps, top=30),
+    }
 
 
 def host_profile(engine: LLMEngine, prompt_len: int, steps: int) -> str:
@@ -289,6 +298,12 @@ def measure(args: argparse.Namespace, model_dir: str, mode: str) -> dict[str, An
     if "latency" in what:
         out["single_stream"] = single_stream(engine, args.prompt_len, args.output_len)
         print(out, flush=True)
+    if "stream" in what:
+        # Imported here: gpu_async_scheduling builds on this module.
+        from gpu_async_scheduling import single_stream as streamed_single_stream
+
+        out["streamed_single_stream"] = streamed_single_stream(engine, args.prompt_len, args.output_len)
+        print(out["streamed_single_stream"], flush=True)
     if "profile" in what:
         out["decode_b1"] = decode_profile(engine, 1, args.profile_steps, args.prompt_len)
         print(out["decode_b1"], flush=True)
@@ -327,7 +342,7 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=8192)
     parser.add_argument("--workload", help="workload JSON of the throughput run")
     parser.add_argument(
-        "--what", default="latency,profile", help="of latency, profile, hostprofile, throughput"
+        "--what", default="latency,profile", help="of latency, stream, profile, hostprofile, throughput"
     )
     parser.add_argument(
         "--modes",

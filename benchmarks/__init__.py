@@ -14,9 +14,10 @@ What a user runs: the engine against its peers
   gpu_async_scheduling.py   single stream (TTFT, TPOT), GPU idle and the decode step, default engine
   gpu_latency.py            what CUDA graphs and compilation buy; the Llama-3.1-8B shapes every GPU
                             script builds (`llama_config`, `bench_engine_args`); `--shape`
-  model_shapes.py           the mixture-of-experts shapes (Qwen3-30B-A3B, Mixtral-8x7B) of `--shape`
+  model_shapes.py           the mixture-of-experts shapes (Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B)
   offline_scheduling.py     offline throughput per scheduling policy, with profiling windows
   gpu_fp8.py                what FP8 weights and an FP8 KV cache buy
+  gpu_quantized.py          quantized checkpoints (W4A16, FP8) against bf16: load, memory, latency, throughput
   tp_gpu.py                 tensor parallelism: TP=N against TP=1, 8B and 70B shapes
   lora_gpu.py               what 8 LoRA adapters across 64 requests cost a decode step
   serve_throughput.py       `pagedserve serve` under one or more `bench serve` loads (tok/s, latencies)

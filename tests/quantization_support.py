@@ -90,6 +90,10 @@ class IntSpec:
     group: int | None  # None: one scale per output channel
     sym: bool
     act_order: bool
+    # With act_order: projections of one input (q/k/v, gate/up) share its order of columns, as
+    # GPTQ's own activation order does (the order comes from the inputs' Hessian); False: each
+    # projection draws its own.
+    shared_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,12 +111,14 @@ FP8_MAX = 448.0
 
 
 def _int_tensors(
-    spec: IntSpec, w: torch.Tensor, gen: torch.Generator
+    spec: IntSpec, w: torch.Tensor, gen: torch.Generator, order: torch.Tensor | None = None
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """One projection's tensors (names without the layer prefix) and its dequantized weight."""
+    """One projection's tensors (names without the layer prefix) and its dequantized weight;
+    `order`: the input order of an activation-ordered projection (None: drawn from `gen`)."""
     bits, k = spec.bits, w.shape[1]
     # With activation order each input column is in a group of its own choosing.
-    order = torch.randperm(k, generator=gen) if spec.act_order else torch.arange(k)
+    if order is None:
+        order = torch.randperm(k, generator=gen) if spec.act_order else torch.arange(k)
     g_idx = order // (spec.group or k)
     q, zeros, scales, dense = round_to_nearest(w, bits, spec.group or k, spec.sym, g_idx)
     tensors: dict[str, torch.Tensor] = {}
@@ -204,13 +210,20 @@ def _write(
     tensors = {name: t.contiguous() for name, t in hf.state_dict().items()}
     gen = torch.Generator().manual_seed(2)
     for layer in range(config.num_hidden_layers):
+        orders: dict[str, torch.Tensor] = {}  # the input a projection reads -> its shared order
         for index, proj in enumerate(PROJECTIONS):
             name = f"model.layers.{layer}.{proj}"
             w = tensors.pop(f"{name}.weight")
             spec = spec_of(name)
-            parts, dense = (
-                _int_tensors(spec, w, gen) if isinstance(spec, IntSpec) else _fp8_tensors(spec, w, index)
-            )
+            if isinstance(spec, IntSpec):
+                order = None
+                if spec.act_order and spec.shared_order:
+                    source = {"q": "attn", "k": "attn", "v": "attn", "gate": "mlp", "up": "mlp"}
+                    key = source.get(proj.split(".")[1].removesuffix("_proj"), proj)
+                    order = orders.setdefault(key, torch.randperm(w.shape[1], generator=gen))
+                parts, dense = _int_tensors(spec, w, gen, order)
+            else:
+                parts, dense = _fp8_tensors(spec, w, index)
             hf.get_submodule(name).weight.data.copy_(dense)
             tensors |= {f"{name}.{field}": t for field, t in parts.items()}
     path = tmp / "checkpoint"
@@ -240,10 +253,11 @@ def write_gptq_awq_checkpoint(
     sym: bool,
     act_order: bool,
     config: LlamaConfig | None = None,  # default: `tiny_llama()`
+    shared_order: bool = False,  # `IntSpec.shared_order`
 ) -> tuple[Path, Any]:
     """A GPTQ, AWQ or compressed-tensors pack-quantized checkpoint of every projection, and the
     transformers model of its dequantized weights."""
-    spec = IntSpec(fmt, bits, group, sym, act_order)
+    spec = IntSpec(fmt, bits, group, sym, act_order, shared_order)
     quant: dict[str, Any]
     if fmt == "compressed-tensors":
         quant = _compressed_tensors([_ct_group(spec, ["Linear"])], "pack-quantized")

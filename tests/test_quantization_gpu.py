@@ -1,7 +1,7 @@
-"""Quantized checkpoints on a real GPU: a GPTQ (4-bit, groups of 32, zero points) and an AWQ
-checkpoint of a tiny Llama, whose greedy tokens on the cuda and triton platforms (integer-weight
-layers on the Triton GEMM) equal cpu_reference's, in every CUDA-graph mode with the compiled
-forward (float32).
+"""Quantized checkpoints on a real GPU: a GPTQ (4-bit, groups of 32, zero points), a GPTQ
+`desc_act` and an AWQ checkpoint of a tiny Llama, whose greedy tokens on the cuda and triton
+platforms (integer-weight layers on the Triton GEMM) equal cpu_reference's, in every CUDA-graph
+mode with the compiled forward (float32).
 
 Skipped without a CUDA GPU. On a GPU machine run this file in its own pytest process (the
 interpreter test files set TRITON_INTERPRET=1, which would put the Triton kernels on the CPU).
@@ -31,7 +31,12 @@ pytestmark = [
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False)
 MODES = ["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"]
-FORMATS = {"gptq": ("gptq", 4, 32, False, False), "awq": ("awq", 4, 32, False, False)}
+FORMATS = {
+    "gptq": ("gptq", 4, 32, False, False),
+    "awq": ("awq", 4, 32, False, False),
+    # activation order, q/k/v and gate/up sharing their inputs' order (as GPTQ writes them)
+    "gptq_desc_act": ("gptq", 4, 32, True, True, None, True),
+}
 
 
 @pytest.fixture(scope="module")

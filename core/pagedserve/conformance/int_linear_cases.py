@@ -26,8 +26,9 @@ and a prefill where it matters.
   as a CUDA graph's padding may; they must change nothing in the step's rows.
 * `bias`: a bias in x's dtype, at 16 and 64 rows.
 
-Activation order (`g_idx`) has no group: `PackedIntWeight` carries none, and the engine keeps
-activation-ordered layers on the core's formulation (`route_int_weight_layers`). Only what the
+Activation order (`g_idx`) has no group: `PackedIntWeight` carries none; the engine stores an
+activation-ordered layer's columns in group order and permutes its inputs before the op
+(`IntWeightLinear.sort_inputs`), or keeps it on the core's formulation. Only what the
 kernel declares is drawn: widths in `IntLinearKernel.bits` and group sizes `takes()` accepts; the
 engine passes it nothing else, so there is nothing to probe.
 """

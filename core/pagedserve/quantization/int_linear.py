@@ -15,6 +15,15 @@ Tensor parallelism: a rank's layer holds its output rows (column-parallel) or in
 read by `quantization.tensor_parallel`; a row-parallel activation-ordered layer keeps the whole
 scale table (`groups`), which its inputs' `g_idx` index.
 
+Activation order on the kernel: GPTQ's `desc_act` quantizes the inputs in an order of its own and
+numbers the groups along it, so each group is `group_size` inputs scattered over K. When every
+stacked projection shares one order (GPTQ's does: it comes from the inputs, which q/k/v and
+gate/up share), `sort_inputs` stores the columns in that order, where the groups are contiguous
+again, and the layer reads its inputs through the same permutation (`input_order`): one gather of
+the activations per call, and the platform's kernel, which takes contiguous groups only, runs it.
+Other activation-ordered layers (projections in different orders, a row-parallel shard's inputs)
+keep `g_idx` and the core's formulation.
+
 Computing: on the platform's `IntLinearKernel` where it takes the layer (`route_int_weight_layers`),
 else the core's formulation: the weight dequantized (exact in float32, rounded once to the
 activations' dtype) and one dense GEMM. The formulation is what every kernel must equal; it reads
@@ -72,6 +81,7 @@ class IntWeightLinear(nn.Module):
     scales: torch.Tensor  # [N, G] float32
     zeros: torch.Tensor | None  # [N, G] int8 (signed), or None for symmetric weights
     g_idx: torch.Tensor | None  # [P, K] int32: each input's group, per stacked projection
+    input_order: torch.Tensor | None  # [K] int64: stored column j holds input input_order[j] (`sort_inputs`)
     bias: torch.Tensor | None  # [N] in the activations' dtype
 
     def __init__(
@@ -109,6 +119,7 @@ class IntWeightLinear(nn.Module):
             torch.empty((len(shard_sizes), k), dtype=torch.int32, device=device) if scheme.act_order else None
         )
         self.register_buffer("g_idx", g_idx)
+        self.register_buffer("input_order", None)
         self.register_buffer("bias", torch.empty(n, dtype=dtype, device=device) if bias else None)
         self._pending: dict[str, dict[str, torch.Tensor]] = {}  # projection -> its tensors so far
         self.kernel: IntLinearKernel | None = None  # the platform's, set by `route_int_weight_layers`
@@ -198,6 +209,25 @@ class IntWeightLinear(nn.Module):
 
     # --- computing ------------------------------------------------------------------------
 
+    @torch.no_grad()
+    def sort_inputs(self) -> bool:
+        """Store an activation-ordered layer's columns in its groups' order (module docstring):
+        only when every stacked projection has the same `g_idx` and, sorted, it numbers whole
+        groups of `group_size` in turn. Returns whether it did. Mutates the buffers."""
+        g_idx, size, k = self.g_idx, self.scheme.group_size, self.in_features
+        if g_idx is None or size is None or self.groups != num_groups(self.scheme, k):
+            return False
+        if not bool((g_idx == g_idx[0]).all()):
+            return False
+        order = torch.argsort(g_idx[0], stable=True)
+        if not torch.equal(g_idx[0][order].long(), torch.arange(k, device=order.device) // size):
+            return False
+        bits = self.scheme.bits
+        self.packed.copy_(pack_codes(unpack_codes(self.packed, bits, k, dim=1)[:, order], bits))
+        self.input_order = order
+        self.g_idx = None
+        return True
+
     def packed_weight(self) -> PackedIntWeight:
         """The weight as the platform contract takes it (layers without `g_idx` only). Pure."""
         assert self.g_idx is None, "activation-ordered layers keep the core's formulation"
@@ -208,7 +238,12 @@ class IntWeightLinear(nn.Module):
         """The weight [N, K] in `dtype`: `(codes - zeros) * scales`, exact in float32, rounded
         once. Pure."""
         if self.g_idx is None:
-            return dequantize_packed(self.packed_weight(), dtype)
+            stored = dequantize_packed(self.packed_weight(), dtype)
+            if self.input_order is None:
+                return stored
+            inverse = torch.empty_like(self.input_order)
+            inverse[self.input_order] = torch.arange(self.in_features, device=inverse.device)
+            return stored[:, inverse]
         parts = []  # each stacked projection with its own input groups
         for row, (start, rows) in enumerate(self.shard_offsets.values()):
             stop = start + rows
@@ -226,6 +261,8 @@ class IntWeightLinear(nn.Module):
             y = F.linear(x, self.dequantized(x.dtype), bias)
         else:
             rows = x.reshape(-1, self.in_features)
+            if self.input_order is not None:
+                rows = rows.index_select(1, self.input_order)
             y = self.kernel.op(rows, self.packed_weight(), bias).reshape(*x.shape[:-1], self.out_features)
         if self.reduce is None:
             return y
@@ -261,12 +298,15 @@ REFERENCE_INT_LINEAR_KERNEL = IntLinearKernel(
 
 
 def route_int_weight_layers(model: nn.Module, kernel: IntLinearKernel | None) -> tuple[int, int]:
-    """Give every `IntWeightLinear` in `model` that `kernel` takes the kernel (activation-ordered
-    layers keep the core's formulation). Returns (layers routed, layers left). Mutates them."""
+    """Give every `IntWeightLinear` in `model` that `kernel` takes the kernel, activation-ordered
+    ones once `sort_inputs` has put their groups in order (those it cannot keep the core's
+    formulation). Returns (layers routed, layers left). Mutates them."""
     routed = left = 0
     for module in model.modules():
         if not isinstance(module, IntWeightLinear):
             continue
+        if kernel is not None and module.g_idx is not None:
+            module.sort_inputs()
         takes = kernel is not None and module.g_idx is None and kernel.takes(module.packed_weight())
         module.kernel = kernel if takes else None
         routed += takes

@@ -1,6 +1,6 @@
-"""Quantized MoE experts: a compressed-tensors checkpoint whose experts hold integer codes loads,
-its experts dequantized to the model's dtype, and the model's greedy tokens equal transformers' on
-the same dequantized weights (float32, CPU); FP8 experts are refused by name."""
+"""Quantized MoE experts: a compressed-tensors checkpoint whose experts hold integer or FP8 codes
+loads, its experts dequantized to the model's dtype, and the model's greedy tokens equal
+transformers' on the same dequantized weights (float32, CPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from quantization_support import VOCAB, Fp8Spec, IntSpec, write_moe_expert_checkpoint
+from quantization_support import VOCAB, Fp8Spec, IntSpec, Spec, write_moe_expert_checkpoint
 from transformers import Qwen3MoeConfig
 
 from pagedserve import LLM, SamplingParams
@@ -37,12 +37,12 @@ def _hf_tokens(hf: Any, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize(
     "spec",
     [IntSpec("compressed-tensors", 4, 16, False, False), IntSpec("compressed-tensors", 4, 16, True, True),
-     IntSpec("compressed-tensors", 8, None, True, False)],
-    ids=["w4a16_asym_group16", "w4a16_act_order", "w8a16_channel"],
+     IntSpec("compressed-tensors", 8, None, True, False), Fp8Spec("channel", "dynamic_token"),
+     Fp8Spec("tensor", "static_tensor"), Fp8Spec("block", "dynamic_group", (16, 16))],
+    ids=["w4a16_asym_group16", "w4a16_act_order", "w8a16_channel", "fp8_channel", "fp8_tensor_static",
+         "fp8_block"],
 )  # fmt: skip
-def test_quantized_experts_give_the_tokens_of_their_dequantized_weights(
-    tmp_path: Path, spec: IntSpec
-) -> None:
+def test_quantized_experts_give_the_tokens_of_their_dequantized_weights(tmp_path: Path, spec: Spec) -> None:
     path, hf = write_moe_expert_checkpoint(tmp_path, _config(), spec)
     llm = LLM(str(path), platform="cpu_reference", skip_tokenizer_init=True, dtype="float32",
               max_model_len=128, num_kv_blocks=64)  # fmt: skip
@@ -64,9 +64,10 @@ def test_the_experts_hold_the_dequantized_weights(tmp_path: Path) -> None:
     assert torch.equal(block.w2.data, experts.down_proj.data)
 
 
-def test_fp8_experts_are_refused_by_name(tmp_path: Path) -> None:
-    path, _ = write_moe_expert_checkpoint(tmp_path, _config(), Fp8Spec("channel", "dynamic_token"))
-    with pytest.raises(
-        ValueError, match=r"experts of model\.layers\.0\.mlp are FP8 .*not read for experts yet"
-    ):
-        load_model(str(path), dtype=torch.float32)
+def test_fp8_block_experts_hold_their_dequantized_weights(tmp_path: Path) -> None:
+    path, hf = write_moe_expert_checkpoint(tmp_path, _config(), Fp8Spec("block", "dynamic_group", (16, 16)))
+    model: Any = load_model(str(path), dtype=torch.float32).model
+    for layer in (0, 1):
+        block, experts = model.model.layers[layer].mlp, hf.model.layers[layer].mlp.experts
+        assert torch.equal(block.w13.data, experts.gate_up_proj.data)
+        assert torch.equal(block.w2.data, experts.down_proj.data)

@@ -25,14 +25,14 @@ from pagedserve.distributed.layers import RowParallelLinear
 from pagedserve.distributed.sharding import ShardLayout
 from pagedserve.models.decoder import DecoderForCausalLM
 from pagedserve.models.layers import MergedLinear
-from pagedserve.moe.layer import RouterLinear, SparseMoE
+from pagedserve.moe.layer import QuantizedExpertReader, RouterLinear, SparseMoE
 from pagedserve.quantization.checkpoint_config import (
     CheckpointQuantization,
     IntWeightScheme,
     WeightScheme,
     parse_quantization_config,
 )
-from pagedserve.quantization.fp8_linear import Fp8CheckpointLinear
+from pagedserve.quantization.fp8_linear import Fp8CheckpointLinear, Fp8ExpertReader
 from pagedserve.quantization.int_linear import IntWeightLinear
 from pagedserve.quantization.tensor_parallel import check_shard, scale_groups
 
@@ -91,19 +91,16 @@ def _read_quantized_experts(
     block: SparseMoE, quant: CheckpointQuantization, name: str, layout: ShardLayout | None
 ) -> bool:
     """Give `block` a reader of its experts' quantized tensors when the checkpoint quantizes them:
-    integer codes are read with the layer's own formats and written dequantized to the model's
-    dtype, so the experts run on the platform's MoE op as a dense checkpoint's do (their memory
-    saving is not kept); returns whether it did. Raises `ValueError` for expert formats that are
-    not read. Mutates `block`."""
+    integer codes are read with the layer's own formats, FP8 codes with their channel, tensor or
+    block scales, and written dequantized to the model's dtype, so the experts run on the
+    platform's MoE op as a dense checkpoint's do (their memory saving is not kept); returns
+    whether it did. Raises `ValueError` for quantized experts under tensor parallelism. Mutates
+    `block`."""
     names = [f"{name}.experts.0.{proj}" for proj in (block.names.gate, block.names.up, block.names.down)]
     if block.names.layout != "per_expert" or all(quant.scheme_for(n) is None for n in names):
         return False
     scheme = _scheme_of(quant, names, f"{name}.experts")  # one scheme for the three, or it raises
-    if not isinstance(scheme, IntWeightScheme):
-        raise ValueError(
-            f"the checkpoint's experts of {name} are FP8 ({scheme}), which is not read for experts yet: "
-            "requantize with the experts in the ignore list, or serve the bfloat16 checkpoint"
-        )
+    assert scheme is not None  # some of the three are quantized, so all are
     if layout is not None and layout.world_size > 1:
         raise ValueError(
             f"the checkpoint quantizes the experts of {name}, which are not read under tensor "
@@ -111,11 +108,13 @@ def _read_quantized_experts(
         )
     device = block.w13.device
 
-    def reader(in_features: int, rows: int, where: str) -> IntWeightLinear:
-        return IntWeightLinear(
-            in_features, {"": rows}, scheme, bias=False, dtype=block.w13.dtype, device=device,
-            name=f"{name}.{where}",
-        )  # fmt: skip
+    def reader(in_features: int, rows: int, where: str) -> QuantizedExpertReader:
+        if isinstance(scheme, IntWeightScheme):
+            return IntWeightLinear(
+                in_features, {"": rows}, scheme, bias=False, dtype=block.w13.dtype, device=device,
+                name=f"{name}.{where}",
+            )  # fmt: skip
+        return Fp8ExpertReader(in_features, rows, scheme, device, f"{name}.{where}")
 
     block.expert_reader = reader
     return True

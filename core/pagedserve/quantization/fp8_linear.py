@@ -232,3 +232,41 @@ class Fp8CheckpointLinear(Fp8Linear):
         scales = amax.clamp_min(AMAX_FLOOR) * INV_FP8_MAX
         codes = (a.to(torch.float32) / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_WEIGHT_DTYPE)
         return codes, scales
+
+
+class Fp8ExpertReader:
+    """One MoE expert projection of an FP8 checkpoint (`moe.layer.QuantizedExpertReader`): its
+    codes and scales (and a static input scale, read and not used: the block's experts compute
+    with activations in the model's dtype), dequantized once all are in."""
+
+    def __init__(
+        self, in_features: int, rows: int, scheme: Fp8WeightScheme, device: torch.device, name: str
+    ) -> None:
+        self.layer = Fp8CheckpointLinear(
+            in_features, {"": rows}, scheme, bias=False, dtype=torch.float32, device=device, name=name
+        )
+        self._loaded: set[str] = set()
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Read `name` ("weight", "weight_scale", "input_scale"); returns "weight" once the
+        projection is complete, else the key of what it read ("codes" for the weight). Raises
+        `ValueError` as `Fp8CheckpointLinear` does."""
+        key = self.layer.load_checkpoint_tensor(name, tensor)
+        assert key is not None  # the layer fills a key for every tensor it takes
+        self._loaded.add(key)
+        if not self.layer.missing_checkpoint_keys(self._loaded):
+            return "weight"
+        return "codes" if key == "weight" else key
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K]: codes times their channel, tensor or block scales, exact in float32,
+        rounded once to `dtype`. Pure."""
+        layer = self.layer
+        codes = layer.weight.to(torch.float32)
+        if layer.block_scale is None:
+            scale = layer.weight_scale.reshape(-1, 1)
+        else:
+            assert layer.scheme.block is not None
+            (rows, cols), (n, k) = layer.scheme.block, codes.shape
+            scale = layer.block_scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+        return (codes * scale).to(dtype)

@@ -124,7 +124,7 @@ def test_gptq_and_awq_cover_the_decoder_layers_only() -> None:
     ("config", "field"),
     [
         ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
-        (_with(W4A16, "kv_cache_scheme", {"num_bits": 8}), "kv_cache_scheme="),
+        (_with(W4A16, "kv_cache_scheme", {"num_bits": 8}), "kv_cache_scheme.type='int'"),
         (_with(W4A16, "sparsity_config", {"format": "sparse-24"}), "sparsity_config="),
         (_with(W4A16, "quantization_status", "frozen"), "quantization_status='frozen'"),
         (_with(W4A16, "surprise", 1), "quantization_config.surprise=1"),

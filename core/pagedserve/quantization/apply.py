@@ -34,6 +34,7 @@ from pagedserve.quantization.checkpoint_config import (
 )
 from pagedserve.quantization.fp8_linear import Fp8CheckpointLinear, Fp8ExpertReader
 from pagedserve.quantization.int_linear import IntWeightLinear
+from pagedserve.quantization.kv_scales import place_kv_scale_readers
 from pagedserve.quantization.tensor_parallel import check_shard, scale_groups
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,8 @@ def place_quantized_layers(
         parent, _, attr = path.rpartition(".")
         setattr(model.model.get_submodule(parent) if parent else model.model, attr, layer)
         replaced += 1
+    if quant.kv_cache_scales:
+        place_kv_scale_readers(model)
     if replaced == 0:
         raise ValueError(
             f"the checkpoint's quantization_config ({quant.describe()}) quantizes none of this model's "

@@ -66,6 +66,9 @@ class CheckpointQuantization:
     method: str  # "compressed-tensors", "gptq" or "awq"
     groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]  # (targets, scheme), first match wins
     ignore: tuple[str, ...]  # layers kept dense: exact names, `re:` patterns, or (AWQ) substrings
+    # compressed-tensors `kv_cache_scheme`: each attention layer stores one FP8 scale for its keys
+    # and one for its values (`quantization.kv_scales`)
+    kv_cache_scales: bool = False
 
     def scheme_for(self, name: str) -> WeightScheme | None:
         """The scheme of linear layer `name` ("model.layers.0.self_attn.q_proj"), or None when it
@@ -165,13 +168,9 @@ def _compressed_tensors(raw: Mapping[str, Any]) -> CheckpointQuantization:
     for field in ("sparsity_config", "transform_config"):
         if raw.get(field):
             raise _refuse(field, raw[field], "sparse and transformed weights are not read")
-    if raw.get("kv_cache_scheme") is not None:
-        raise _refuse(
-            "kv_cache_scheme",
-            raw["kv_cache_scheme"],
-            "the checkpoint's KV-cache scales are not read; requantize without a kv_cache_scheme "
-            "and use kv_cache_dtype='fp8' for an FP8 cache with scales computed here",
-        )
+    kv_cache_scales = raw.get("kv_cache_scheme") is not None
+    if kv_cache_scales:
+        _check_kv_cache_scheme(raw["kv_cache_scheme"])
     groups_raw = raw.get("config_groups")
     if not isinstance(groups_raw, Mapping) or not groups_raw:
         raise _refuse("config_groups", groups_raw, "a compressed-tensors config needs at least one group")
@@ -194,7 +193,27 @@ def _compressed_tensors(raw: Mapping[str, Any]) -> CheckpointQuantization:
     ignore = raw.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         raise _refuse("ignore", ignore, "a list of layer names or `re:` patterns")
-    return CheckpointQuantization("compressed-tensors", tuple(groups), tuple(ignore))
+    return CheckpointQuantization("compressed-tensors", tuple(groups), tuple(ignore), kv_cache_scales)
+
+
+def _check_kv_cache_scheme(scheme: Any) -> None:
+    """The one KV-cache scheme read: static FP8 (e4m3) scales, one per tensor, symmetric."""
+    where = "kv_cache_scheme"
+    if not isinstance(scheme, Mapping):
+        raise _refuse(where, scheme, "a mapping of quantization args")
+    _check_fields(scheme, where, _CT_ARGS)
+    wanted = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    # compressed-tensors' defaults for fields a config leaves out
+    defaults = {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    for field, value in wanted.items():
+        got = scheme.get(field, defaults[field])
+        if got != value:
+            raise _refuse(
+                f"{where}.{field}",
+                got,
+                "only static FP8 KV-cache scales, one per tensor and symmetric, are read "
+                f"({', '.join(f'{k}={v!r}' for k, v in wanted.items())})",
+            )
 
 
 def _ct_scheme(group: Mapping[str, Any], where: str, fmt: Any) -> WeightScheme:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.attention.kv_cache_dtype import DEFAULT_KV_SCALES, is_fp8, resolve_kv_cache_dtype
+from pagedserve.attention.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype
 from pagedserve.config import EngineArgs
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.decoder import DecoderForCausalLM
@@ -27,6 +27,7 @@ from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
 from pagedserve.platforms.errors import PlatformError
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
+from pagedserve.quantization.kv_scales import kv_scales_for_cache
 from pagedserve.worker.attention_sweep import attention_warmup_threads
 from pagedserve.worker.cpu_compile import compile_reason
 from pagedserve.worker.gpu_compile import PROGRAMMATIC_MAX_TOKENS, configure_compile_caches
@@ -312,7 +313,7 @@ def build_runner(
         eos_token_ids=eos_token_ids,
         device=device,
         kv_cache_dtype=dm.kv_cache_dtype,
-        kv_scales=[DEFAULT_KV_SCALES] * spec.num_layers if is_fp8(dm.kv_cache_dtype) else None,
+        kv_scales=kv_scales_for_cache(dm.loaded.model, spec.num_layers, is_fp8(dm.kv_cache_dtype)),
         seed=args.seed,
         new_kv_reads=dm.new_kv_reads,
     )

@@ -189,8 +189,34 @@ def test_eager_tokens_equal_transformers(checkpoints: dict[str, tuple[Path, Any]
         hf.cpu()
 
 
-def test_bfloat16_graphs_give_the_eager_tokens(checkpoints: dict[str, tuple[Path, Any]]) -> None:
+# bfloat16: a CUDA graph replays the step padded to its captured size, whose MoE launch config
+# (block height, K split) can differ from the eager step's, so the sums round differently. Tokens
+# may then part where two candidates are within that rounding, and only there.
+BF16_TIE = 0.1  # log-probability gap below which two bfloat16 candidates count as tied
+
+
+def _bf16_run(path: Path, **engine: Any) -> list[tuple[list[int], list[dict[int, float]]]]:
+    llm = LLM(str(path), platform="cuda", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
+              max_num_seqs=8, num_kv_blocks=512, **engine)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False, logprobs=2)
+    out = []
+    for o in llm.generate(PROMPTS, params, use_tqdm=False):
+        steps = o.outputs[0].logprobs
+        assert steps is not None
+        out.append((list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in s.items()} for s in steps]))
+    return out
+
+
+def test_bfloat16_graphs_follow_the_eager_tokens_up_to_ties(checkpoints: dict[str, tuple[Path, Any]]) -> None:
     path, _ = checkpoints["qwen3_moe"]
-    eager, _ = _generate(path, "cuda", dtype="bfloat16", enforce_eager=True)
-    graphed, _ = _generate(path, "cuda", dtype="bfloat16")
-    assert graphed == eager
+    eager, graphed = _bf16_run(path, enforce_eager=True), _bf16_run(path)
+    parted = 0
+    for (want, tables), (got, _) in zip(eager, graphed, strict=True):
+        if got == want:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
+        table = tables[i]
+        assert got[i] in table, (i, want, got, table)  # the graph's pick is eager's runner-up
+        assert table[want[i]] - table[got[i]] < BF16_TIE, (i, want, got, table)
+        parted += 1
+    assert parted <= len(PROMPTS) // 4, f"{parted} of {len(PROMPTS)} requests parted from eager"

@@ -84,7 +84,7 @@ def launches(device, model, e, k, h, i, tokens, wdtype):
     fp8 = wdtype == "float8_e4m3fn"
     route_warps = mr.ROUTE_WARPS if device == H100 else mr.ROUTE_WARPS_AMD  # as `route_warps` picks
     yield ("route", mr.moe_route_kernel, route_warps, 1, dict(
-        TOP_K=k, K_PAD=tiles.k_pad, SOFTMAX_FIRST=True, RENORMALIZE=True, BLOCK_T=tiles.block_t,
+        TOP_K=k, K_PAD=tiles.k_pad, SOFTMAX_FIRST=True, RENORMALIZE=True, BLOCK_T=tiles.route_block_t(tokens),
         BLOCK_E=tiles.block_e, FUSED=fused, BLOCK_M=config.block_m if fused else 16, BLOCK_B=tiles.block_b),
         {"logits_ptr": "*fp32", "weights_ptr": "*fp32"},
         dict(M=tokens, E=e, stride_lm=e, max_blocks=plan.max_blocks), ())

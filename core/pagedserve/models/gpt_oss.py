@@ -16,6 +16,8 @@ from pagedserve.moe.layer import GPT_OSS_EXPERT_NAMES, SparseMoE
 from pagedserve.moe.reference import GPT_OSS_SWIGLU_ALPHA
 from pagedserve.platforms.api import MoERouting
 
+GPT_OSS_SWIGLU_LIMIT = 7.0  # the released models' clamp, for configs that do not say
+
 
 class GptOssForCausalLM(DecoderForCausalLM):
     architecture = "GptOssForCausalLM"
@@ -46,7 +48,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
             scoring="topk_softmax",
             renormalize=False,
             activation="swiglu_limit",
-            swiglu_limit=float(config.swiglu_limit),
+            # Older transformers configs carry no swiglu_limit (their modeling code fixes 7.0).
+            swiglu_limit=float(getattr(config, "swiglu_limit", GPT_OSS_SWIGLU_LIMIT)),
         )
         return SparseMoE(
             config.hidden_size,

@@ -29,6 +29,7 @@ from pagedserve_triton.int_linear import (
     choose_tiles,
     int_weight_gemm_kernel,
     int_weight_linear_forward,
+    plan_split,
 )
 
 if not isinstance(int_weight_gemm_kernel, InterpretedFunction):
@@ -79,8 +80,10 @@ def test_kernel_equals_the_formulation(
     bias = torch.randn(n, generator=gen).to(dtype)
     want = int_linear_reference(x, weight, bias)
     _close(INT_LINEAR_KERNEL.op(x, weight, bias), want, dtype)
-    # Small tiles: several K steps and column tiles, the group gathered per input.
+    # Small tiles: several K steps and column tiles, the group gathered per input; then K split in
+    # three ranges (float32 partials summed by the reduce kernel, which adds the bias).
     _close(int_weight_linear_forward(x, weight, None, IntGemmTiles(16, 16, 16, 4, 1)), want - bias, dtype)
+    _close(int_weight_linear_forward(x, weight, bias, IntGemmTiles(16, 16, 16, 4, 1, split_k=3)), want, dtype)
 
 
 def test_rows_past_the_step_change_no_other_row() -> None:
@@ -97,6 +100,12 @@ def test_the_kernel_declares_what_it_takes() -> None:
     assert INT_LINEAR_KERNEL.takes(_weight(8, 96, 8, 32, False, gen))
     assert not INT_LINEAR_KERNEL.takes(_weight(8, 96, 4, 24, False, gen))  # not a multiple of 16
     assert choose_tiles(1, 128).block_m == 16 and choose_tiles(300, 128).block_m == 64
+    # Decode steps split K until ~TARGET_PROGRAMS programs stream; prefills do not split.
+    assert [choose_tiles(1, 128, n).split_k for n in (1024, 4096, 6144, 28672)] == [16, 4, 2, 1]
+    assert choose_tiles(300, 128, 1024).split_k == 1
+    # Whole K steps per split, none empty: 14336 inputs in 64-input steps over 4 splits.
+    assert plan_split(IntGemmTiles(16, 32, 64, 8, 3, split_k=4), 14336) == (4, 3584)
+    assert plan_split(IntGemmTiles(16, 32, 64, 8, 3, split_k=16), 96) == (2, 64)
     assert [choose_tiles(1, group).block_k for group in (4096, 128, 32, 16, 48)] == [64, 64, 32, 16, 16]
 
 

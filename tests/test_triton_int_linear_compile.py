@@ -40,8 +40,9 @@ TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942
 out_dir = pathlib.Path(tempfile.mkdtemp())
 results = {}
 for m, bits, group, zeros in json.loads(sys.argv[1]):
-    tiles = il.choose_tiles(m, group)
-    constexprs = dict(BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=False, GROUP_ALIGNED=group % tiles.block_k == 0,
+    tiles = il.choose_tiles(m, group, 4096)
+    constexprs = dict(SPLIT=tiles.split_k > 1, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=False,
+                      GROUP_ALIGNED=group % tiles.block_k == 0,
                       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                       DOT_IN_FP32=False, ROUND_BF16=False)
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp32", "zero_ptr": "*i8",
@@ -55,7 +56,7 @@ for m, bits, group, zeros in json.loads(sys.argv[1]):
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[arg] = "i32"
-            if arg.startswith("stride") or arg in ("N", "K"):
+            if arg.startswith("stride") or arg in ("N", "K", "k_per_split"):
                 attrs[(index,)] = [["tt.divisibility", 16]]
     for target, gpu in TARGETS.items():
         compiled = triton.compile(ASTSource(fn=il.int_weight_gemm_kernel, signature=signature,
@@ -70,6 +71,23 @@ for m, bits, group, zeros in json.loads(sys.argv[1]):
             stats = stats_of(compiled.asm["amdgcn"], target, compiled.metadata.shared)
             results[key] = {"shared": compiled.metadata.shared, "vgpr_spills": stats.vgpr_spills,
                             "sgpr_spills": stats.sgpr_spills}
+reduce_sig = {"partial_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+              "splits": "i32", "stride_ps": "i32", "stride_om": "i32", "HAS_BIAS": "constexpr",
+              "BLOCK": "constexpr", "ROUND_BF16": "constexpr"}
+reduce_consts = dict(HAS_BIAS=True, BLOCK=il.REDUCE_BLOCK, ROUND_BF16=False)
+for target, gpu in TARGETS.items():  # the split decode steps' partial sums
+    compiled = triton.compile(ASTSource(fn=il.int_gemm_reduce_kernel, signature=reduce_sig,
+                                        constexprs=reduce_consts, attrs={}), target=gpu,
+                              options={"num_warps": 4, "num_stages": 1})
+    key = f"reduce/{target}"
+    if target == "sm90":
+        cubin = out_dir / "reduce.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        results[key] = {"shared": compiled.metadata.shared, "cubin": str(cubin)}
+    else:
+        stats = stats_of(compiled.asm["amdgcn"], target, compiled.metadata.shared)
+        results[key] = {"shared": compiled.metadata.shared, "vgpr_spills": stats.vgpr_spills,
+                        "sgpr_spills": stats.sgpr_spills}
 print(json.dumps(results))
 """
 
@@ -87,7 +105,7 @@ def test_compiles_for_h100_without_local_memory(compiled: dict[str, dict[str, ob
     if not tool.exists():
         pytest.skip(f"no cuobjdump at {tool}")
     keys = [key for key in compiled if key.endswith("/sm90")]
-    assert len(keys) == len(CASES)
+    assert len(keys) == len(CASES) + 1  # and the reduce kernel
     for key in keys:
         text = subprocess.run(
             [str(tool), "-res-usage", str(compiled[key]["cubin"])], capture_output=True, text=True, check=True
@@ -99,7 +117,7 @@ def test_compiles_for_h100_without_local_memory(compiled: dict[str, dict[str, ob
 @pytest.mark.parametrize("target", ["gfx942", "gfx950"])
 def test_compiles_for_amd_without_spills(compiled: dict[str, dict[str, object]], target: str) -> None:
     keys = [key for key in compiled if key.endswith(f"/{target}")]
-    assert len(keys) == len(CASES)
+    assert len(keys) == len(CASES) + 1  # and the reduce kernel
     for key in keys:
         result = compiled[key]
         shared = result["shared"]

@@ -3,8 +3,8 @@
 """The `IntLinearKernel` of the triton, cuda and rocm platforms: `x @ W.T` with W kept as 4- or
 8-bit integer codes (`pagedserve.platforms.api.IntLinearKernel` is the contract).
 
-One kernel, `int_weight_gemm_kernel`: each program computes a [BLOCK_M, BLOCK_N] tile of the
-output. Per step of BLOCK_K inputs it loads the activation tile, the int32 words holding the
+`int_weight_gemm_kernel`: each program computes a [BLOCK_M, BLOCK_N] tile of the output over one
+range of the inputs. Per step of BLOCK_K inputs it loads the activation tile, the int32 words holding the
 tile's codes (each word once per code it holds: the repeats hit the L1 cache), shifts and masks
 the codes out in registers, subtracts the zero points, multiplies by the scales (float32, exact),
 rounds the weight tile once to x's dtype and feeds it with the activations to `tl.dot`
@@ -15,11 +15,18 @@ When the group size is a multiple of BLOCK_K (the launch rule makes it so for ev
 the kernel takes), a tile's inputs share one group and its scales (and zeros) are one vector
 load; otherwise each input's group is gathered.
 
-Launch parameters (`choose_tiles`) are rules, not measured yet on any GPU: 16 x 32 tiles of 8
-warps for steps of up to 16 tokens (16 rows: the smallest `tl.dot`), 64 x 64 of 4 warps above;
-K steps of 64 inputs, or of the largest power of two (>= 16) dividing the group size, so that a
-step lies in one group. Rows are independent: rows past the step's tokens change no other row,
-and the same call gives the same bits.
+Decode steps split K: with one program per 32 output columns, a step of few tokens gave each SM
+one program walking all of K, one dependent load after another, and the GPTQ 8B shape decoded at
+74.5 ms a token on an H100 (bf16: 5.9 ms). Split, each of up to `MAX_SPLIT_K` programs of a column
+tile covers one range of K (whole K steps, so a step still lies in one group), about
+`TARGET_PROGRAMS` programs stream at once, each writes its float32 partial tile, and
+`int_gemm_reduce_kernel` adds the partials in split order (plus the bias) and rounds once.
+
+Launch parameters (`choose_tiles`) are rules, not tuned on any GPU: 16 x 32 tiles of 8 warps for
+steps of up to 16 tokens (16 rows: the smallest `tl.dot`), split as above, 64 x 64 of 4 warps
+above, unsplit; K steps of 64 inputs, or of the largest power of two (>= 16) dividing the group
+size, so that a step lies in one group. Rows are independent: rows past the step's tokens change
+no other row, and the same call gives the same bits.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ def int_weight_gemm_kernel(
     scale_ptr,  # [N, G] float32
     zero_ptr,  # [N, G] int8 (read only if HAS_ZEROS)
     bias_ptr,  # [N] x's dtype (read only if HAS_BIAS)
-    out_ptr,  # [M, N] x's dtype, rows `stride_om` apart
+    out_ptr,  # SPLIT: [splits, M, N] float32 partials, `stride_ps` apart; else [M, N] x's dtype
     M,
     N,
     K,
@@ -51,6 +58,9 @@ def int_weight_gemm_kernel(
     stride_sn,  # scales' and zeros' row stride (G)
     stride_om,
     group_size,
+    k_per_split,  # inputs per program along K, a multiple of BLOCK_K
+    stride_ps,
+    SPLIT: tl.constexpr,  # write float32 partials (the reduce kernel finishes them)
     BITS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -64,6 +74,7 @@ def int_weight_gemm_kernel(
     PACK: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -74,7 +85,8 @@ def int_weight_gemm_kernel(
     offs_kb = tl.arange(0, BLOCK_K)
     shift = (offs_kb % PACK) * BITS  # K steps start on word boundaries (BLOCK_K % PACK == 0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         offs_k = k0 + offs_kb
         mask_k = offs_k < K
         a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -97,12 +109,43 @@ def int_weight_gemm_kernel(
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        out = out_ptr + pid_k * stride_ps + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(out, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, rounded_to(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+
+
+@triton.jit
+def int_gemm_reduce_kernel(
+    partial_ptr,  # [splits, M, N] float32
+    bias_ptr,  # [N] x's dtype (read only if HAS_BIAS)
+    out_ptr,  # [M, N] x's dtype, rows `stride_om` apart
+    M,
+    N,
+    splits,
+    stride_ps,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """`out = sum of the splits' partials, in split order (+ bias)`, rounded once; BLOCK outputs
+    of one row a program."""
+    row = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(partial_ptr + s * stride_ps + row * N + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(
-        out, rounded_to(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask_m[:, None] & mask_n[None, :]
-    )
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    out = rounded_to(acc, out_ptr.dtype.element_ty, ROUND_BF16)
+    tl.store(out_ptr + row * stride_om + offs_n, out, mask=mask_n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +157,7 @@ class IntGemmTiles:
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # the most K ranges a column tile is cut into (`plan_split` sizes them)
 
 
 DECODE_ROWS = 16  # steps of up to this many tokens take the 16-row tile
@@ -122,16 +166,28 @@ DECODE_ROWS = 16  # steps of up to this many tokens take the 16-row tile
 # decode tile still spilled a few SGPRs on gfx942 at 4 warps, not at 8 (wave64 keeps per-lane
 # masks in scalar registers). tests/test_triton_int_linear_compile.py checks the rule's tiles.
 MAX_BLOCK_K = 64
+TARGET_PROGRAMS = 528  # programs to keep streaming on a decode step (4 per H100 SM)
+MAX_SPLIT_K = 16
+REDUCE_BLOCK = 1024
 
 
-def choose_tiles(m: int, group_size: int) -> IntGemmTiles:
-    """The launch rule for `m` rows (module docstring). Pure."""
+def choose_tiles(m: int, group_size: int, n: int = 1) -> IntGemmTiles:
+    """The launch rule for `m` rows of `n` outputs (module docstring). Pure."""
     block_k = MAX_BLOCK_K
     while block_k > 16 and group_size % block_k:
         block_k //= 2  # a K step inside one group: its scales are one vector load
     if m <= DECODE_ROWS:
-        return IntGemmTiles(16, 32, block_k, num_warps=8, num_stages=3)
+        split = max(1, min(MAX_SPLIT_K, TARGET_PROGRAMS // triton.cdiv(n, 32)))
+        return IntGemmTiles(16, 32, block_k, num_warps=8, num_stages=3, split_k=split)
     return IntGemmTiles(64, 64, block_k, num_warps=4, num_stages=3)
+
+
+def plan_split(tiles: IntGemmTiles, k: int) -> tuple[int, int]:
+    """(splits, inputs per split) for `k` inputs: at most `tiles.split_k` ranges of whole K steps,
+    none empty. Pure."""
+    steps = triton.cdiv(k, tiles.block_k)
+    per_split = triton.cdiv(steps, max(1, min(tiles.split_k, steps))) * tiles.block_k
+    return triton.cdiv(k, per_split), per_split
 
 
 def int_weight_linear_forward(
@@ -150,20 +206,28 @@ def int_weight_linear_forward(
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    tiles = tiles or choose_tiles(m, weight.group_size)
+    tiles = tiles or choose_tiles(m, weight.group_size, n)
     interpreted_bf16 = INTERPRETED and x.dtype == torch.bfloat16
     scales = weight.scales
-    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
+    splits, per_split = plan_split(tiles, k)
+    target = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), splits)
     int_weight_gemm_kernel[grid](
         x, weight.packed, scales, scales if weight.zeros is None else weight.zeros,
-        scales if bias is None else bias, out,
+        scales if bias is None else bias, target,
         m, n, k, x.stride(0), weight.packed.stride(0), scales.stride(0), out.stride(0), weight.group_size,
-        BITS=weight.bits, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
+        per_split, target.stride(0) if splits > 1 else 0,
+        SPLIT=splits > 1, BITS=weight.bits, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
         GROUP_ALIGNED=weight.group_size % tiles.block_k == 0,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_IN_FP32=interpreted_bf16, ROUND_BF16=interpreted_bf16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
+    if splits > 1:
+        int_gemm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
+            target, scales if bias is None else bias, out, m, n, splits, target.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, ROUND_BF16=interpreted_bf16, num_warps=4,
+        )  # fmt: skip
     return out
 
 

@@ -39,6 +39,17 @@ TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942
            "gfx950": GPUTarget("hip", "gfx950", 64)}
 out_dir = pathlib.Path(tempfile.mkdtemp())
 results = {}
+
+def record(key, target, compiled):
+    if target == "sm90":
+        cubin = out_dir / f"{len(results)}.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        results[key] = {"shared": compiled.metadata.shared, "cubin": str(cubin)}
+    else:
+        stats = stats_of(compiled.asm["amdgcn"], target, compiled.metadata.shared)
+        results[key] = {"shared": compiled.metadata.shared, "vgpr_spills": stats.vgpr_spills,
+                        "sgpr_spills": stats.sgpr_spills}
+
 for m, bits, group, zeros in json.loads(sys.argv[1]):
     tiles = il.choose_tiles(m, group, 4096)
     constexprs = dict(SPLIT=tiles.split_k > 1, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=False,
@@ -62,15 +73,7 @@ for m, bits, group, zeros in json.loads(sys.argv[1]):
         compiled = triton.compile(ASTSource(fn=il.int_weight_gemm_kernel, signature=signature,
                                             constexprs=constexprs, attrs=attrs), target=gpu,
                                   options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
-        key = f"{m}/{bits}/{group}/{zeros}/{target}"
-        if target == "sm90":
-            cubin = out_dir / f"{len(results)}.cubin"
-            cubin.write_bytes(compiled.asm["cubin"])
-            results[key] = {"shared": compiled.metadata.shared, "cubin": str(cubin)}
-        else:
-            stats = stats_of(compiled.asm["amdgcn"], target, compiled.metadata.shared)
-            results[key] = {"shared": compiled.metadata.shared, "vgpr_spills": stats.vgpr_spills,
-                            "sgpr_spills": stats.sgpr_spills}
+        record(f"{m}/{bits}/{group}/{zeros}/{target}", target, compiled)
 reduce_sig = {"partial_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
               "splits": "i32", "stride_ps": "i32", "stride_om": "i32", "HAS_BIAS": "constexpr",
               "BLOCK": "constexpr", "ROUND_BF16": "constexpr"}
@@ -79,15 +82,7 @@ for target, gpu in TARGETS.items():  # the split decode steps' partial sums
     compiled = triton.compile(ASTSource(fn=il.int_gemm_reduce_kernel, signature=reduce_sig,
                                         constexprs=reduce_consts, attrs={}), target=gpu,
                               options={"num_warps": 4, "num_stages": 1})
-    key = f"reduce/{target}"
-    if target == "sm90":
-        cubin = out_dir / "reduce.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        results[key] = {"shared": compiled.metadata.shared, "cubin": str(cubin)}
-    else:
-        stats = stats_of(compiled.asm["amdgcn"], target, compiled.metadata.shared)
-        results[key] = {"shared": compiled.metadata.shared, "vgpr_spills": stats.vgpr_spills,
-                        "sgpr_spills": stats.sgpr_spills}
+    record(f"reduce/{target}", target, compiled)
 print(json.dumps(results))
 """
 

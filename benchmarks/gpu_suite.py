@@ -30,6 +30,12 @@ still run:
               (`benchmarks/kernel_benchmarks/programmatic_launch.py`, sm_90+)
   fp8         FP8 weights + FP8 KV cache against bfloat16: KV tokens, TPOT, throughput on the
               256-request workload (`benchmarks/gpu_fp8.py`)
+  moe         the Qwen3-30B-A3B shape (start-up on empty caches, streamed single stream, the
+              1,000-request workload, decode profiles) beside the gpt-oss-20b shape's single
+              stream (`benchmarks/gpu_latency.py --shape`), and the fused MoE op against
+              `torch._grouped_mm` (`benchmarks/kernel_benchmarks/moe_op.py`)
+  quantized   GPTQ W4A16 and compressed-tensors FP8 checkpoints of the 8B shape beside bf16 and
+              load-time FP8: load, TPOT, the 1,000-request workload (`benchmarks/gpu_quantized.py`)
   serve       `pagedserve serve` loaded by `pagedserve bench serve` (at once, 20 requests/s, one at a
               time from the first request after ready), started on empty and on warm caches,
               beside the offline engine under FCFS (`benchmarks/gpu_suite_serve.py`)
@@ -82,6 +88,8 @@ STAGES = (
     "peers",
     "gemm",
     "fp8",
+    "moe",
+    "quantized",
     "serve",
     "multigpu",
 )
@@ -297,6 +305,37 @@ def stage_fp8(suite: Suite) -> dict[str, Any]:
     argv = [suite.python, "benchmarks/gpu_fp8.py", "--platform", "cuda", "--variants", "bf16,w_fp8+kv_fp8"]
     argv += ["--workload", str(WORKLOADS["256"]), "--json", str(path)]
     res = suite.run("fp8", argv, timeout_s=1200)
+    res["result"] = read_json(path)
+    return res
+
+
+def stage_moe(suite: Suite) -> dict[str, Any]:
+    raw = suite.out / "raw"
+    common = ["--modes", "full_and_piecewise", "--prompt-len", "512", "--output-len", "128"]
+    latency = [suite.python, "benchmarks/gpu_latency.py"]
+    qwen = [*latency, "--platform", "cuda", "--shape", "qwen3-30b-a3b", *common]
+    qwen += ["--what", "stream,profile,throughput", "--workload", str(WORKLOADS["1000"])]
+    qwen += ["--num-kv-blocks", "6000", "--json", str(raw / "moe_qwen3_30b_a3b.json")]
+    # Its own empty caches: the start-up row is a fresh machine's.
+    res = suite.run("moe_qwen3", qwen, timeout_s=900, cache=suite.out / "cache_moe_cold")
+    res["qwen3_30b_a3b"] = read_json(raw / "moe_qwen3_30b_a3b.json")
+    # gpt-oss needs attention sinks, which the triton platform's backend has.
+    oss = [*latency, "--platform", "triton", "--shape", "gpt-oss-20b", *common]
+    oss += ["--what", "stream", "--json", str(raw / "moe_gpt_oss_20b.json")]
+    res["gpt_oss_20b_run"] = suite.run("moe_gpt_oss", oss, timeout_s=900)
+    res["gpt_oss_20b"] = read_json(raw / "moe_gpt_oss_20b.json")
+    op = [suite.python, "benchmarks/kernel_benchmarks/moe_op.py", "--models", "qwen3_30b_a3b,gpt_oss_20b"]
+    op += ["--tokens", "1,4,16,64,512,4096", "--check", "--json", str(raw / "moe_op.json")]
+    res["op_run"] = suite.run("moe_op", op, timeout_s=600)
+    res["op"] = read_json(raw / "moe_op.json")
+    return res
+
+
+def stage_quantized(suite: Suite) -> dict[str, Any]:
+    path = suite.out / "raw" / "quantized.json"
+    argv = [suite.python, "benchmarks/gpu_quantized.py", "--platform", "cuda", "--load-twice"]
+    argv += ["--variants", "bf16,gptq_w4a16,ct_fp8,fp8_load_time", "--workload", str(WORKLOADS["1000"])]
+    res = suite.run("quantized", [*argv, "--json", str(path)], timeout_s=2400)
     res["result"] = read_json(path)
     return res
 
@@ -530,6 +569,60 @@ def fp8_rows(stages: dict[str, Any]) -> list[Row]:
     ]
 
 
+def moe_rows(stages: dict[str, Any]) -> list[Row]:
+    qwen = dig(stages, "moe", "qwen3_30b_a3b", "full_and_piecewise") or {}
+    oss = dig(stages, "moe", "gpt_oss_20b", "full_and_piecewise") or {}
+    points = dig(stages, "moe", "op", "points") or []
+    qwen_op = {p["tokens"]: p for p in points if p.get("model") == "qwen3_30b_a3b"}
+    start, tpot = qwen.get("build_s"), dig(qwen, "streamed_single_stream", "tpot_median_ms")
+    tput = dig(qwen, "throughput", "output_tokens_per_s")
+    oss_tpot = dig(oss, "streamed_single_stream", "tpot_median_ms")
+    bound = dig(qwen_op, 1, "vs_bound")
+    speedup = dig(qwen_op, 4096, "speedup")
+    return [
+        Row("Qwen3-30B-A3B shape: start-up on empty caches", fmt(start, ".1f", " s"), "", "<= 60 s",
+            judge(start, "<=", 60.0)),
+        Row("Qwen3-30B-A3B shape: single stream TPOT", fmt(tpot, ".2f", " ms"), "", "<= 3.0 ms",
+            judge(tpot, "<=", 3.0)),
+        Row("Qwen3-30B-A3B shape: 1,000 requests", fmt(tput, ",.0f", " tok/s"), "", ">= 8,000 tok/s",
+            judge(tput, ">=", 8000.0)),
+        Row("gpt-oss-20b shape (triton): single stream TPOT", fmt(oss_tpot, ".2f", " ms"), "", "<= 3.0 ms",
+            judge(oss_tpot, "<=", 3.0)),
+        Row("MoE op, Qwen3-30B-A3B experts, 1 token: time over the experts' bytes", fmt(bound, ".2f", "x"),
+            "", "<= 1.25x", judge(bound, "<=", 1.25)),
+        Row("MoE op, Qwen3-30B-A3B experts, 4,096 tokens", fmt(speedup, ".2f", "x torch._grouped_mm"),
+            f"torch._grouped_mm {fmt(dig(qwen_op, 4096, 'grouped_mm_us'), '.0f', ' us')}", ">= 1.0x",
+            judge(speedup, ">=", 1.0)),
+    ]  # fmt: skip
+
+
+def quantized_rows(stages: dict[str, Any]) -> list[Row]:
+    variants = dig(stages, "quantized", "result", "variants") or {}
+
+    def tpot(name: str) -> float | None:
+        return dig(variants, name, "single_stream", "tpot_median_ms")
+
+    def tput(name: str) -> float | None:
+        return dig(variants, name, "throughput", "output_tokens_per_s")
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
+    w4, base = ratio(tput("gptq_w4a16"), tput("bf16")), tput("bf16")
+    fp8 = ratio(tput("ct_fp8"), tput("fp8_load_time"))
+    load = dig(variants, "bf16", "load_s")
+    return [
+        Row("GPTQ W4A16 8B: single stream TPOT", fmt(tpot("gptq_w4a16"), ".2f", " ms"),
+            f"bf16 {fmt(tpot('bf16'), '.2f', ' ms')}", "<= 2.6 ms", judge(tpot("gptq_w4a16"), "<=", 2.6)),
+        Row("GPTQ W4A16 8B: 1,000 requests", fmt(w4, ".2f", "x bf16"), f"bf16 {fmt(base, ',.0f', ' tok/s')}",
+            ">= 1.0x", judge(w4, ">=", 1.0)),
+        Row("FP8 checkpoint 8B: 1,000 requests", fmt(fp8, ".2f", "x load-time FP8"),
+            f"load-time FP8 {fmt(tput('fp8_load_time'), ',.0f', ' tok/s')}", "", "n/a"),
+        Row("bf16 8B checkpoint (16 GB): load, pages evicted first", fmt(load, ".1f", " s"), "", "<= 10 s",
+            judge(load, "<=", 10.0)),
+    ]  # fmt: skip
+
+
 def scoreboard(stages: dict[str, Any]) -> list[Row]:
     return (
         throughput_rows(stages)
@@ -538,6 +631,8 @@ def scoreboard(stages: dict[str, Any]) -> list[Row]:
         + variant_rows(stages)
         + gemm_rows(stages)
         + fp8_rows(stages)
+        + moe_rows(stages)
+        + quantized_rows(stages)
         + serve_rows(stages)
         + multigpu_rows(stages)
         + check_rows(stages)
@@ -631,6 +726,8 @@ def main(argv: list[str] | None = None) -> int:
             "peers": lambda: stage_peers(suite),
             "gemm": lambda: stage_gemm(suite),
             "fp8": lambda: stage_fp8(suite),
+            "moe": lambda: stage_moe(suite),
+            "quantized": lambda: stage_quantized(suite),
             "serve": lambda: stage_serve(suite),
             "multigpu": lambda: stage_multigpu(suite),
         }

@@ -28,7 +28,6 @@ from compile_child import SM90_COMPILE, run_without_interpreter
 import pagedserve_cpu_reference.plugin as cpu_reference_plugin
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.layer import PagedAttention
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.conformance.cases import attention_cases
 from pagedserve.conformance.report import pattern_hints
 from pagedserve.conformance.results import Status
@@ -44,6 +43,7 @@ from pagedserve.platforms.api import (
     PlatformInfo,
     UnsupportedCase,
 )
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve.platforms.registry import PlatformRegistry
 from pagedserve.worker.attention_sweep import WarmupBatch, warm_up_attention

@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import ModelSpec
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.attention_sweep import (
     DEFAULT_MAX_THREADS,
     AttentionWarmup,

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import pagedserve_cpu_reference.plugin as cpu_reference_plugin
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.conformance.results import CaseResult, Status
 from pagedserve.conformance.suite import ConformanceSuite
 from pagedserve.platforms.api import (
@@ -27,6 +26,7 @@ from pagedserve.platforms.api import (
     KVCacheScales,
     PlatformInfo,
 )
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve.platforms.registry import PlatformRegistry
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend

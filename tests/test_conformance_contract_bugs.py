@@ -16,12 +16,12 @@ import pytest
 import torch
 from test_conformance_catches_bugs import _first_failure, _suite
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.conformance.cases import AttentionCase, attention_cases
 from pagedserve.conformance.report import pattern_hints
 from pagedserve.conformance.results import CaseResult, Status
 from pagedserve.conformance.tolerances import tolerance_for
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 
 _ENGINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

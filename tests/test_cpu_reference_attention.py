@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import UnsupportedCase
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend, plan_groups
 
 

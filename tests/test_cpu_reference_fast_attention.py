@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import UnsupportedCase
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend
 

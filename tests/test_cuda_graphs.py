@@ -17,10 +17,10 @@ from transformers import LlamaConfig
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.layer import attend, paged_attention
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import EngineArgs
 from pagedserve.models.loader import load_model
 from pagedserve.platforms.api import CacheOps
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.cuda_graphs import (
     PiecewiseCudaGraphs,
     _SplitAtAttention,

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import PLUGIN_API_VERSION, AttentionLayerShape, UnsupportedCase
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.tuned_configs import TunedConfigError, TunedConfigs
 from pagedserve_cuda import compiler, launcher, plugin
 from pagedserve_cuda.attention import CudaPagedAttentionBackend
@@ -252,7 +252,7 @@ def test_decode_wrapper_rejects_a_launch_that_does_not_fit() -> None:
 def test_backend_refuses_undeclared_cases_with_unsupported_case() -> None:
     backend = CudaPagedAttentionBackend()
     inputs = _decode_inputs(torch.float64)
-    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve.platforms.attention_metadata import AttentionMetadata
 
     meta = AttentionMetadata.build([1, 1, 1], [1, 1, 1], inputs["block_table"], 16)
     with pytest.raises(UnsupportedCase, match="float64"):
@@ -613,7 +613,7 @@ def test_full_graph_key_of_decode_routed_to_triton_is_the_triton_plan() -> None:
 
 
 def test_backend_checks_each_layout_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve.platforms.attention_metadata import AttentionMetadata
     from pagedserve_cuda import attention
 
     checks: list[int] = []

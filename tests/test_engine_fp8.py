@@ -17,8 +17,8 @@ from models_harness import random_prompts, save_checkpoint, tiny_hf_model
 from transformers import LlamaConfig, Qwen2Config
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedserve.models.fp8 import Fp8Linear, quantize_rows
+from pagedserve.platforms.kv_cache_dtype import resolve_kv_cache_dtype
 
 VOCAB = 96
 MAX_NEW = 10

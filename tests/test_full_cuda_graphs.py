@@ -17,12 +17,12 @@ from models_harness import random_prompts, save_tiny_llama
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import ForwardContext, forward_context
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.cli.engine_options import add_engine_options, engine_args_from
 from pagedserve.config import EngineArgs
 from pagedserve.models.loader import load_model
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.attention_sweep import WarmupBatch, attention_warmup_batches, warm_up_attention
 from pagedserve.worker.cuda_graphs import default_graph_sizes, padded_size
 from pagedserve.worker.full_cuda_graphs import (

@@ -15,8 +15,8 @@ from models_harness import random_prompts, save_tiny_llama
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import ForwardContext, forward_context
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import ModelSpec
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.cuda_graphs import default_graph_sizes
 from pagedserve.worker.full_cuda_graphs import PADDING_SLOT, GraphBuffers
 from pagedserve.worker.full_mixed_graphs import FullMixedGraphs, mixed_graph_sizes

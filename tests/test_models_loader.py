@@ -16,10 +16,10 @@ from transformers import LlamaConfig, PretrainedConfig
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context, get_forward_context
 from pagedserve.attention.layer import PagedAttention
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models import loader
 from pagedserve.models.loader import ModelSource, load_model, resolve_model_source
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, CacheOps
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 
 def _config(**overrides: Any) -> PretrainedConfig:

@@ -12,10 +12,10 @@ from torch._dynamo.utils import counters
 from transformers import LlamaConfig, Qwen3Config
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.decoder import EAGER_REGIONS, DecoderForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.cpu_compile import zero_attention
 from pagedserve.worker.gpu_compile import GpuCompiledForward
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from plugins_support import EXAMPLE_ROOT
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 32, 8, 10
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.gpu_compile import PROGRAMMATIC_MAX_TOKENS
 from pagedserve.worker.runner_setup import _launch_attention_programmatically
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend

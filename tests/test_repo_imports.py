@@ -89,3 +89,31 @@ def test_no_import_cycles() -> None:
 def test_the_check_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def _climbs(graph: dict[str, set[str]], floor: str) -> dict[str, list[str]]:
+    """Modules under `floor` and what each imports from outside it (the plugin contract's floor
+    imports nothing above it). Pure."""
+    out = {}
+    for name, targets in graph.items():
+        if name == floor or name.startswith(f"{floor}."):
+            above = sorted(
+                t
+                for t in targets
+                if t.startswith("pagedserve.") and t != floor and not t.startswith(f"{floor}.")
+            )
+            if above:
+                out[name] = above
+    return out
+
+
+def test_the_plugin_contract_imports_nothing_above_it() -> None:
+    climbs = _climbs(_import_graph(), "pagedserve.platforms")
+    assert not climbs, f"pagedserve.platforms imports the engine above it (move the type down): {climbs}"
+
+
+def test_the_climb_check_finds_an_import_from_above() -> None:
+    graph = {"pagedserve.platforms.api": {"pagedserve.attention.metadata", "pagedserve.platforms.x"}}
+    assert _climbs(graph, "pagedserve.platforms") == {
+        "pagedserve.platforms.api": ["pagedserve.attention.metadata"]
+    }

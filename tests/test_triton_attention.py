@@ -25,8 +25,8 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import GridOrder, UnsupportedCase
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.tuned_configs import TunedConfigFile, TunedConfigs
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend

@@ -19,8 +19,8 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend

@@ -21,8 +21,8 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import ModelSpec
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.attention_sweep import attention_warmup_batches, warm_up_attention
 from pagedserve.worker.full_cuda_graphs import PADDING_SLOT, DecodeGraphBuffers
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend

@@ -87,8 +87,8 @@ def _run(
     grid_groups: int = 1,
     new_kv: bool = False,
 ) -> None:
-    from pagedserve.attention.metadata import AttentionMetadata
     from pagedserve.platforms.api import GridOrder
+    from pagedserve.platforms.attention_metadata import AttentionMetadata
     from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -260,7 +260,7 @@ def test_step_cache_across_layers(batch: str) -> None:
     """Layers of one step (one metadata object; each layer its own query, cache and output) reuse
     the first layer's launches, launched directly after the first; a query 2 bytes past a 16-byte
     boundary (another Triton specialization) is still right, as are the layers after it."""
-    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve.platforms.attention_metadata import AttentionMetadata
     from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 
     query_lens, seq_lens = ([1, 1, 1], [3000, 100, 517]) if batch == "decode_3d" else MIXED
@@ -336,7 +336,7 @@ def test_programmatic_decode_chain_in_a_cuda_graph(num_splits: int) -> None:
     graph and replayed for new inputs: the same bits as the plain backend run eagerly."""
     if not torch.cuda.get_device_capability()[0] >= 9:
         pytest.skip("programmatic dependent launches need sm_90+")
-    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve.platforms.attention_metadata import AttentionMetadata
     from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 
     hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16

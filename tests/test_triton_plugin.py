@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import PLUGIN_API_VERSION, AttentionLayerShape, GridOrder
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.registry import PlatformRegistry
 from pagedserve.platforms.tuned_configs import (
     TunedConfigError,
@@ -75,7 +75,7 @@ def test_plugin_registers_cleanly_and_is_unavailable_without_gpu() -> None:
 
 
 def test_hooks_ignore_other_platforms() -> None:
-    assert plugin.PAGEDSERVE_PLUGIN_API == PLUGIN_API_VERSION == "1.14"
+    assert plugin.PAGEDSERVE_PLUGIN_API == PLUGIN_API_VERSION == "1.15"
     assert plugin.pagedserve_attention_backends(platform="cpu_reference") is None
     assert plugin.pagedserve_cache_ops(platform="cpu_reference") is None
     assert plugin.pagedserve_tuned_config_files(platform="cpu_reference") is None

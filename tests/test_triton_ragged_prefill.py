@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction
 
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.tuned_configs import TunedConfigError, TunedConfigFile, TunedConfigs
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend

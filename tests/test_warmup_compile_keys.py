@@ -29,9 +29,9 @@ from triton.runtime.interpreter import InterpretedFunction
 
 import pagedserve_triton.attention as triton_attention
 import pagedserve_triton.ragged_prefill_sm90 as ragged_sm90
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, AttentionLayerShape
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.attention_sweep import (
     WarmupBatch,
     attention_warmup_batches,

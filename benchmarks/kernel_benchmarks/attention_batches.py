@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from timing import time_graph
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve_cpu_reference.attention import DEFAULT_CHUNK_ELEMENTS, ReferenceAttentionBackend
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from timing import time_events, time_graph
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve_cuda.attention import CudaPagedAttentionBackend
 from pagedserve_cuda.launcher import LOADER
 from pagedserve_cuda.paged_attention import paged_attention_decode

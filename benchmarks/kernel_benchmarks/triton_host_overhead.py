@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "triton"))
 
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.cache_ops import TritonCacheOps
 

@@ -1,1 +1,1 @@
-"""Attention: the per-step metadata contract and the layer models call into."""
+"""Attention: the layer models call into and the per-forward context it reaches the cache through."""

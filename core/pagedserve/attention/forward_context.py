@@ -22,8 +22,8 @@ from typing import Protocol
 
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 
 class AttentionHook(Protocol):

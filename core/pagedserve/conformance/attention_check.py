@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.attention.layer import NewKV, sinks_keyword
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.conformance.cases import FP8_KV_SCALES, SINK_RANGE, AttentionCase, dtype_name
 from pagedserve.conformance.diagnosis import DiagnosisInputs, diagnose
 from pagedserve.conformance.guards import POISON, GuardedTensor, bits, count_changed
@@ -47,6 +46,7 @@ from pagedserve.conformance.oracle import Oracle
 from pagedserve.conformance.results import CaseResult, ErrorStats, Status
 from pagedserve.conformance.tolerances import Tolerance, tolerance_for
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, UnsupportedCase
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 PADDING_ROWS = 3  # query rows past num_actual_tokens
 EXTRA_TABLE_COLUMNS = 2  # block-table entries past the longest request's last block

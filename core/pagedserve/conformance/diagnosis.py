@@ -22,9 +22,9 @@ from functools import partial
 
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.conformance.cases import AttentionCase
 from pagedserve.conformance.tolerances import Tolerance
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 EXPLAINED = 0.2  # an alternative explains the output when it leaves at most this share of the error
 SCALE_FACTORS = tuple(math.exp(x / 40) for x in range(-120, 121) if abs(x) >= 2)  # e^-3 .. e^3

@@ -22,7 +22,6 @@ import torch
 from transformers import LlamaConfig
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.conformance.cases import BASE_HEADS, EngineCase, dtype_name
 from pagedserve.conformance.oracle import Oracle
 from pagedserve.conformance.results import CaseResult, Status
@@ -30,6 +29,7 @@ from pagedserve.conformance.tolerances import tolerance_for
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.weights import fill_dummy_weights
 from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 PROMPT_LENS = (11, 5, 17)  # chunked over several steps, so steps mix prefill chunks and decodes
 NEW_TOKENS = 4

@@ -28,10 +28,10 @@ from transformers.models.auto.modeling_auto import (
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.layer import paged_attention
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.decoder import layer_sliding_windows
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, CacheOps, KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 ATTN_IMPLEMENTATION = "pagedserve"
 

@@ -114,6 +114,11 @@ the keys. A backend opts in with `AttentionCapabilities.attention_sinks`; the co
 `forward` and `compile_key` of exactly the layers that have sinks, so a plugin written for an
 older API is never called with it, and refuses a model with sinks on a platform none of whose
 backends declares them.
+
+Import paths (API 1.15): the contract's types live under `pagedserve.platforms`, which imports
+nothing above it: `AttentionMetadata` in `platforms.attention_metadata`, the KV-cache dtypes and
+the reference FP8 quantization of cache writes in `platforms.kv_cache_dtype`. Their older paths
+(`pagedserve.attention.metadata`, `pagedserve.attention.kv_cache_dtype`) stay importable.
 """
 
 from __future__ import annotations
@@ -127,11 +132,11 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
-PLUGIN_API_VERSION = "1.14"
+PLUGIN_API_VERSION = "1.15"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.14"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.15"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pagedserve.attention.kv_cache_dtype import is_fp8
 from pagedserve.platforms.api import KVCacheScales
+from pagedserve.platforms.kv_cache_dtype import is_fp8
 
 
 def _require(ok: bool, owner: str, message: str) -> None:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.attention.kv_cache_dtype import DEFAULT_KV_SCALES
 from pagedserve.platforms.api import KVCacheScales
+from pagedserve.platforms.kv_cache_dtype import DEFAULT_KV_SCALES
 
 logger = logging.getLogger(__name__)
 

@@ -49,9 +49,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.cuda_graphs import default_graph_sizes
 from pagedserve.worker.full_cuda_graphs import PADDING_SLOT
 

@@ -44,10 +44,10 @@ from typing import Any
 import torch
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.packed_int4 import MAX_PACKED_ROWS
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.saved_compiles import CompiledFn, GraphOrigin, graph_key, load_or_compile
 
 logger = logging.getLogger(__name__)

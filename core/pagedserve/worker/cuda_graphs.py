@@ -46,9 +46,9 @@ from tqdm import tqdm
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.layer import attend
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -50,9 +50,9 @@ import torch
 from tqdm import tqdm
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape, CacheOps, KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.cuda_graphs import padded_size
 from pagedserve.worker.graph_modes import step_path
 

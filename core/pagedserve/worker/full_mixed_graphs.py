@@ -39,8 +39,8 @@ import torch
 from tqdm import tqdm
 
 from pagedserve.attention.forward_context import ForwardContext
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.cuda_graphs import padded_size
 from pagedserve.worker.full_cuda_graphs import (
     Forward,

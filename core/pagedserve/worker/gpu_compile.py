@@ -45,9 +45,9 @@ from typing import Any, Literal
 import torch
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.worker.cpu_compile import zero_attention
 from pagedserve.worker.saved_compiles import compile_cache_root
 

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.logprobs import compute_prompt_logprobs, logprobs_to_dicts

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 
 @torch.inference_mode()

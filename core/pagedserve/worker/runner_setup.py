@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from pagedserve.attention.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype
 from pagedserve.config import EngineArgs
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.decoder import DecoderForCausalLM
@@ -25,6 +24,7 @@ from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.moe.layer import route_moe_layers
 from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
 from pagedserve.platforms.errors import PlatformError
+from pagedserve.platforms.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
 from pagedserve.quantization.kv_scales import kv_scales_for_cache

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 
 class GatherAttentionBackend(AttentionBackend):

@@ -38,9 +38,9 @@ from typing import ClassVar
 
 import torch
 
-from pagedserve.attention.kv_cache_dtype import FP8_DTYPES
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
+from pagedserve.platforms.kv_cache_dtype import FP8_DTYPES
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 20
 """Default bound on the elements of one group's gathered K/V and of one score tile (4 MiB in

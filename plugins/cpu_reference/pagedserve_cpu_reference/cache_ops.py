@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.attention.kv_cache_dtype import quantize
 from pagedserve.platforms.api import CacheOps, KVCacheScales
 from pagedserve.platforms.cache_checks import check_kv_scales
+from pagedserve.platforms.kv_cache_dtype import quantize
 
 
 class ReferenceCacheOps(CacheOps):

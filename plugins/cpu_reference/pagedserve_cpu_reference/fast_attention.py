@@ -35,8 +35,8 @@ from typing import ClassVar
 import torch
 from torch.nn import functional as F
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve_cpu_reference.attention import (
     ReferenceAttentionBackend,
     RequestGroup,

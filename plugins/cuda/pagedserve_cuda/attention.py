@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import (
     AttentionBackend,
     AttentionCapabilities,
@@ -23,6 +22,7 @@ from pagedserve.platforms.api import (
     KVCacheScales,
     UnsupportedCase,
 )
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_cuda.compiler import INSTALL_HINT
 from pagedserve_cuda.paged_attention import (

@@ -17,7 +17,6 @@ from typing import ClassVar
 
 import torch
 
-from pagedserve.attention.kv_cache_dtype import inverse_scale
 from pagedserve.platforms.api import CacheOps, KVCacheScales
 from pagedserve.platforms.cache_checks import (
     check_block_contiguous_cache,
@@ -25,6 +24,7 @@ from pagedserve.platforms.cache_checks import (
     check_layer_caches,
     check_reshape_and_cache_args,
 )
+from pagedserve.platforms.kv_cache_dtype import inverse_scale
 from pagedserve_cuda.compiler import KernelSource
 from pagedserve_cuda.launcher import LOADER, KernelLoader
 from pagedserve_cuda.paged_attention import FP8_KV_KIND, SCALAR_KIND

@@ -17,7 +17,6 @@ from typing import ClassVar, Literal
 import torch
 import triton
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms.api import (
     IDENTITY_GRID_ORDER,
     AttentionBackend,
@@ -26,6 +25,7 @@ from pagedserve.platforms.api import (
     GridOrder,
     KVCacheScales,
 )
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
 from pagedserve_triton.compile_keys import StandIn

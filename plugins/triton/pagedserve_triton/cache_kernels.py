@@ -64,7 +64,7 @@ def reshape_and_cache_kernel(
     MIN_NORMAL_EXP: tl.constexpr,  # its smallest normal value is 2**MIN_NORMAL_EXP
 ):
     """One program per (token, KV head): write that head's key and value into the token's slot,
-    quantized into an FP8 cache exactly as `pagedserve.attention.kv_cache_dtype.quantize` does
+    quantized into an FP8 cache exactly as `pagedserve.platforms.kv_cache_dtype.quantize` does
     (float32 multiply by the reciprocal, clamp, round to nearest even)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)

@@ -11,7 +11,6 @@ from typing import ClassVar
 import torch
 import triton
 
-from pagedserve.attention.kv_cache_dtype import FP8_FORMATS, Fp8Format, inverse_scale, is_fp8
 from pagedserve.platforms.api import CacheOps, KVCacheScales
 from pagedserve.platforms.cache_checks import (
     check_block_contiguous_cache,
@@ -19,6 +18,7 @@ from pagedserve.platforms.cache_checks import (
     check_layer_caches,
     check_reshape_and_cache_args,
 )
+from pagedserve.platforms.kv_cache_dtype import FP8_FORMATS, Fp8Format, inverse_scale, is_fp8
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.cache_kernels import copy_blocks_kernel, reshape_and_cache_kernel
 from pagedserve_triton.interpreter import INTERPRETED

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.attention.kv_cache_dtype import FP8_FORMATS
 from pagedserve.models.fp8 import AMAX_FLOOR, FP8_MAX, FP8_WEIGHT_DTYPE, INV_FP8_MAX
+from pagedserve.platforms.kv_cache_dtype import FP8_FORMATS
 from pagedserve_triton.cache_kernels import _round_to_fp8_grid
 from pagedserve_triton.programmatic_launch import launch_options
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve_triton import ragged_prefill_sm90
 from pagedserve_triton.compile_keys import StandIn, launch_variant
 from pagedserve_triton.interpreter import INTERPRETED

@@ -1,6 +1,6 @@
 // reshape_and_cache into an FP8 cache: each element of the new keys and values is multiplied by
 // the float32 reciprocal of its scale, clamped to the format's finite range and rounded to nearest
-// even, exactly as pagedserve.attention.kv_cache_dtype.quantize does on the CPU.
+// even, exactly as pagedserve.platforms.kv_cache_dtype.quantize does on the CPU.
 //
 // Host-set defines: SCALAR_KIND (the keys' and values' dtype), KV_KIND (1 e4m3fn, 2 e5m2),
 // DEPENDENT (programmatic.cuh).

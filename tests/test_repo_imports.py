@@ -117,3 +117,13 @@ def test_the_climb_check_finds_an_import_from_above() -> None:
     assert _climbs(graph, "pagedserve.platforms") == {
         "pagedserve.platforms.api": ["pagedserve.attention.metadata"]
     }
+
+
+def test_the_kv_cache_imports_nothing_from_the_scheduler_above_it() -> None:
+    graph = _import_graph()
+    found = {
+        name: sorted(t for t in targets if t.startswith("pagedserve.scheduler"))
+        for name, targets in graph.items()
+        if name.startswith("pagedserve.kv_cache")
+    }
+    assert not {k: v for k, v in found.items() if v}, f"the KV cache reaches up into the scheduler: {found}"

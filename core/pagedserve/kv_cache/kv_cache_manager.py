@@ -10,10 +10,10 @@ from types import MappingProxyType
 
 from pagedserve.kv_cache.block import KVBlock
 from pagedserve.kv_cache.block_pool import BlockPool
+from pagedserve.kv_cache.cached_sequence import CachedSequence
 from pagedserve.kv_cache.hashing import ROOT_PARENT_HASH, extra_hash_key, make_block_hasher
 from pagedserve.kv_cache.stats import KVCacheCounters, KVCacheStats
 from pagedserve.kv_cache.swap_pool import SwapPool
-from pagedserve.scheduler.request import Request
 from pagedserve.types import BlockHash, BlockId, RequestId
 
 
@@ -38,7 +38,7 @@ class _Holding:
     them, the record of its deferred run (see "Deferred registration" in `KVCacheManager`).
     Compared by identity: it sits in lists of the deferred index."""
 
-    request: Request
+    request: CachedSequence
     blocks: list[KVBlock]  # the block table row, in token order
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     swapped: list[BlockId] = dataclasses.field(default_factory=list)  # CPU blocks while swapped out
@@ -140,7 +140,7 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------------
 
-    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+    def find_cached_prefix(self, request: CachedSequence) -> list[KVBlock]:
         """The longest run of the request's leading full blocks found in the prefix cache.
 
         At most `(num_tokens - 1) // block_size` blocks: even a fully cached prompt recomputes its
@@ -165,7 +165,7 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def record_prefix_query(self, request: Request, num_hit_blocks: int) -> None:
+    def record_prefix_query(self, request: CachedSequence, num_hit_blocks: int) -> None:
         """Count one prefix-cache query of `request` that found `num_hit_blocks` blocks. Mutates
         the counters; a no-op with caching off."""
         if not self.enable_caching:
@@ -176,7 +176,7 @@ class KVCacheManager:
         self.counters.prefix_queries_blocks += (request.num_tokens - 1) // bs
         self.counters.prefix_hits_blocks += num_hit_blocks
 
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: CachedSequence) -> None:
         """Register the request's full computed blocks now, hashing them (eager registration;
         the scheduler defers instead, with `defer_computed_blocks`). Call after
         `num_computed_tokens` is final for the step (drafts rolled back), so no block holding a
@@ -190,7 +190,7 @@ class KVCacheManager:
         self._undefer(held)
         self._register(held, min(computed // self.block_size, len(held.blocks)))
 
-    def defer_computed_blocks(self, request: Request) -> None:
+    def defer_computed_blocks(self, request: CachedSequence) -> None:
         """Make the request's full computed blocks findable by later lookups without hashing
         them (see "Deferred registration" above): at most one hash, of the run's first block,
         and usually none (admission's lookup hashed it already). Cheap enough to call after
@@ -274,13 +274,13 @@ class KVCacheManager:
         if held.blocks[held.num_cached_blocks] is block:
             self._undefer(held)
 
-    def _block_hash(self, request: Request, index: int) -> BlockHash:
+    def _block_hash(self, request: CachedSequence, index: int) -> BlockHash:
         hashes = request.block_hashes
         if index >= len(hashes):
             self._extend_hashes(request, index + 1)
         return hashes[index]
 
-    def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+    def _extend_hashes(self, request: CachedSequence, num_blocks: int) -> None:
         """Hash the request's blocks up to `num_blocks` (exclusive) that are not hashed yet.
         Mutates `request.block_hashes`."""
         key = (request.cache_salt, request.lora_int_id)
@@ -296,7 +296,7 @@ class KVCacheManager:
     # ---- allocation ----------------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()
+        self, request: CachedSequence, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()
     ) -> SlotAllocation | None:
         """Make room for `num_new_tokens` KV writes starting at the request's first uncomputed
         token (after `cached_prefix`, the hits of `find_cached_prefix`, for a request holding no
@@ -354,7 +354,7 @@ class KVCacheManager:
         table.extend(new_blocks)
         return SlotAllocation(tuple(b.block_id for b in new_blocks), tuple(copies))
 
-    def fork(self, child: Request, parent: Request, num_tokens: int) -> list[BlockId]:
+    def fork(self, child: CachedSequence, parent: CachedSequence, num_tokens: int) -> list[BlockId]:
         """Give `child` references to the parent's blocks covering its first `num_tokens` tokens
         (the shared prompt, last partial block included). The child's first write into any of them
         goes through copy-on-write. Mutates the pool; returns the child's row."""
@@ -369,7 +369,7 @@ class KVCacheManager:
         self._held[child.id] = _Holding(child, list(shared), min(parent_held.num_cached_blocks, num_blocks))
         return [b.block_id for b in shared]
 
-    def trim(self, request: Request) -> bool:
+    def trim(self, request: CachedSequence) -> bool:
         """Free blocks past the request's computed tokens (after rejected speculative drafts were
         rolled back). Returns whether the row got shorter. Mutates the pool and the request's table."""
         held = self._held.get(request.id)
@@ -383,7 +383,7 @@ class KVCacheManager:
         self.pool.release(reversed(surplus))
         return True
 
-    def free(self, request: Request) -> None:
+    def free(self, request: CachedSequence) -> None:
         """Release everything the request holds, device and swap blocks. Its full computed blocks
         stay findable by the prefix cache until evicted: registered, or marked as a deferred run.
         Mutates the pools and the deferred index."""
@@ -425,7 +425,7 @@ class KVCacheManager:
 
     # ---- swap mode -----------------------------------------------------------------------------
 
-    def swap_out(self, request: Request) -> list[tuple[BlockId, BlockId]] | None:
+    def swap_out(self, request: CachedSequence) -> list[tuple[BlockId, BlockId]] | None:
         """Move the request's blocks to the swap pool: returns (device, cpu) pairs for the worker,
         and releases the device blocks. None, changing nothing, if the swap pool is too small (or
         the request holds no device blocks).
@@ -446,7 +446,7 @@ class KVCacheManager:
         self.counters.swapped_out_blocks += len(cpu)
         return pairs
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[BlockId, BlockId]] | None:
+    def swap_in(self, request: CachedSequence, num_new_tokens: int) -> list[tuple[BlockId, BlockId]] | None:
         """Bring a swapped-out request's blocks back: returns (cpu, device) pairs for the worker.
         None, changing nothing, unless the device pool also has room for `num_new_tokens` more
         tokens, so that the `allocate_slots` call that follows cannot fail. Mutates both pools."""

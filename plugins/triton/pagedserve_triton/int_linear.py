@@ -42,7 +42,7 @@ from pagedserve_triton.interpreter import INTERPRETED
 from pagedserve_triton.rounding import rounded_to
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # every step size runs the variants of its tile class
 def int_weight_gemm_kernel(
     x_ptr,  # [M, K], rows `stride_xm` apart, unit stride along K
     w_ptr,  # [N, ceil(K / PACK)] int32 packed codes (+ 2**(BITS-1)), rows `stride_wn` apart
@@ -120,7 +120,7 @@ def int_weight_gemm_kernel(
         tl.store(out, rounded_to(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def int_gemm_reduce_kernel(
     partial_ptr,  # [splits, M, N] float32
     bias_ptr,  # [N] x's dtype (read only if HAS_BIAS)

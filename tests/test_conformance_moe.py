@@ -116,3 +116,30 @@ def test_rows_leaking_into_each_other_fail_the_junk_cases() -> None:
     junk = [c for c in _cases() if c.junk_rows]
     results = [check_moe_case(kernel, c, CPU, REFERENCE_MOE_KERNEL) for c in junk]
     assert any(r.status is Status.FAILED for r in results)
+
+
+def _reads_logits_as_bits(
+    x: torch.Tensor, logits: torch.Tensor, e: ExpertWeights, r: MoERouting
+) -> torch.Tensor:
+    """Routes on the raw bits of 16-bit logits (as a kernel loading them as integers would)."""
+    wrong = logits.view(torch.int16).float() if logits.dtype == torch.bfloat16 else logits
+    return moe_forward_reference(x, wrong, e, r)
+
+
+def test_kernels_taking_model_dtype_logits_get_them_and_are_checked_on_them() -> None:
+    seen: set[torch.dtype] = set()
+
+    def spy(x: torch.Tensor, logits: torch.Tensor, e: ExpertWeights, r: MoERouting) -> torch.Tensor:
+        seen.add(logits.dtype)
+        return moe_forward_reference(x, logits, e, r)
+
+    cases = [c for c in _cases() if c.dtype == torch.bfloat16][:4]
+    good = MoEKernel(
+        "model-dtype logits", spy, REFERENCE_MOE_KERNEL.weight_dtypes, logits_in_model_dtype=True
+    )
+    assert all(check_moe_case(good, c, CPU, REFERENCE_MOE_KERNEL).status is Status.PASSED for c in cases)
+    assert seen == {torch.bfloat16}
+    bad = MoEKernel(
+        "bits", _reads_logits_as_bits, REFERENCE_MOE_KERNEL.weight_dtypes, logits_in_model_dtype=True
+    )
+    assert any(check_moe_case(bad, c, CPU, REFERENCE_MOE_KERNEL).status is Status.FAILED for c in cases)

@@ -298,3 +298,16 @@ def test_bad_config_params_are_refused() -> None:
     ):
         with pytest.raises(TunedConfigError, match="here"):
             parse_config({**good, **bad}, "here")
+
+
+def test_logits_in_the_model_dtype_route_as_their_float32_values() -> None:
+    """The engine passes the router's bfloat16 output uncast (`logits_in_model_dtype`)."""
+    assert MOE_KERNEL.logits_in_model_dtype
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(7, 16, generator=gen).to(torch.bfloat16)
+    experts = _experts(16, 64, 32, torch.bfloat16, gen)
+    routing = dataclasses.replace(SILU, top_k=4)
+    assert torch.equal(
+        MOE_KERNEL.op(x, logits, experts, routing), MOE_KERNEL.op(x, logits.float(), experts, routing)
+    )

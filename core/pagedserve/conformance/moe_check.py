@@ -11,6 +11,7 @@ Inputs (drawn from the case's seed):
   contract ranks experts by float32 scores, the oracle by float64 ones, and the two must not
   disagree on a near tie. The `TIES` rows hold exactly equal float32 logits instead, straddling
   the top-k boundary, so the kernel must pick the lower expert index as the contract says.
+  float32, or, for a kernel with `logits_in_model_dtype`, in x's dtype, as the engine passes them.
 * FP8 experts: each output channel quantized to `float8_e4m3fn` with its own float32 scale
   (absmax / 448, never a power of two), which the oracle dequantizes exactly.
 * Junk rows (`MoECase.junk_rows`): rows of x and router_logits past the step's tokens holding
@@ -61,7 +62,7 @@ class MoEInputs:
     """A case's inputs on the CPU, as the kernel receives them (junk rows included)."""
 
     x: torch.Tensor  # [M + junk, H], the case's dtype
-    router_logits: torch.Tensor  # [M + junk, E] float32
+    router_logits: torch.Tensor  # [M + junk, E] float32 (x's dtype for `logits_in_model_dtype`)
     experts: ExpertWeights  # the case's weight dtype (FP8 with float32 scales), biases in its dtype
     other_junk_x: torch.Tensor | None  # x with other values in its junk rows; None without junk rows
 
@@ -335,6 +336,11 @@ def check_moe_case(kernel: MoEKernel, case: MoECase, device: torch.device, oracl
     raises for a failure of `kernel`: exceptions become problems of a FAILED result."""
     gen = torch.Generator().manual_seed(case.seed)
     inputs = build_inputs(case, gen)
+    if kernel.logits_in_model_dtype and inputs.x.dtype != torch.float32:
+        # As the engine passes them to such a kernel: the router's output in x's dtype, uncast.
+        # The ladder's gaps survive bfloat16 and float16 rounding; the oracle reads the rounded
+        # values exactly.
+        inputs = replace(inputs, router_logits=inputs.router_logits.to(inputs.x.dtype))
     m = case.num_tokens
     reference = _Oracle(
         inputs.x[:m].double(),

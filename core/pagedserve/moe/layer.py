@@ -125,7 +125,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, hidden]. Does not mutate `x`."""
         rows = x.reshape(-1, self.hidden_size)
-        logits = self.gate(rows).float()
+        logits = self.gate(rows)
+        if not self.kernel.logits_in_model_dtype:
+            logits = logits.float()
         out = self.kernel.op(rows, logits, self.experts(), self.routing)
         if self.shared_expert is not None:
             shared = self.shared_expert(rows)

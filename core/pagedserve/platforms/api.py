@@ -335,7 +335,8 @@ class ExpertWeights:
         return int(self.w2.shape[2])
 
 
-# (x [M, H], router_logits [M, E] float32, experts, routing) -> [M, H] in x's dtype
+# (x [M, H], router_logits [M, E] float32 or x's dtype (`logits_in_model_dtype`), experts, routing)
+# -> [M, H] in x's dtype
 MoEOp = Callable[[torch.Tensor, torch.Tensor, ExpertWeights, MoERouting], torch.Tensor]
 
 
@@ -362,6 +363,10 @@ class MoEKernel:
     op: MoEOp
     weight_dtypes: frozenset[torch.dtype]  # expert dtypes `op` takes besides the activation's (FP8)
     activations: frozenset[str] = frozenset({"silu"})  # the `MoEActivation`s it computes
+    # API 1.15. True: `op` takes `router_logits` in x's dtype (the router's output) and routes on
+    # their float32 values itself; False: the engine casts them to float32 first, one more
+    # launch a layer.
+    logits_in_model_dtype: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -521,4 +521,7 @@ MOE_KERNEL = MoEKernel(
     op=fused_moe_op,
     weight_dtypes=frozenset({torch.float8_e4m3fn}),
     activations=frozenset({"silu", "swiglu_limit"}),
+    # The route kernel reads the logits as float32 (exact from bfloat16 and float16): the
+    # engine's cast was a kernel of its own in every MoE layer (1 us at one token on an H100).
+    logits_in_model_dtype=True,
 )

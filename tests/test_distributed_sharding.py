@@ -12,7 +12,9 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from pagedserve.distributed.group import TensorParallelGroup
-from pagedserve.distributed.sharding import ShardLayout, TensorSlice, iter_safetensors_shard, shard_weights
+from pagedserve.distributed.sharding import ShardLayout, TensorSlice, shard_weights
+from pagedserve.models.decoder import head_size_of
+from pagedserve.models.tensor_parallel import iter_safetensors_shard
 
 
 def _config(**overrides: object) -> LlamaConfig:
@@ -30,7 +32,8 @@ def _config(**overrides: object) -> LlamaConfig:
 
 
 def _layout(rank: int, world: int, **overrides: object) -> ShardLayout:
-    return ShardLayout.for_config(_config(**overrides), TensorParallelGroup(rank, world))
+    config = _config(**overrides)
+    return ShardLayout.for_config(config, TensorParallelGroup(rank, world), head_size_of(config))
 
 
 def test_heads_and_intermediate_split_evenly() -> None:

@@ -127,3 +127,14 @@ def test_the_kv_cache_imports_nothing_from_the_scheduler_above_it() -> None:
         if name.startswith("pagedserve.kv_cache")
     }
     assert not {k: v for k, v in found.items() if v}, f"the KV cache reaches up into the scheduler: {found}"
+
+
+def test_tensor_parallel_layout_imports_no_model() -> None:
+    """`distributed/` sits below the models: they shard themselves with its layout and layers."""
+    graph = _import_graph()
+    found = {
+        name: sorted(t for t in targets if t.startswith(("pagedserve.models", "pagedserve.moe")))
+        for name, targets in graph.items()
+        if name.startswith("pagedserve.distributed")
+    }
+    assert not {k: v for k, v in found.items() if v}, f"distributed/ reaches up into the models: {found}"

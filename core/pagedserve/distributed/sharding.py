@@ -1,6 +1,7 @@
-"""Sharding a native decoder over a tensor-parallel group: which rows and columns each rank holds,
-the module swap that gives a meta-built model its rank's shapes, and reading only those rows and
-columns from a checkpoint.
+"""Sharding a decoder over a tensor-parallel group: which rows and columns of every checkpoint
+tensor each rank holds (`ShardLayout`), and cutting whole tensors down to them. The module swap
+that gives a native model its rank's shapes, and reading only a rank's part of a checkpoint, are
+the model's (`models.tensor_parallel`).
 
 Layout (Megatron): q/k/v and gate/up are split by output rows (whole heads; whole intermediate
 columns), o_proj and down_proj by input columns, the embedding and the LM head by vocabulary rows.
@@ -9,27 +10,19 @@ With more ranks than KV heads, each KV head is replicated on `world_size / num_k
 Mixture-of-experts blocks (`SparseMoE.shard`) split every expert's (and the shared expert's)
 intermediate dimension the same way, the router replicated: one all-reduce per layer.
 Quantized checkpoints cut their codes, scales, zero points and `g_idx` along the same split
-(`quantization.tensor_parallel`, which hands `iter_safetensors_shard` the part of each tensor).
+(`quantization.tensor_parallel`, which hands `models.tensor_parallel.iter_safetensors_shard` the
+part of each tensor).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
-from torch import nn
 
 from pagedserve.distributed.group import TensorParallelGroup
-from pagedserve.distributed.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLogits
-from pagedserve.models.decoder import DecoderForCausalLM, DecoderLayer, head_size_of
-from pagedserve.models.layers import GatedMLP, MergedLinear
-from pagedserve.models.weights import safetensors_files
-from pagedserve.moe.layer import SparseMoE
 
 # Checkpoint projection names split by output rows (gate and up; Mixtral's experts: w1, w3) or by
 # input columns (down; Mixtral's experts: w2).
@@ -52,8 +45,10 @@ class ShardLayout:
     shared_expert_intermediate_size: int | None = None  # of the shared expert (Qwen2-MoE)
 
     @classmethod
-    def for_config(cls, config: Any, group: TensorParallelGroup) -> ShardLayout:
-        """The layout of `group.rank`; raises `ValueError` naming the dimension that does not split."""
+    def for_config(cls, config: Any, group: TensorParallelGroup, head_size: int) -> ShardLayout:
+        """The layout of `group.rank` for a model of `config` whose heads have `head_size`
+        (`models.decoder.head_size_of`); raises `ValueError` naming the dimension that does not
+        split."""
         tp = group.world_size
         hq, hkv = int(config.num_attention_heads), int(config.num_key_value_heads)
         inter = int(config.intermediate_size)
@@ -82,7 +77,7 @@ class ShardLayout:
             tp,
             hq,
             hkv,
-            head_size_of(config),
+            head_size,
             inter,
             int(config.vocab_size),
             expert_inter,
@@ -211,46 +206,6 @@ class TensorSlice:
         return torch.cat([part, part.new_zeros(shape)], dim=self.dim)
 
 
-def shard_model(model: DecoderForCausalLM, layout: ShardLayout, group: TensorParallelGroup) -> None:
-    """Give a freshly built (meta-device) native model this rank's shapes: swap its projections,
-    embedding and head for their sharded forms and its spec for the local head counts. Call under
-    the device the model was built on, before materializing and loading it. Mutates `model`."""
-    config = model.config
-    hidden = int(config.hidden_size)
-    hs = layout.head_size
-    q_size, kv_size = layout.local_q_heads * hs, layout.local_kv_heads * hs
-    for layer in model.model.layers:
-        assert isinstance(layer, DecoderLayer)
-        attn = layer.self_attn
-        attn.qkv_proj = MergedLinear(
-            hidden,
-            {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
-            bias=attn.qkv_proj.bias is not None,
-        )
-        attn.o_proj = RowParallelLinear(q_size, hidden, attn.o_proj.bias is not None, group)
-        attn.num_heads, attn.num_kv_heads = layout.local_q_heads, layout.local_kv_heads
-        attn.q_size, attn.kv_size = q_size, kv_size
-        attn.attn.num_heads, attn.attn.num_kv_heads = layout.local_q_heads, layout.local_kv_heads
-        mlp = layer.mlp
-        if isinstance(mlp, SparseMoE):
-            mlp.shard(layout.rank, layout.world_size, group)
-            continue
-        assert isinstance(mlp, GatedMLP)
-        inter = layout.local_intermediate
-        mlp_bias = mlp.down_proj.bias is not None
-        mlp.gate_up_proj = MergedLinear(hidden, {"gate_proj": inter, "up_proj": inter}, bias=mlp_bias)
-        mlp.down_proj = RowParallelLinear(inter, hidden, mlp_bias, group)
-        mlp.intermediate_size = inter
-    start, end = layout.vocab_range
-    model.model.embed_tokens = VocabParallelEmbedding(layout.vocab_per_rank, hidden, start, end, group)
-    if model.lm_head is not None:
-        model.lm_head = nn.Linear(hidden, layout.vocab_per_rank, bias=False)
-    model.vocab_parallel = VocabParallelLogits(layout.vocab_size, group)
-    model.spec = dataclasses.replace(
-        model.spec, num_q_heads=layout.local_q_heads, num_kv_heads=layout.local_kv_heads
-    )
-
-
 def shard_weights(
     weights: Iterable[tuple[str, torch.Tensor]], layout: ShardLayout, part_of: PartOf | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -260,17 +215,3 @@ def shard_weights(
     for name, tensor in weights:
         part = part_of(name)
         yield name, tensor if part is None else part.take(tensor)
-
-
-def iter_safetensors_shard(
-    directory: Path, layout: ShardLayout, part_of: PartOf | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield this rank's part of every tensor of a safetensors checkpoint, reading only that part
-    from disk: a rank never holds the whole checkpoint. `part_of` says what the part of a tensor
-    is (a quantized checkpoint's, `quantization.tensor_parallel`); by default `layout.slice_of`."""
-    part_of = part_of or layout.slice_of
-    for path in safetensors_files(directory):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                part = part_of(name)
-                yield name, f.get_tensor(name) if part is None else part.read(f.get_slice(name))

@@ -123,11 +123,12 @@ def _build_parallel_engine(
     from pagedserve.distributed.group import TensorParallelGroup
     from pagedserve.distributed.sharding import ShardLayout
     from pagedserve.executor.launch import start_executor
+    from pagedserve.models.decoder import head_size_of
 
     source = resolve_model_source(args.model, args.gguf_file)
     config = load_config(source)
     # Refuse a model that does not split before starting a process per rank to find out.
-    ShardLayout.for_config(config, TensorParallelGroup(0, args.tensor_parallel_size))
+    ShardLayout.for_config(config, TensorParallelGroup(0, args.tensor_parallel_size), head_size_of(config))
     executor, reports = start_executor(args, platform)
     try:
         first = reports[0]

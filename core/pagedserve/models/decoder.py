@@ -312,7 +312,7 @@ class DecoderForCausalLM(PagedCausalLM):
         # Set by `pack_quantized_weights`: the head as packed 4-bit codes (CPU decode).
         self.packed_head: PackedInt4Linear | None = None
         self.head_kernel: LinearKernel | None = None  # set by `platform_linear.route_linear_layers`
-        # Set by `distributed.sharding.shard_model`: the head holds one rank's vocabulary rows.
+        # Set by `models.tensor_parallel.shard_model`: the head holds one rank's vocabulary rows.
         self.vocab_parallel: VocabParallelLogits | None = None
         self.spec = ModelSpec(
             architecture=self.architecture,

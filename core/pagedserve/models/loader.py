@@ -390,12 +390,9 @@ def _load_shard(
     shapes, filled with this rank's part of every tensor (a quantized checkpoint's codes, scales,
     zero points and `g_idx` cut with their weights: `quantization.tensor_parallel`). Dummy weights
     are drawn per shard (so they differ from an unsharded model's: they are for benchmarks only)."""
-    from pagedserve.distributed.sharding import (
-        ShardLayout,
-        iter_safetensors_shard,
-        shard_model,
-        shard_weights,
-    )
+    from pagedserve.distributed.sharding import ShardLayout, shard_weights
+    from pagedserve.models.decoder import head_size_of
+    from pagedserve.models.tensor_parallel import iter_safetensors_shard, shard_model
 
     if native_class is None:
         raise ValueError(
@@ -408,7 +405,7 @@ def _load_shard(
             f"quantization={quantization!r} is not sharded over tensor-parallel ranks (its layers are "
             "made for one device); drop quantization= or use tensor_parallel_size=1"
         )
-    layout = ShardLayout.for_config(config, tp)
+    layout = ShardLayout.for_config(config, tp, head_size_of(config))
     with torch.device("meta"):
         native = native_class(config, dtype)
         shard_model(native, layout, tp)

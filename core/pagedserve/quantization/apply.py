@@ -7,7 +7,7 @@ the checkpoint quantizes become `IntWeightLinear` (integer weights) or `Fp8Check
 the others stay dense. What is not read is refused by name: a quantized LM head, quantized MoE
 experts, and checkpoints of the transformers fallback.
 
-A model sharded over tensor-parallel ranks (`distributed.sharding.shard_model`) gets each rank's
+A model sharded over tensor-parallel ranks (`models.tensor_parallel.shard_model`) gets each rank's
 quantized layers: of its local shapes, row-parallel ones summing over the group, activation-ordered
 row-parallel ones with the whole scale table; shards that would cut a packed word, a scale group
 or an FP8 block are refused here, before a tensor is read (`quantization.tensor_parallel`).

@@ -136,8 +136,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     return out
 
 
-def _generate(path: Path, platform: str, **engine: Any) -> tuple[list[list[int]], LLM]:
-    llm = LLM(
+def _llm(path: Path, platform: str, **engine: Any) -> LLM:
+    return LLM(
         str(path),
         platform=platform,
         skip_tokenizer_init=True,
@@ -147,6 +147,10 @@ def _generate(path: Path, platform: str, **engine: Any) -> tuple[list[list[int]]
         num_kv_blocks=512,  # no profiling run: engines of earlier tests may still hold memory
         **engine,
     )
+
+
+def _generate(path: Path, platform: str, **engine: Any) -> tuple[list[list[int]], LLM]:
+    llm = _llm(path, platform, **engine)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
@@ -196,8 +200,7 @@ BF16_TIE = 0.1  # log-probability gap below which two bfloat16 candidates count 
 
 
 def _bf16_run(path: Path, **engine: Any) -> list[tuple[list[int], list[dict[int, float]]]]:
-    llm = LLM(str(path), platform="cuda", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
-              max_num_seqs=8, num_kv_blocks=512, **engine)  # fmt: skip
+    llm = _llm(path, "cuda", dtype="bfloat16", **engine)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False, logprobs=2)
     out = []
     for o in llm.generate(PROMPTS, params, use_tqdm=False):

@@ -99,14 +99,14 @@ def test_the_kernel_declares_what_it_takes() -> None:
     assert INT_LINEAR_KERNEL.takes(_weight(8, 96, 4, 96, False, gen))  # one group per channel
     assert INT_LINEAR_KERNEL.takes(_weight(8, 96, 8, 32, False, gen))
     assert not INT_LINEAR_KERNEL.takes(_weight(8, 96, 4, 24, False, gen))  # not a multiple of 16
-    assert choose_tiles(1, 128).block_m == 16 and choose_tiles(300, 128).block_m == 64
+    assert choose_tiles(1, 128, 64).block_m == 16 and choose_tiles(300, 128, 64).block_m == 64
     # Decode steps split K until ~TARGET_PROGRAMS programs stream; prefills do not split.
     assert [choose_tiles(1, 128, n).split_k for n in (1024, 4096, 6144, 28672)] == [16, 4, 2, 1]
     assert choose_tiles(300, 128, 1024).split_k == 1
     # Whole K steps per split, none empty: 14336 inputs in 64-input steps over 4 splits.
     assert plan_split(IntGemmTiles(16, 32, 64, 8, 3, split_k=4), 14336) == (4, 3584)
     assert plan_split(IntGemmTiles(16, 32, 64, 8, 3, split_k=16), 96) == (2, 64)
-    assert [choose_tiles(1, group).block_k for group in (4096, 128, 32, 16, 48)] == [64, 64, 32, 16, 16]
+    assert [choose_tiles(1, group, 64).block_k for group in (4096, 128, 32, 16, 48)] == [64, 64, 32, 16, 16]
 
 
 def test_the_operator_is_opaque_to_compile() -> None:

@@ -171,7 +171,7 @@ MAX_SPLIT_K = 16
 REDUCE_BLOCK = 1024
 
 
-def choose_tiles(m: int, group_size: int, n: int = 1) -> IntGemmTiles:
+def choose_tiles(m: int, group_size: int, n: int) -> IntGemmTiles:
     """The launch rule for `m` rows of `n` outputs (module docstring). Pure."""
     block_k = MAX_BLOCK_K
     while block_k > 16 and group_size % block_k:

@@ -21,6 +21,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.platforms.api import PackedIntWeight
+from pagedserve.platforms.tuned_configs import TunedConfigError
 from pagedserve.quantization.int_formats import pack_codes
 from pagedserve.quantization.int_linear import IntWeightLinear, int_linear_reference, route_int_weight_layers
 from pagedserve_triton.int_linear import (
@@ -29,7 +30,9 @@ from pagedserve_triton.int_linear import (
     choose_tiles,
     int_weight_gemm_kernel,
     int_weight_linear_forward,
+    parse_tiles,
     plan_split,
+    tuned_entry,
 )
 
 if not isinstance(int_weight_gemm_kernel, InterpretedFunction):
@@ -80,10 +83,17 @@ def test_kernel_equals_the_formulation(
     bias = torch.randn(n, generator=gen).to(dtype)
     want = int_linear_reference(x, weight, bias)
     _close(INT_LINEAR_KERNEL.op(x, weight, bias), want, dtype)
-    # Small tiles: several K steps and column tiles, the group gathered per input; then K split in
-    # three ranges (float32 partials summed by the reduce kernel, which adds the bias).
-    _close(int_weight_linear_forward(x, weight, None, IntGemmTiles(16, 16, 16, 4, 1)), want - bias, dtype)
-    _close(int_weight_linear_forward(x, weight, bias, IntGemmTiles(16, 16, 16, 4, 1, split_k=3)), want, dtype)
+    # Small tiles: several K steps and column tiles, the group gathered per input; K split in three
+    # ranges (float32 partials, the last range's program sums them and adds the bias); the weight
+    # tile as the dot's M side; the dense weight, then a library GEMM.
+    for tiles, with_bias in (
+        (IntGemmTiles(16, 16, 16, 4, 1), False),
+        (IntGemmTiles(16, 16, 16, 4, 1, split_k=3), True),
+        (IntGemmTiles(16, 16, 16, 4, 1, split_k=2, weight_major=True), True),
+        (IntGemmTiles(16, 32, 32, 4, 1, dequantize_first=True), True),
+    ):
+        got = int_weight_linear_forward(x, weight, bias if with_bias else None, tiles)
+        _close(got, want if with_bias else want - bias, dtype)
 
 
 def test_rows_past_the_step_change_no_other_row() -> None:
@@ -99,14 +109,34 @@ def test_the_kernel_declares_what_it_takes() -> None:
     assert INT_LINEAR_KERNEL.takes(_weight(8, 96, 4, 96, False, gen))  # one group per channel
     assert INT_LINEAR_KERNEL.takes(_weight(8, 96, 8, 32, False, gen))
     assert not INT_LINEAR_KERNEL.takes(_weight(8, 96, 4, 24, False, gen))  # not a multiple of 16
-    assert choose_tiles(1, 128, 64).block_m == 16 and choose_tiles(300, 128, 64).block_m == 64
-    # Decode steps split K until ~TARGET_PROGRAMS programs stream; prefills do not split.
-    assert [choose_tiles(1, 128, n).split_k for n in (1024, 4096, 6144, 28672)] == [16, 4, 2, 1]
-    assert choose_tiles(300, 128, 1024).split_k == 1
+    # The default file's rule: 16-row tiles up to 16 rows, 64-row tiles above; K split until
+    # ~TARGET_PROGRAMS programs stream (decode tiles only); K steps inside one group.
+    assert choose_tiles(1, 128, 64, 4096).block_m == 16 and choose_tiles(300, 128, 64, 4096).block_m == 64
+    assert [choose_tiles(1, 128, n, 4096).split_k for n in (1024, 4096, 6144, 28672)] == [8, 2, 1, 1]
+    assert choose_tiles(300, 128, 1024, 4096).split_k == 1
+    assert [choose_tiles(1, group, 64, 4096).block_k for group in (4096, 128, 32, 16, 48)] == [
+        64,
+        64,
+        32,
+        16,
+        16,
+    ]
     # Whole K steps per split, none empty: 14336 inputs in 64-input steps over 4 splits.
     assert plan_split(IntGemmTiles(16, 32, 64, 8, 3, split_k=4), 14336) == (4, 3584)
     assert plan_split(IntGemmTiles(16, 32, 64, 8, 3, split_k=16), 96) == (2, 64)
-    assert [choose_tiles(1, group, 64).block_k for group in (4096, 128, 32, 16, 48)] == [64, 64, 32, 16, 16]
+
+
+def test_tuned_entries_round_trip_and_bad_ones_are_named() -> None:
+    tiles = IntGemmTiles(16, 64, 128, 4, 2, split_k=8, weight_major=True)
+    entry = tuned_entry(tiles, rows=3, n=6144, k=4096, group_size=128)
+    assert entry["match"] == {"n": 6144, "k": 4096, "group_size": 128, "rows_le": 4}
+    assert parse_tiles(entry["params"], "here") == (tiles, True)
+    with pytest.raises(TunedConfigError, match="here: param 'BLOCK_N' must be a power of two"):
+        parse_tiles({**entry["params"], "BLOCK_N": 48}, "here")
+    with pytest.raises(TunedConfigError, match=r"unknown params \['TILE'\]"):
+        parse_tiles({**entry["params"], "TILE": 1}, "here")
+    with pytest.raises(TunedConfigError, match="here: param 'WEIGHT_MAJOR' must be true or false"):
+        parse_tiles({**entry["params"], "WEIGHT_MAJOR": 1}, "here")
 
 
 def test_the_operator_is_opaque_to_compile() -> None:

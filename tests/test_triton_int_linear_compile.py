@@ -51,13 +51,14 @@ def record(key, target, compiled):
                         "sgpr_spills": stats.sgpr_spills}
 
 for m, bits, group, zeros in json.loads(sys.argv[1]):
-    tiles = il.choose_tiles(m, group, 4096)
+    tiles = il.choose_tiles(m, group, 4096, 4096, bits)
     constexprs = dict(SPLIT=tiles.split_k > 1, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=False,
-                      GROUP_ALIGNED=group % tiles.block_k == 0,
+                      GROUP_ALIGNED=group % tiles.block_k == 0, EVEN=True,
                       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                      WEIGHT_MAJOR=tiles.weight_major,
                       DOT_IN_FP32=False, ROUND_BF16=False)
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp32", "zero_ptr": "*i8",
-                "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+                "bias_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"}
     signature, attrs = {}, {}
     for index, arg in enumerate(il.int_weight_gemm_kernel.arg_names):
         if arg in constexprs:
@@ -74,15 +75,19 @@ for m, bits, group, zeros in json.loads(sys.argv[1]):
                                             constexprs=constexprs, attrs=attrs), target=gpu,
                                   options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
         record(f"{m}/{bits}/{group}/{zeros}/{target}", target, compiled)
-reduce_sig = {"partial_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
-              "splits": "i32", "stride_ps": "i32", "stride_om": "i32", "HAS_BIAS": "constexpr",
-              "BLOCK": "constexpr", "ROUND_BF16": "constexpr"}
-reduce_consts = dict(HAS_BIAS=True, BLOCK=il.REDUCE_BLOCK, ROUND_BF16=False)
-for target, gpu in TARGETS.items():  # the split decode steps' partial sums
-    compiled = triton.compile(ASTSource(fn=il.int_gemm_reduce_kernel, signature=reduce_sig,
-                                        constexprs=reduce_consts, attrs={}), target=gpu,
+dequant_sig = {"w_ptr": "*i32", "scale_ptr": "*fp32", "zero_ptr": "*i8", "out_ptr": "*bf16", "N": "i32",
+               "K": "i32", "stride_wn": "i32", "stride_sn": "i32", "group_size": "i32", "BITS": "constexpr",
+               "HAS_ZEROS": "constexpr", "GROUP_ALIGNED": "constexpr", "EVEN": "constexpr",
+               "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "ROUND_BF16": "constexpr"}
+dequant_consts = dict(BITS=4, HAS_ZEROS=True, GROUP_ALIGNED=True, EVEN=True, BLOCK_N=64, BLOCK_K=128,
+                      ROUND_BF16=False)
+for target, gpu in TARGETS.items():  # the dense weight of long steps
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(il.dequantize_int_weight_kernel.arg_names)
+             if a.endswith("_ptr") or a.startswith("stride") or a in ("N", "K")}
+    compiled = triton.compile(ASTSource(fn=il.dequantize_int_weight_kernel, signature=dequant_sig,
+                                        constexprs=dequant_consts, attrs=attrs), target=gpu,
                               options={"num_warps": 4, "num_stages": 1})
-    record(f"reduce/{target}", target, compiled)
+    record(f"dequantize/{target}", target, compiled)
 print(json.dumps(results))
 """
 
@@ -100,7 +105,7 @@ def test_compiles_for_h100_without_local_memory(compiled: dict[str, dict[str, ob
     if not tool.exists():
         pytest.skip(f"no cuobjdump at {tool}")
     keys = [key for key in compiled if key.endswith("/sm90")]
-    assert len(keys) == len(CASES) + 1  # and the reduce kernel
+    assert len(keys) == len(CASES) + 1  # and the dequantize kernel
     for key in keys:
         text = subprocess.run(
             [str(tool), "-res-usage", str(compiled[key]["cubin"])], capture_output=True, text=True, check=True
@@ -112,7 +117,7 @@ def test_compiles_for_h100_without_local_memory(compiled: dict[str, dict[str, ob
 @pytest.mark.parametrize("target", ["gfx942", "gfx950"])
 def test_compiles_for_amd_without_spills(compiled: dict[str, dict[str, object]], target: str) -> None:
     keys = [key for key in compiled if key.endswith(f"/{target}")]
-    assert len(keys) == len(CASES) + 1  # and the reduce kernel
+    assert len(keys) == len(CASES) + 1  # and the dequantize kernel
     for key in keys:
         result = compiled[key]
         shared = result["shared"]

@@ -19,6 +19,7 @@ name (`from attention_batches import ...`), as when run from this folder.
   fp8_decode_attention_sweep.py  the decode launch grid over an FP8 cache
   moe_op.py                 the fused MoE op against torch._grouped_mm and its memory bound
   moe_tune.py               a search of the fused MoE op's launch configs, winners as tuned-config entries
+  int_gemm.py               the integer-weight GEMM against cuBLAS bf16 and its bound; --sweep tunes its tiles
   skinny_gemm.py            the decode step's linear layers against cuBLAS, bf16 and FP8
   programmatic_launch.py    32 layers of products, plain against programmatic launches
   all_reduce.py             the tensor-parallel all-reduce's paths inside CUDA graphs

@@ -31,6 +31,9 @@ no other row, and the same call gives the same bits.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +41,54 @@ import triton
 import triton.language as tl
 
 from pagedserve.platforms.api import IntLinearKernel, PackedIntWeight
+from pagedserve.platforms.tuned_configs import DEFAULT_DEVICE, TunedConfigError, TunedConfigs
 from pagedserve_triton.interpreter import INTERPRETED
+from pagedserve_triton.launch_params import device_name_of, tuned_config_files
 from pagedserve_triton.rounding import rounded_to
+from pagedserve_triton.skinny_gemm import split_counters
+
+
+@triton.jit
+def _dequantized_tile(
+    w_rows, scale_ptr, zero_ptr, s_rows, mask_n, k0, K, group_size,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """The float32 weights [BLOCK_N, BLOCK_K] of inputs k0.. of the tile's columns. Each int32
+    word is loaded once and its PACK codes shifted out along a third axis, which the reshape lays
+    next to each other (input k is code k % PACK of word k // PACK). EVEN: the tile lies inside
+    the weight, and its loads need no masks (the masks' selects were a sixth of the loop's
+    instructions on sm_90)."""
+    PACK: tl.constexpr = 32 // BITS
+    offs_w = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    if EVEN:
+        words = tl.load(w_rows + offs_w[None, :])
+    else:
+        words = tl.load(
+            w_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < tl.cdiv(K, PACK))[None, :], other=0
+        )
+    shifts = tl.arange(0, PACK) * BITS
+    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    # The conversion instructions (int to float, float to 16 bits) beat integer-op forms of them
+    # here: 2**23 + code with the code in the mantissa, and rounding by integer adds, made the loop
+    # 16% longer on sm_90 and the products 10-20% slower on an H100.
+    values = (tl.reshape(codes, (BLOCK_N, BLOCK_K)) - (1 << (BITS - 1))).to(tl.float32)
+    if GROUP_ALIGNED:
+        group = k0 // group_size
+        if EVEN:
+            scale = tl.load(scale_ptr + s_rows + group)[:, None]
+        else:
+            scale = tl.load(scale_ptr + s_rows + group, mask=mask_n, other=0.0)[:, None]
+        if HAS_ZEROS:
+            values -= tl.load(zero_ptr + s_rows + group, mask=mask_n, other=0).to(tl.float32)[:, None]
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        cells = s_rows[:, None] + (offs_k // group_size)[None, :]
+        cell_mask = mask_n[:, None] & (offs_k < K)[None, :]
+        scale = tl.load(scale_ptr + cells, mask=cell_mask, other=0.0)
+        if HAS_ZEROS:
+            values -= tl.load(zero_ptr + cells, mask=cell_mask, other=0).to(tl.float32)
+    return values * scale
 
 
 @triton.jit(do_not_specialize=["M"])  # every step size runs the variants of its tile class
@@ -49,7 +98,9 @@ def int_weight_gemm_kernel(
     scale_ptr,  # [N, G] float32
     zero_ptr,  # [N, G] int8 (read only if HAS_ZEROS)
     bias_ptr,  # [N] x's dtype (read only if HAS_BIAS)
-    out_ptr,  # SPLIT: [splits, M, N] float32 partials, `stride_ps` apart; else [M, N] x's dtype
+    out_ptr,  # [M, N] x's dtype, rows `stride_om` apart
+    partial_ptr,  # SPLIT: [splits, M, N] float32 partials, `stride_ps` apart
+    counter_ptr,  # SPLIT: [row tiles * column tiles] int32, zero between launches
     M,
     N,
     K,
@@ -60,18 +111,19 @@ def int_weight_gemm_kernel(
     group_size,
     k_per_split,  # inputs per program along K, a multiple of BLOCK_K
     stride_ps,
-    SPLIT: tl.constexpr,  # write float32 partials (the reduce kernel finishes them)
+    SPLIT: tl.constexpr,  # K in ranges: float32 partials, the last range's program sums them
     BITS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GROUP_ALIGNED: tl.constexpr,  # group_size % BLOCK_K == 0: one group per K step
+    EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no column or K masks
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    WEIGHT_MAJOR: tl.constexpr,  # the dot takes the weight tile as its M side (Hopper's wgmma)
     DOT_IN_FP32: tl.constexpr,  # interpreter only: its bfloat16 dot multiplies raw bits
     ROUND_BF16: tl.constexpr,  # interpreter only: see `rounding.rounded_to`
 ):
-    PACK: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -83,69 +135,101 @@ def int_weight_gemm_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = offs_n.to(tl.int64) * stride_sn
     offs_kb = tl.arange(0, BLOCK_K)
-    shift = (offs_kb % PACK) * BITS  # K steps start on word boundaries (BLOCK_K % PACK == 0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WEIGHT_MAJOR:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         offs_k = k0 + offs_kb
-        mask_k = offs_k < K
-        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        words = tl.load(w_rows + (offs_k // PACK)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0)
-        codes = ((words >> shift[None, :]) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
-        values = codes.to(tl.float32)
-        if GROUP_ALIGNED:
-            group = k0 // group_size
-            scale = tl.load(scale_ptr + s_rows + group, mask=mask_n, other=0.0)[:, None]
-            if HAS_ZEROS:
-                values -= tl.load(zero_ptr + s_rows + group, mask=mask_n, other=0).to(tl.float32)[:, None]
+        if EVEN:
+            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
         else:
-            cells = s_rows[:, None] + (offs_k // group_size)[None, :]
-            cell_mask = mask_n[:, None] & mask_k[None, :]
-            scale = tl.load(scale_ptr + cells, mask=cell_mask, other=0.0)
-            if HAS_ZEROS:
-                values -= tl.load(zero_ptr + cells, mask=cell_mask, other=0).to(tl.float32)
-        w = rounded_to(values * scale, a.dtype, ROUND_BF16)
+            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        values = _dequantized_tile(
+            w_rows, scale_ptr, zero_ptr, s_rows, mask_n, k0, K, group_size,
+            BITS, HAS_ZEROS, GROUP_ALIGNED, BLOCK_N, BLOCK_K, EVEN,
+        )  # fmt: skip
+        w = rounded_to(values, a.dtype, ROUND_BF16)
         if DOT_IN_FP32:
-            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        if WEIGHT_MAJOR:
+            acc += tl.dot(w, tl.trans(a), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+    if WEIGHT_MAJOR:
+        acc = tl.trans(acc)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
-        out = out_ptr + pid_k * stride_ps + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(out, acc, mask=mask)
+        tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_k * stride_ps + tile, acc, mask=mask)
+        # Every thread's partial is written before the ticket is taken; the ticket releases them
+        # to the device and acquires the other ranges' partials for the last program to arrive,
+        # which adds them in range order (the same bits every call) and resets the counter.
+        tl.debug_barrier()
+        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(2) - 1:
+            tl.debug_barrier()
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(tl.num_programs(2)):
+                # .cg: from L2, never a line this SM cached from an earlier launch's partials.
+                acc += tl.load(partial_ptr + s * stride_ps + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, mask, mask_n, stride_om, HAS_BIAS, ROUND_BF16)
+            tl.store(counter, 0)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out, rounded_to(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+        _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, mask, mask_n, stride_om, HAS_BIAS, ROUND_BF16)
 
 
-@triton.jit(do_not_specialize=["M"])
-def int_gemm_reduce_kernel(
-    partial_ptr,  # [splits, M, N] float32
-    bias_ptr,  # [N] x's dtype (read only if HAS_BIAS)
-    out_ptr,  # [M, N] x's dtype, rows `stride_om` apart
-    M,
+@triton.jit
+def _store_tile(
+    acc, bias_ptr, out_ptr, offs_m, offs_n, mask, mask_n, stride_om,
+    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """The float32 tile plus the bias, rounded once to out's dtype, stored."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, rounded_to(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+
+
+@triton.jit
+def dequantize_int_weight_kernel(
+    w_ptr,  # [N, ceil(K / PACK)] int32, rows `stride_wn` apart
+    scale_ptr,  # [N, G] float32
+    zero_ptr,  # [N, G] int8 (read only if HAS_ZEROS)
+    out_ptr,  # [N, K] in the activations' dtype
     N,
-    splits,
-    stride_ps,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    K,
+    stride_wn,
+    stride_sn,
+    group_size,
+    BITS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    GROUP_ALIGNED: tl.constexpr,
+    EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
-    """`out = sum of the splits' partials, in split order (+ bias)`, rounded once; BLOCK outputs
-    of one row a program."""
-    row = tl.program_id(1).to(tl.int64)
-    offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    """The dense weight, each element `PackedIntWeight`'s formula rounded once to out's dtype: the
+    operand of a library GEMM for steps long enough that its tensor-core rate beats reading codes."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(partial_ptr + s * stride_ps + row * N + offs_n, mask=mask_n, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    out = rounded_to(acc, out_ptr.dtype.element_ty, ROUND_BF16)
-    tl.store(out_ptr + row * stride_om + offs_n, out, mask=mask_n)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    values = _dequantized_tile(
+        w_rows, scale_ptr, zero_ptr, offs_n.to(tl.int64) * stride_sn,
+        mask_n, k0, K, group_size, BITS, HAS_ZEROS, GROUP_ALIGNED, BLOCK_N, BLOCK_K, EVEN,
+    )  # fmt: skip
+    out = out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    tl.store(
+        out,
+        rounded_to(values, out_ptr.dtype.element_ty, ROUND_BF16),
+        mask=mask_n[:, None] & (offs_k < K)[None, :],
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,28 +242,118 @@ class IntGemmTiles:
     num_warps: int
     num_stages: int
     split_k: int = 1  # the most K ranges a column tile is cut into (`plan_split` sizes them)
+    weight_major: bool = False  # the dot's M side is the weight tile (block_n >= 64 on Hopper)
+    dequantize_first: bool = False  # write the dense weight, then one library GEMM (long steps)
 
 
-DECODE_ROWS = 16  # steps of up to this many tokens take the 16-row tile
-# Inputs per K step at most. 128 (with 64-column decode tiles) held 64 weight elements a thread
-# and spilled on sm_90 (255 registers and a stack) and gfx942 (up to 287 SGPRs); with 64 the
-# decode tile still spilled a few SGPRs on gfx942 at 4 warps, not at 8 (wave64 keeps per-lane
-# masks in scalar registers). tests/test_triton_int_linear_compile.py checks the rule's tiles.
-MAX_BLOCK_K = 64
-TARGET_PROGRAMS = 528  # programs to keep streaming on a decode step (4 per H100 SM)
+KERNEL = "int_weight_gemm"  # the tuned-config files' kernel name (configs/int_weight_gemm-<device>.json)
+TARGET_PROGRAMS = 264  # programs to keep streaming when a file leaves SPLIT_K to the rule (2 per H100 SM)
 MAX_SPLIT_K = 16
-REDUCE_BLOCK = 1024
+ParamValue = int | float | str | bool  # a tuned-config param (`Params`' values)
+_PARAMS = {
+    "BLOCK_M",
+    "BLOCK_N",
+    "BLOCK_K",
+    "WARPS",
+    "STAGES",
+    "SPLIT_K",
+    "WEIGHT_MAJOR",
+    "DEQUANTIZE_FIRST",
+}
 
 
-def choose_tiles(m: int, group_size: int, n: int) -> IntGemmTiles:
-    """The launch rule for `m` rows of `n` outputs (module docstring). Pure."""
-    block_k = MAX_BLOCK_K
+def _int_param(params: Mapping[str, ParamValue], name: str, where: str, power_of_two: bool) -> int:
+    value = params[name]
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < 1
+        or (power_of_two and value & (value - 1))
+    ):
+        kind = "a power of two >= 1" if power_of_two else "a positive integer"
+        raise TunedConfigError(f"{where}: param {name!r} must be {kind}, got {value!r}")
+    return value
+
+
+def _bool_param(params: Mapping[str, ParamValue], name: str, where: str) -> bool:
+    value = params.get(name, False)
+    if not isinstance(value, bool):
+        raise TunedConfigError(f"{where}: param {name!r} must be true or false, got {value!r}")
+    return value
+
+
+def parse_tiles(params: Mapping[str, ParamValue], where: str) -> tuple[IntGemmTiles, bool]:
+    """An "int_weight_gemm" entry's params, checked, and whether it named its K split (absent:
+    the split that fills `TARGET_PROGRAMS`). Raises `TunedConfigError` naming `where`. Pure."""
+    unknown = sorted(set(params) - _PARAMS)
+    missing = sorted({"BLOCK_M", "BLOCK_N", "BLOCK_K", "WARPS", "STAGES"} - set(params))
+    if unknown or missing:
+        raise TunedConfigError(
+            f"{where}: unknown params {unknown}, missing {missing}; known: {sorted(_PARAMS)}"
+        )
+    try:
+        tiles = IntGemmTiles(
+            *(_int_param(params, n, where, True) for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "WARPS")),
+            _int_param(params, "STAGES", where, False),
+            split_k=_int_param(params, "SPLIT_K", where, False) if "SPLIT_K" in params else 1,
+            weight_major=_bool_param(params, "WEIGHT_MAJOR", where),
+            dequantize_first=_bool_param(params, "DEQUANTIZE_FIRST", where),
+        )
+    except ValueError as e:
+        raise TunedConfigError(f"{where}: {e}") from e
+    return tiles, "SPLIT_K" in params
+
+
+def tuned_entry(tiles: IntGemmTiles, *, rows: int, n: int, k: int, group_size: int) -> dict[str, object]:
+    """`tiles` as an "int_weight_gemm" tuned-config entry for steps of up to `rows` rows (a power
+    of two: the lookup rounds rows up) of one [n, k] weight. Pure."""
+    params: dict[str, object] = {
+        "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
+        "WARPS": tiles.num_warps, "STAGES": tiles.num_stages, "SPLIT_K": tiles.split_k,
+        "WEIGHT_MAJOR": tiles.weight_major, "DEQUANTIZE_FIRST": tiles.dequantize_first,
+    }  # fmt: skip
+    return {"match": {"n": n, "k": k, "group_size": group_size, "rows_le": _bucket(rows)}, "params": params}
+
+
+@functools.cache
+def _shipped_configs() -> TunedConfigs:
+    return TunedConfigs.from_files(tuned_config_files())
+
+
+def _bucket(rows: int) -> int:
+    return 1 << (max(rows, 1) - 1).bit_length()  # the next power of two
+
+
+def choose_tiles(
+    m: int, group_size: int, n: int, k: int, bits: int = 4, device_name: str = DEFAULT_DEVICE
+) -> IntGemmTiles:
+    """The launch for `m` rows of an [n, k] weight of `bits`-bit codes in groups of `group_size`:
+    the device's tuned-config entry for the shape class (rows rounded up to a power of two), its
+    K step halved until it lies in one group, its K split (if the entry names none) the one that
+    keeps about `TARGET_PROGRAMS` programs streaming. Raises `TunedConfigNotFound` /
+    `TunedConfigError` for a missing or bad entry."""
+    return _tiles_of_class(_bucket(m), group_size, n, k, bits, device_name)
+
+
+@functools.cache  # one lookup per shape class; the hot path asks on every call
+def _tiles_of_class(rows: int, group_size: int, n: int, k: int, bits: int, device_name: str) -> IntGemmTiles:
+    shape: dict[str, int | str | bool] = {
+        "rows": rows,
+        "n": n,
+        "k": k,
+        "bits": bits,
+        "group_size": group_size,
+    }
+    params = _shipped_configs().lookup(KERNEL, device_name, **shape)
+    tiles, named_split = parse_tiles(params, f"tuned config of {KERNEL!r} on {device_name!r} for {shape}")
+    block_k = tiles.block_k
     while block_k > 16 and group_size % block_k:
         block_k //= 2  # a K step inside one group: its scales are one vector load
-    if m <= DECODE_ROWS:
-        split = max(1, min(MAX_SPLIT_K, TARGET_PROGRAMS // triton.cdiv(n, 32)))
-        return IntGemmTiles(16, 32, block_k, num_warps=8, num_stages=3, split_k=split)
-    return IntGemmTiles(64, 64, block_k, num_warps=4, num_stages=3)
+    split = tiles.split_k
+    if not named_split and not tiles.dequantize_first:
+        programs = triton.cdiv(n, tiles.block_n) * triton.cdiv(rows, tiles.block_m)
+        split = max(1, min(MAX_SPLIT_K, TARGET_PROGRAMS // programs))
+    return dataclasses.replace(tiles, block_k=block_k, split_k=split)
 
 
 def plan_split(tiles: IntGemmTiles, k: int) -> tuple[int, int]:
@@ -201,33 +375,45 @@ def int_weight_linear_forward(
     n = weight.packed.shape[0]
     if k != weight.in_features:
         raise ValueError(f"x has {k} features, the weight {weight.in_features}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return x.new_empty((0, n))
     if x.stride(1) != 1:
         x = x.contiguous()
-    tiles = tiles or choose_tiles(m, weight.group_size, n)
+    tiles = tiles or choose_tiles(m, weight.group_size, n, k, weight.bits, device_name_of(x.device))
     interpreted_bf16 = INTERPRETED and x.dtype == torch.bfloat16
     scales = weight.scales
+    if tiles.dequantize_first:
+        dense = torch.empty((n, k), dtype=x.dtype, device=x.device)
+        dequantize_int_weight_kernel[(triton.cdiv(n, tiles.block_n), triton.cdiv(k, tiles.block_k))](
+            weight.packed, scales, scales if weight.zeros is None else weight.zeros, dense,
+            n, k, weight.packed.stride(0), scales.stride(0), weight.group_size,
+            BITS=weight.bits, HAS_ZEROS=weight.zeros is not None,
+            GROUP_ALIGNED=weight.group_size % tiles.block_k == 0,
+            EVEN=n % tiles.block_n == 0 and k % tiles.block_k == 0,
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, ROUND_BF16=interpreted_bf16,
+            num_warps=tiles.num_warps,
+        )  # fmt: skip
+        return torch.nn.functional.linear(x, dense, bias)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     splits, per_split = plan_split(tiles, k)
-    target = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), splits)
+    if splits > 1:
+        partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, grid[0] * grid[1])
+    else:
+        partial = counters = out  # never read unsplit
     int_weight_gemm_kernel[grid](
         x, weight.packed, scales, scales if weight.zeros is None else weight.zeros,
-        scales if bias is None else bias, target,
+        scales if bias is None else bias, out, partial, counters,
         m, n, k, x.stride(0), weight.packed.stride(0), scales.stride(0), out.stride(0), weight.group_size,
-        per_split, target.stride(0) if splits > 1 else 0,
+        per_split, partial.stride(0) if splits > 1 else 0,
         SPLIT=splits > 1, BITS=weight.bits, HAS_ZEROS=weight.zeros is not None, HAS_BIAS=bias is not None,
         GROUP_ALIGNED=weight.group_size % tiles.block_k == 0,
+        EVEN=n % tiles.block_n == 0 and k % tiles.block_k == 0,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        DOT_IN_FP32=interpreted_bf16, ROUND_BF16=interpreted_bf16,
+        WEIGHT_MAJOR=tiles.weight_major, DOT_IN_FP32=interpreted_bf16, ROUND_BF16=interpreted_bf16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
-    if splits > 1:
-        int_gemm_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
-            target, scales if bias is None else bias, out, m, n, splits, target.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, ROUND_BF16=interpreted_bf16, num_warps=4,
-        )  # fmt: skip
     return out
 
 

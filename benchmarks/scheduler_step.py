@@ -42,8 +42,10 @@ import statistics
 from collections.abc import Callable
 from time import thread_time_ns
 
-from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.config import EngineArgs
+from pagedserve.config.engine_config import resolve_engine_config
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
+from pagedserve.platforms.registry import load_platforms
 from pagedserve.scheduler.request import Request, StopCriteria
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.types import RequestId
@@ -93,11 +95,16 @@ class Workload:
     def __init__(self, caching: bool, shared: float, max_seqs: int, budget: int, num_blocks: int) -> None:
         self.rng = random.Random(0)
         self.shared = shared
-        self.sched = Scheduler(
-            SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096),
-            CacheConfig(block_size=16, enable_prefix_caching=caching),
-            num_blocks,
+        args = EngineArgs(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=4096,
+            block_size=16,
+            enable_prefix_caching=caching,
         )
+        platform = load_platforms().select("cpu_reference").info  # the scheduler alone: any platform
+        config = resolve_engine_config(args, platform=platform, trained_context_len=None, offline=False)
+        self.sched = Scheduler(config.scheduler, config.cache, num_blocks)
         self.common = [self.rng.randrange(1, VOCAB) for _ in range(4096)]
         self.next_id = 0
         self.meter: CacheWorkMeter | None = None

@@ -25,7 +25,9 @@ import json
 from dataclasses import dataclass
 
 from pagedserve.bench.datasets import load_workload
-from pagedserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from pagedserve.config import EngineArgs, SchedulingPolicy
+from pagedserve.config.engine_config import resolve_engine_config
+from pagedserve.platforms.registry import load_platforms
 from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.types import RequestId
@@ -72,14 +74,18 @@ def model_run(
 ) -> ModelledRun:
     """Run `workload` ((prompt_len, output_len) per request) through the scheduler under
     `policy` (256 seats, 8,192-token budget, 8,192 blocks of 16) and sum the modelled steps."""
-    config = SchedulerConfig(
+    args = EngineArgs(
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         max_model_len=4096,
-        policy=policy,
-        widest_decoding_step=widest_decoding_step,
+        scheduling_policy=policy.value,
+        cuda_graph_max_tokens=widest_decoding_step,  # the engine's widest spread step
+        block_size=16,
+        enable_prefix_caching=False,
     )
-    scheduler = Scheduler(config, CacheConfig(block_size=16, enable_prefix_caching=False), 8192)
+    platform = load_platforms().select("cpu_reference").info  # the scheduler alone: any platform
+    config = resolve_engine_config(args, platform=platform, trained_context_len=None, offline=True)
+    scheduler = Scheduler(config.scheduler, config.cache, 8192)
     for i, (prompt_len, output_len) in enumerate(workload):
         stop = StopCriteria(max_tokens=output_len, ignore_eos=True)
         scheduler.add_request(Request(RequestId(f"r{i}"), [1] * prompt_len, stop))

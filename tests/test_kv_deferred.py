@@ -3,7 +3,8 @@ every prefix that eager registration would have shared is still shared, and noth
 
 from __future__ import annotations
 
-from pagedserve.config import CacheConfig, SchedulerConfig
+from config_support import resolved
+
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.output import CachedRequestData, RequestUpdate, SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
@@ -14,11 +15,8 @@ BS = 16
 
 
 def make(num_blocks: int = 64, budget: int = 1024) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=512),
-        CacheConfig(block_size=BS, enable_prefix_caching=True),
-        num_blocks,
-    )
+    config = resolved(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=512, block_size=BS)
+    return Scheduler(config.scheduler, config.cache, num_blocks)
 
 
 def req(name: str, prompt: list[int], max_tokens: int = 8) -> Request:

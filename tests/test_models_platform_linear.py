@@ -273,18 +273,19 @@ def test_programmatic_launch_routes_the_dependent_operator(checkpoint: Path, pro
 def test_the_dependent_operator_needs_the_compiled_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """The linear layers launch programmatically only where the kernels between them do: an
     sm_90+ NVIDIA GPU with the compiled forward on (alone, the products were measured slower)."""
-    from pagedserve.config import EngineArgs
+    from config_support import resolved
+
     from pagedserve.worker.runner_setup import _programmatic
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)
-    args = EngineArgs(model="unused")
-    assert _programmatic(args, cuda)  # tensor-parallel ranks too: they compile their forward
-    assert not _programmatic(args, torch.device("cpu"))
+    forward = resolved().forward
+    assert _programmatic(forward, cuda)  # tensor-parallel ranks too: they compile their forward
+    assert not _programmatic(forward, torch.device("cpu"))
     for off in ({"programmatic_launch": False}, {"gpu_compile": False}, {"enforce_eager": True}):
-        assert not _programmatic(EngineArgs(model="unused", **off), cuda), off
+        assert not _programmatic(resolved(**off).forward, cuda), off
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not _programmatic(args, cuda)
+    assert not _programmatic(forward, cuda)
 
 
 def test_row_parallel_layers_route_their_local_product_and_keep_the_all_reduce() -> None:

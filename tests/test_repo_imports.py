@@ -138,3 +138,46 @@ def test_tensor_parallel_layout_imports_no_model() -> None:
         if name.startswith("pagedserve.distributed")
     }
     assert not {k: v for k, v in found.items() if v}, f"distributed/ reaches up into the models: {found}"
+
+
+# EngineArgs is read where it is defined and resolved (`config`), where an engine is built from it
+# (the engine's set-up, and `LLMEngine`, which hands it there), and by the front ends above the
+# engine, which carry it to the engine cores they start.
+_READERS_OF_ENGINE_ARGS = (
+    "pagedserve.config",
+    "pagedserve.engine.setup",
+    "pagedserve.engine.llm_engine",
+    "pagedserve.entrypoints",
+    "pagedserve.cli",
+    "pagedserve.server",
+    "pagedserve.data_parallel",
+    "pagedserve.bench",
+)
+
+
+def _engine_args_readers(modules: dict[str, Path]) -> list[str]:
+    """Modules that import `EngineArgs` (from `pagedserve.config` or its module) or its module."""
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = {alias.name for alias in node.names}
+                if (node.module.startswith("pagedserve.config") and "EngineArgs" in names) or (
+                    node.module == "pagedserve.config" and "engine_args" in names
+                ):
+                    found.append(name)
+            elif isinstance(node, ast.Import) and any(
+                a.name == "pagedserve.config.engine_args" for a in node.names
+            ):
+                found.append(name)
+    return sorted(set(found))
+
+
+def test_below_the_engine_nothing_reads_engine_args() -> None:
+    """Every part below the engine's set-up (executor, worker, scheduler, models, plugins, ...)
+    receives the resolved config of its concern, so a value is resolved once, before any worker
+    starts, and no floor below derives it again or sends it back up."""
+    readers = _engine_args_readers(_modules())
+    below = [name for name in readers if not name.startswith(_READERS_OF_ENGINE_ARGS)]
+    assert not below, f"modules below the engine read EngineArgs (give them the config they need): {below}"
+    assert "pagedserve.engine.setup" in readers  # the check sees an import where there is one

@@ -5,8 +5,8 @@ token is in flight, a finish between schedule and update, and the in-flight KV b
 from __future__ import annotations
 
 import pytest
+from config_support import resolved
 
-from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.types import RequestId
@@ -15,9 +15,8 @@ BS = 4
 
 
 def make(num_blocks: int = 64) -> Scheduler:
-    cache = CacheConfig(block_size=BS)
-    sched = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=64)
-    return Scheduler(sched, cache, num_blocks)
+    config = resolved(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=64, block_size=BS)
+    return Scheduler(config.scheduler, config.cache, num_blocks)
 
 
 def req(name: str, prompt_len: int, max_tokens: int) -> Request:

@@ -15,7 +15,7 @@ from test_scheduler_policy import make, req, sample_all, step
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineArgs, SchedulingPolicy
-from pagedserve.engine.setup import scheduling_policy
+from pagedserve.config.engine_config import scheduling_policy
 from pagedserve.scheduler import makespan
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.scheduler import Scheduler
@@ -32,7 +32,7 @@ def _admitted(s: Scheduler) -> list[str]:
     [(SchedulingPolicy.FCFS, ["a", "b", "c", "d"]), (MAKESPAN, ["b", "d", "c", "a"])],
 )
 def test_admission_order(policy: SchedulingPolicy, order: list[str]) -> None:
-    s = make(policy=policy)
+    s = make(scheduling_policy=policy.value)
     for name, max_tokens in [("a", 5), ("b", 50), ("c", 20), ("d", 50)]:
         s.add_request(req(name, [1, 2, 3], max_tokens=max_tokens))
     assert _admitted(s) == order  # ties (b, d) keep arrival order
@@ -121,7 +121,10 @@ def _workload(s: Scheduler, seed: int) -> dict[str, int]:
 def test_whole_run_finishes_on_the_critical_path(seed: int) -> None:
     runs = {}
     for policy in SchedulingPolicy:
-        s = make(num_blocks=2000, budget=512, max_seqs=32, policy=policy, widest_decoding_step=96)
+        # cuda_graph_max_tokens: the widest step a spread of prompt work asks for while requests decode.
+        s = make(
+            num_blocks=2000, budget=512, max_seqs=32, scheduling_policy=policy.value, cuda_graph_max_tokens=96
+        )
         _workload(s, seed)
         runs[policy] = _run(s)
     # The 200-output request samples once per step: makespan starts it in the first step, first
@@ -132,7 +135,7 @@ def test_whole_run_finishes_on_the_critical_path(seed: int) -> None:
 
 
 def test_whole_run_with_preemption_and_drafts_delivers_every_output() -> None:
-    s = make(num_blocks=60, budget=256, max_seqs=16, policy=MAKESPAN, num_speculative_tokens=2)
+    s = make(num_blocks=60, budget=256, max_seqs=16, scheduling_policy="makespan", num_speculative_tokens=2)
     expected = _workload(s, seed=3)
     produced: dict[str, int] = {}
     while s.has_unfinished_requests():

@@ -4,8 +4,9 @@ preemption and resumption, n > 1 forks, speculative drafts, stop rules, admissio
 from __future__ import annotations
 
 import pytest
+from config_support import resolved
 
-from pagedserve.config import CacheConfig, PreemptionMode, SchedulerConfig
+from pagedserve.config import PreemptionMode
 from pagedserve.scheduler.admission import RequestRejected
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
@@ -20,17 +21,18 @@ def make(
     budget: int = 1024,
     max_seqs: int = 16,
     max_model_len: int = 1024,
-    **kw: object,
+    num_swap_blocks: int = 0,
+    **options: object,
 ) -> Scheduler:
-    cache_keys = {"enable_prefix_caching", "swap_space_blocks", "cache_salt"}
-    cache = CacheConfig(block_size=BS, **{k: v for k, v in kw.items() if k in cache_keys})
-    sched = SchedulerConfig(
+    """A scheduler of `num_blocks` blocks configured as `LLM(...)` with these options would be."""
+    config = resolved(
+        block_size=BS,
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
         max_model_len=max_model_len,
-        **{k: v for k, v in kw.items() if k not in cache_keys},
+        **options,
     )
-    return Scheduler(sched, cache, num_blocks)
+    return Scheduler(config.scheduler, config.cache, num_blocks, num_swap_blocks)
 
 
 def req(name: str, prompt: list[int], max_tokens: int = 8, **stop: object) -> Request:
@@ -189,7 +191,7 @@ def test_swap_mode_moves_blocks_out_and_back_in() -> None:
         budget=128,
         max_model_len=96,
         enable_prefix_caching=False,
-        swap_space_blocks=8,
+        num_swap_blocks=8,
         preemption_mode=PreemptionMode.SWAP,
     )
     s.add_request(req("a", list(range(40)), max_tokens=12))

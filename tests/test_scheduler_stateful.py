@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+from config_support import resolved
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from pagedserve.config import CacheConfig, PreemptionMode, SchedulerConfig
+from pagedserve.config import PreemptionMode
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
 from pagedserve.scheduler.scheduler import Scheduler
@@ -94,17 +95,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.sched = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=4,
-                max_num_batched_tokens=24,
-                max_model_len=MAX_MODEL_LEN,
-                preemption_mode=self.mode,
-                num_speculative_tokens=3,
-            ),
-            CacheConfig(block_size=BS, enable_prefix_caching=self.caching, swap_space_blocks=SWAP_BLOCKS),
-            NUM_BLOCKS,
+        config = resolved(
+            max_num_seqs=4,
+            max_num_batched_tokens=24,
+            max_model_len=MAX_MODEL_LEN,
+            preemption_mode=self.mode,
+            num_speculative_tokens=3,
+            block_size=BS,
+            enable_prefix_caching=self.caching,
         )
+        self.sched = Scheduler(config.scheduler, config.cache, NUM_BLOCKS, SWAP_BLOCKS)
         self.worker = ShadowWorker()
         self.next_id = 0
         self.ended: dict[RequestId, RequestStatus] = {}

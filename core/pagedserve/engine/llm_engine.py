@@ -38,7 +38,7 @@ class LLMEngine:
         self.inputs = InputProcessor(
             self.tokenizer,
             vocab_size=self.vocab_size,
-            max_logprobs=args.max_logprobs,
+            max_logprobs=self.setup.config.model.max_logprobs,
             max_model_len=self.max_model_len,
         )
         eos = detokenizer_eos_token_id(self.tokenizer, self.eos_token_ids)

@@ -68,15 +68,15 @@ class RankFailedError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class WorkerReport:
-    """What one rank found after loading its shard."""
+    """What one rank found after loading its shard: measurements and choices of its device only.
+    The engine's limits (`max_model_len`, the step budget) were resolved before the rank started
+    and are not reported back."""
 
     rank: int
     local_spec: ModelSpec  # this rank's shard: its head counts
     num_q_heads: int  # of the whole model
     num_kv_heads: int  # of the whole model
-    num_kv_blocks: int  # blocks that fit in this rank's free memory
-    max_model_len: int
-    max_num_batched_tokens: int
+    num_kv_blocks: int  # blocks that fit in this rank's free memory (`num_kv_blocks` when given)
     backend_name: str
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from pagedserve.config import EngineArgs
+from pagedserve.config.engine_config import EngineConfig
 from pagedserve.executor.base import ParallelExecutor, WorkerReport
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 
@@ -45,20 +45,22 @@ def visible_devices(world_size: int) -> list[str]:
     return devices[:world_size]
 
 
-def start_executor(args: EngineArgs, platform: LoadedPlatform) -> tuple[ParallelExecutor, list[WorkerReport]]:
-    """Start `tensor_parallel_size` ranks with the chosen backend and have each load its shard.
-    On any failure every started rank is stopped before the error propagates."""
+def start_executor(
+    config: EngineConfig, platform: LoadedPlatform
+) -> tuple[ParallelExecutor, list[WorkerReport]]:
+    """Start `tensor_parallel_size` ranks with the chosen backend, each given `config`, and have
+    each load its shard. On any failure every started rank is stopped before the error propagates."""
     device_type = platform.info.device_type
     env = worker_environment(device_type)
     executor: ParallelExecutor
-    if args.distributed_executor_backend == "ray":
+    if config.parallel.distributed_executor_backend == "ray":
         from pagedserve.executor.ray_executor import RayExecutor
 
-        executor = RayExecutor(args, env, use_gpus=device_type == "cuda")
+        executor = RayExecutor(config, env, use_gpus=device_type == "cuda")
     else:
         from pagedserve.executor.multiproc import MultiprocExecutor
 
-        world = args.tensor_parallel_size
+        world = config.parallel.tensor_parallel_size
         if device_type == "cuda":
             # Every rank sees the group's GPUs and takes the one of its rank: peer memory (the
             # all-reduce's symmetric buffers) needs each rank on a distinct device index.
@@ -66,7 +68,7 @@ def start_executor(args: EngineArgs, platform: LoadedPlatform) -> tuple[Parallel
             rank_env = [{**env, "CUDA_VISIBLE_DEVICES": devices} for _ in range(world)]
         else:
             rank_env = [dict(env) for _ in range(world)]
-        executor = MultiprocExecutor(args, rank_env)
+        executor = MultiprocExecutor(config, rank_env)
     try:
         return executor, executor.load()
     except BaseException:

@@ -25,9 +25,12 @@ PARENT_POLL_S = 0.5
 
 
 def run_worker(
-    args_json: str, rank: int, world_size: int, init_method: str, conn: Connection, parent_pid: int
+    config_bytes: bytes, rank: int, world_size: int, init_method: str, conn: Connection, parent_pid: int
 ) -> None:
-    """Entry point of a rank's process. Returns when the driver sends "shutdown" or goes away."""
+    """Entry point of a rank's process. Returns when the driver sends "shutdown" or goes away.
+    `config_bytes`: the engine's `EngineConfig`, pickled by the driver. It arrives as bytes, read
+    only below, because reading it imports torch (seconds): by then the rank ignores Ctrl-C and
+    watches its driver, as it must from its first moment."""
     # Ctrl-C reaches the whole process group; the driver decides how its ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [rank {rank}] %(message)s")
@@ -35,7 +38,8 @@ def run_worker(
     from pagedserve.executor.worker import TensorParallelWorker
 
     try:
-        worker = TensorParallelWorker(args_json, rank, world_size, init_method)
+        config = pickle.loads(config_bytes)
+        worker = TensorParallelWorker(config, rank, world_size, init_method)
     except Exception as exc:
         conn.send(("error", _describe(exc)))
         return

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from pagedserve.config import EngineArgs
+from pagedserve.config.engine_config import EngineConfig
 from pagedserve.executor.base import STEP_METHODS, ParallelExecutor, PendingCall, RankFailedError
 from pagedserve.executor.mp_worker import run_worker
 from pagedserve.scheduler.output import CachedRequestData
@@ -48,23 +48,23 @@ PEER_EXIT_WAIT_S = 1.0
 class MultiprocExecutor(ParallelExecutor):
     """`tensor_parallel_size` ranks as local processes. Not thread-safe."""
 
-    def __init__(self, args: EngineArgs, rank_env: list[dict[str, str]]) -> None:
-        """Spawn the ranks (rank `r` with `rank_env[r]` added to its environment) and wait until
-        every one has joined the process group."""
+    def __init__(self, config: EngineConfig, rank_env: list[dict[str, str]]) -> None:
+        """Spawn the ranks (rank `r` with `rank_env[r]` added to its environment), each given
+        `config`, and wait until every one has joined the process group."""
         super().__init__()
         ctx = multiprocessing.get_context("spawn")
-        world_size = args.tensor_parallel_size
+        world_size = config.parallel.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        self.timeout_s = args.distributed_timeout_s
+        self.timeout_s = config.parallel.distributed_timeout_s
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         self._failure: str | None = None
-        args_json = args.model_dump_json()
+        config_bytes = pickle.dumps(config)  # the rank reads it once it is set up (`run_worker`)
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
                 target=run_worker,
-                args=(args_json, rank, world_size, init_method, child_conn, os.getpid()),
+                args=(config_bytes, rank, world_size, init_method, child_conn, os.getpid()),
                 name=f"pagedserve-rank{rank}",
                 daemon=True,
             )

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.config import EngineArgs
+from pagedserve.config.engine_config import EngineConfig
 from pagedserve.executor.base import STEP_METHODS, ParallelExecutor, PendingCall, RankFailedError
 
 logger = logging.getLogger(__name__)
@@ -70,11 +70,11 @@ class _RankActor:
             port = int(sock.getsockname()[1])
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def start(self, args_json: str, rank: int, world_size: int, init_method: str) -> int:
+    def start(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> int:
         """Join the group; returns this actor's process id."""
         from pagedserve.executor.worker import TensorParallelWorker
 
-        self.worker = TensorParallelWorker(args_json, rank, world_size, init_method)
+        self.worker = TensorParallelWorker(config, rank, world_size, init_method)
         return int(self.worker.pid())
 
     def call(self, method: str, *args: Any) -> Any:
@@ -94,7 +94,7 @@ class _RefAnswers:
 class RayExecutor(ParallelExecutor):
     """`tensor_parallel_size` ranks as Ray actors in one placement group."""
 
-    def __init__(self, args: EngineArgs, env: dict[str, str], *, use_gpus: bool) -> None:
+    def __init__(self, config: EngineConfig, env: dict[str, str], *, use_gpus: bool) -> None:
         """Connect to Ray (the running cluster, or a local one started here), reserve one bundle
         per rank, start the actors and wait until every one has joined the process group."""
         super().__init__()
@@ -110,8 +110,8 @@ class RayExecutor(ParallelExecutor):
         self._remove_placement_group = remove_placement_group
         if not ray.is_initialized():
             ray.init()  # joins the cluster `ray start` runs on this node, if any; else starts one
-        world_size = args.tensor_parallel_size
-        self.timeout_s = args.distributed_timeout_s
+        world_size = config.parallel.tensor_parallel_size
+        self.timeout_s = config.parallel.distributed_timeout_s
         self._failure: str | None = None
         shared = _ranks_bundle
         self._pg: Any = None  # the placement group this executor made and must remove
@@ -143,8 +143,7 @@ class RayExecutor(ParallelExecutor):
             for rank in range(world_size)
         ]
         init_method = ray.get(self.actors[0].rendezvous_address.remote())
-        args_json = args.model_dump_json()
-        refs = [a.start.remote(args_json, r, world_size, init_method) for r, a in enumerate(self.actors)]
+        refs = [a.start.remote(config, r, world_size, init_method) for r, a in enumerate(self.actors)]
         self.pids: list[int] = self._wait(refs, self.timeout_s + 60.0)
 
     def start_call(self, method: str, *args: Any) -> PendingCall:

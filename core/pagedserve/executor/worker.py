@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.config import EngineArgs
+from pagedserve.config.engine_config import EngineConfig
 from pagedserve.distributed.all_reduce import default_limits, installed
 from pagedserve.distributed.group import destroy_process_group, init_process_group
 from pagedserve.executor.base import WorkerReport
@@ -47,11 +47,11 @@ logger = logging.getLogger(__name__)
 class TensorParallelWorker:
     """One rank. Methods are called by the driver in the order load, init_cache, execute*."""
 
-    def __init__(self, args_json: str, rank: int, world_size: int, init_method: str) -> None:
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
         """Join the group at `init_method` (blocks until every rank has joined, at most
-        `distributed_timeout_s`)."""
-        self.args = EngineArgs.model_validate_json(args_json)
-        self.platform = load_platforms().select(self.args.platform)
+        `distributed_timeout_s`). `config`: the engine's, resolved by the driver; read as it is."""
+        self.config = config
+        self.platform = load_platforms().select(config.platform)
         self.device = self.platform.device
         if self.device.type == "cuda":
             # `mp` ranks see the group's GPUs and take their rank's; a Ray actor sees its own only.
@@ -72,10 +72,12 @@ class TensorParallelWorker:
             world_size,
             backend=backend,
             init_method=init_method,
-            timeout_s=self.args.distributed_timeout_s,
+            timeout_s=config.parallel.distributed_timeout_s,
         )
         if self.device.type == "cuda":
-            _enable_peer_memory(self.group.group_name, world_size, self.device, self.args)
+            _enable_peer_memory(
+                self.group.group_name, world_size, self.device, config.parallel.disable_custom_all_reduce
+            )
         self._model: DeviceModel | None = None
         self._runner: ModelRunner | None = None
         self._in_flight: PendingOutput | None = None  # the last `launch`ed step, not yet answered
@@ -87,18 +89,18 @@ class TensorParallelWorker:
 
     def load(self) -> WorkerReport:
         """Load this rank's shard and size its KV cache. Slow."""
-        dm = load_device_model(self.args, self.platform, self.device, self.group)
+        config = self.config
+        dm = load_device_model(
+            config.model, config.cache, config.forward, self.platform, self.device, self.group
+        )
         self._model = dm
-        num_blocks = self.args.num_kv_blocks or fit_kv_blocks(dm, self.args, self.device)
-        config = dm.loaded.hf_config
+        hf_config = dm.loaded.hf_config
         return WorkerReport(
             rank=self.group.rank,
             local_spec=dm.loaded.spec,
-            num_q_heads=int(config.num_attention_heads),
-            num_kv_heads=int(config.num_key_value_heads),
-            num_kv_blocks=num_blocks,
-            max_model_len=dm.max_model_len,
-            max_num_batched_tokens=dm.max_num_batched_tokens,
+            num_q_heads=int(hf_config.num_attention_heads),
+            num_kv_heads=int(hf_config.num_key_value_heads),
+            num_kv_blocks=fit_kv_blocks(dm, config.cache, config.scheduler, self.device),
             backend_name=dm.backend.name,
         )
 
@@ -106,15 +108,19 @@ class TensorParallelWorker:
         """Allocate the KV cache (the same number of blocks on every rank) and build the runner."""
         if self._model is None:
             raise RuntimeError("init_cache called before load")
+        config = self.config
         self._runner = build_runner(
             self._model,
-            self.args,
             self.device,
+            cache=config.cache,
+            scheduler=config.scheduler,
+            forward=config.forward,
+            seed=config.model.seed,
             num_kv_blocks=num_kv_blocks,
             eos_token_ids=eos_token_ids,
             tensor_parallel=True,
         )
-        if self.args.freeze_startup_heap:
+        if config.freeze_startup_heap:
             freeze_startup_heap()
 
     def execute(
@@ -231,10 +237,12 @@ class TensorParallelWorker:
         destroy_process_group()
 
 
-def _enable_peer_memory(group_name: str, world_size: int, device: torch.device, args: EngineArgs) -> None:
+def _enable_peer_memory(
+    group_name: str, world_size: int, device: torch.device, disable_custom_all_reduce: bool
+) -> None:
     """Turn on the peer-memory all-reduce for small messages unless `disable_custom_all_reduce`;
     log the choice either way (collective: every rank calls it)."""
-    if args.disable_custom_all_reduce:
+    if disable_custom_all_reduce:
         logger.info("all-reduce: NCCL for every message (disable_custom_all_reduce=True)")
         return
     reducer = installed(group_name)

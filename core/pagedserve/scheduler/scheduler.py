@@ -61,10 +61,18 @@ class Scheduler:
     block bookkeeping. Single-threaded: call `schedule`, run the step, call `update_from_output`;
     `add_request`, `abort_requests` and `finish_requests` may be called between any two calls."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
-        if scheduler_config.preemption_mode is PreemptionMode.SWAP and cache_config.swap_space_blocks == 0:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        num_swap_blocks: int = 0,
+    ) -> None:
+        """`num_blocks` device blocks and `num_swap_blocks` CPU swap blocks (the pool sizes each
+        device measured and the engine agreed on; `CacheConfig` holds the rules)."""
+        if scheduler_config.preemption_mode is PreemptionMode.SWAP and num_swap_blocks == 0:
             raise ValueError(
-                "preemption_mode='swap' needs a swap pool: set cache_config.swap_space_blocks > 0"
+                "preemption_mode='swap' needs a swap pool: set swap_space_gib to at least one block's size"
             )
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -73,7 +81,7 @@ class Scheduler:
             num_blocks,
             cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
-            num_swap_blocks=cache_config.swap_space_blocks,
+            num_swap_blocks=num_swap_blocks,
             cache_salt=cache_config.cache_salt,
         )
         self.requests: dict[RequestId, Request] = {}  # every unfinished request

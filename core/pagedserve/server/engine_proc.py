@@ -93,7 +93,7 @@ def serve_engine_core(
             vocab_size=setup.spec.vocab_size,
             eos_token_ids=setup.eos_token_ids,
             num_kv_blocks=setup.num_kv_blocks,
-            block_size=args.block_size,
+            block_size=setup.config.cache.block_size,
             platform=setup.platform.name,
         )
     except Exception as exc:

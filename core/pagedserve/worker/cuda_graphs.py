@@ -46,19 +46,15 @@ from tqdm import tqdm
 
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.layer import attend
+from pagedserve.config.forward import DEFAULT_CUDA_GRAPH_MAX_TOKENS
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 from pagedserve.platforms.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-# Steps of 513-2,048 tokens (an offline batch's admission phase) are not large enough for their
-# GPU work to hide a layer-by-layer eager launch: on an H200 (8B, 1,000 ShareGPT-like requests)
-# they took 42 ms per launch eagerly and 14 ms replayed; output tok/s rose 13% at one GPU, and two
-# GPUs gave 1.44x one where they had given 1.11-1.23x (`benchmarks/tp_gpu.py
-# --cuda-graph-max-tokens`), for ~1 s more capture. Past 2,048 a step is bound by its matmuls.
-# Equal to the default of `EngineArgs.cuda_graph_max_tokens`.
-DEFAULT_MAX_GRAPH_TOKENS = 2048
+# The engine's `cuda_graph_max_tokens` default (`config.forward` says why it is this large).
+DEFAULT_MAX_GRAPH_TOKENS = DEFAULT_CUDA_GRAPH_MAX_TOKENS
 
 
 def default_graph_sizes(

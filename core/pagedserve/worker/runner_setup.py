@@ -1,8 +1,12 @@
-"""Building one device's model runner from `EngineArgs`: its model (one rank's shard under tensor
-parallelism), attention backend, KV-cache size, swap pool, CUDA graphs or compiled forward.
+"""Building one device's model runner from the engine's resolved configs: its model (one rank's
+shard under tensor parallelism), attention backend, KV-cache size, swap pool, CUDA graphs or
+compiled forward.
 
 The in-process engine calls these once; under tensor parallelism every rank's worker process calls
-the same functions, so a rank is set up exactly as a single device would be.
+the same functions, so a rank is set up exactly as a single device would be. Each function takes
+the configs of the concerns it reads (`pagedserve.config`), already resolved: what is decided here
+depends on the device, the loaded model or its attention backend, never on how the options were
+given.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.config import EngineArgs
+from pagedserve.config import CacheConfig, ForwardConfig, ModelConfig, SchedulerConfig
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.decoder import DecoderForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model
@@ -40,16 +44,6 @@ from pagedserve.worker.warmup import prepare_runner
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 8192
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-
 
 @dataclass(frozen=True, slots=True)
 class DeviceModel:
@@ -59,28 +53,8 @@ class DeviceModel:
     loaded: LoadedModel  # under tensor parallelism: this rank's shard (its spec has local head counts)
     backend: AttentionBackend
     cache_ops: CacheOps
-    max_model_len: int
-    max_num_batched_tokens: int
     kv_cache_dtype: torch.dtype  # the model's dtype, or an FP8 dtype (`kv_cache_dtype` option)
     new_kv_reads: bool = False  # the backend takes the step's new keys and values (API 1.7)
-
-
-def resolve_dtype(name: str, platform: LoadedPlatform, quantization: str | None = None) -> torch.dtype:
-    """`"auto"` is float32 on CPU platforms (CPUs are slow at half precision) and bfloat16 on
-    accelerators, and with packed 4-bit weights (whose kernels take bfloat16); an explicit dtype
-    must be one the platform supports."""
-    supported = platform.info.supported_dtypes
-    if name == "auto":
-        cpu = platform.info.device_type == "cpu"
-        dtype = torch.float32 if cpu and quantization is None else torch.bfloat16
-    else:
-        dtype = _DTYPES[name]
-    if dtype not in supported:
-        raise ValueError(
-            f"dtype {name!r} is not supported by platform {platform.name!r}; it supports "
-            f"{', '.join(str(d).removeprefix('torch.') for d in supported)}"
-        )
-    return dtype
 
 
 def choose_backend(
@@ -157,50 +131,45 @@ def _sink_backends() -> str:
 
 
 def load_device_model(
-    args: EngineArgs,
+    model: ModelConfig,
+    cache: CacheConfig,
+    forward: ForwardConfig,
     platform: LoadedPlatform,
     device: torch.device,
     tp: TensorParallelGroup | None = None,
 ) -> DeviceModel:
     """Load the model (this rank's shard when `tp` has several ranks) on `device` and pick its
     attention backend. Slow (reads weights)."""
-    dtype = resolve_dtype(args.dtype, platform, args.quantization)
-    logger.info("platform %s (%s), dtype %s", platform.name, platform.availability.reason, dtype)
+    logger.info("platform %s (%s), dtype %s", platform.name, platform.availability.reason, model.dtype)
     if device.type == "cuda":
         configure_compile_caches()  # before anything JIT-compiles, so every kernel lands on disk
     load_start = time.perf_counter()
     loaded = load_model(
-        args.model,
-        gguf_file=args.gguf_file,
-        dtype=dtype,
+        model.model,
+        gguf_file=model.gguf_file,
+        dtype=model.dtype,
         device=device,
-        load_format=args.load_format,  # type: ignore[arg-type]  # validated by EngineArgs' pattern
-        seed=args.seed,
-        quantization=args.quantization,
+        load_format=model.load_format,
+        seed=model.seed,
+        quantization=model.quantization,
         tp=tp,
-        quantize_lm_head=args.quantize_lm_head,
+        quantize_lm_head=model.quantize_lm_head,
     )
     logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
-    programmatic = _programmatic(args, device)
-    if args.platform_linear and device.type == "cuda":
-        _route_linear_layers(loaded.model, platform, dtype, programmatic)
+    programmatic = _programmatic(forward, device)
+    if forward.platform_linear and device.type == "cuda":
+        _route_linear_layers(loaded.model, platform, model.dtype, programmatic)
     _route_moe_layers(loaded.model, platform)
     _route_int_weight_layers(loaded.model, platform)
-    max_model_len = _max_model_len(args, loaded.spec)
-    backend, kv_dtype = choose_backend(platform, loaded.spec, args.block_size, args.kv_cache_dtype)
+    backend, kv_dtype = choose_backend(platform, loaded.spec, cache.block_size, cache.kv_cache_dtype)
     cache_ops = platform.cache_ops()
     if programmatic:
         _launch_attention_programmatically(backend, cache_ops)
-    new_kv_reads = args.attention_reads_new_kv and backend.enable_new_kv_reads()
-    if args.attention_reads_new_kv:
+    new_kv_reads = forward.attention_reads_new_kv and backend.enable_new_kv_reads()
+    if forward.attention_reads_new_kv:
         how = "read from the step's projections where the backend chooses" if new_kv_reads else "cache only"
         logger.info("attention: new tokens' keys and values %s", how)
-    max_batched = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
-    if not args.enable_chunked_prefill:
-        max_batched = max(max_batched, max_model_len)
-    return DeviceModel(
-        platform, loaded, backend, cache_ops, max_model_len, max_batched, kv_dtype, new_kv_reads=new_kv_reads
-    )
+    return DeviceModel(platform, loaded, backend, cache_ops, kv_dtype, new_kv_reads=new_kv_reads)
 
 
 def _launch_attention_programmatically(backend: AttentionBackend, cache_ops: CacheOps) -> None:
@@ -216,12 +185,12 @@ def _launch_attention_programmatically(backend: AttentionBackend, cache_ops: Cac
         logger.info("%s: %s for steps of <= %d tokens", what, how, PROGRAMMATIC_MAX_TOKENS)
 
 
-def _programmatic(args: EngineArgs, device: torch.device) -> bool:
+def _programmatic(forward: ForwardConfig, device: torch.device) -> bool:
     """Whether the linear layers take the platform's programmatic-dependent-launch operator: asked
     for, and the kernels between them are launched that way too (the compiled forward, which
     `plan_graphs` gives them; alone, the products were measured slower)."""
-    compiled = args.gpu_compile and not args.enforce_eager
-    return args.programmatic_launch and compiled and no_programmatic_launch(device) is None
+    asked = forward.programmatic_launch and forward.compiles_gpu_forward
+    return asked and no_programmatic_launch(device) is None
 
 
 def _route_linear_layers(
@@ -265,92 +234,108 @@ def _route_int_weight_layers(model: PagedCausalLM, platform: LoadedPlatform) -> 
         logger.info("integer-weight layers: %d on the core's dequantize-then-multiply formulation", left)
 
 
-def fit_kv_blocks(dm: DeviceModel, args: EngineArgs, device: torch.device) -> int:
-    """How many KV blocks fit on this device (on a GPU: after profiling the largest step)."""
+def fit_kv_blocks(
+    dm: DeviceModel, cache: CacheConfig, scheduler: SchedulerConfig, device: torch.device
+) -> int:
+    """How many KV blocks this device holds: `num_kv_blocks` when it was given, else what fits in
+    its memory by `cache`'s rules (on a GPU after profiling the largest step). The engine agrees
+    on one size for every device (`CacheConfig.agreed_blocks`)."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks  # asked for exactly: nothing to measure
+    budget = scheduler.max_num_batched_tokens
     return num_kv_blocks_for(
         dm.loaded.spec,
-        args,
+        cache,
         device=device,
-        max_model_len=dm.max_model_len,
         profile_activation_bytes=lambda: profile_activation_bytes(
             dm.loaded.model,
             dm.backend,
             dm.cache_ops,
-            num_tokens=dm.max_num_batched_tokens,
-            num_reqs=min(args.max_num_seqs, max(1, dm.max_num_batched_tokens // 256)),
-            block_size=args.block_size,
+            num_tokens=budget,
+            num_reqs=min(scheduler.max_num_seqs, max(1, budget // 256)),
+            block_size=cache.block_size,
             device=device,
         ),
         kv_cache_dtype=dm.kv_cache_dtype,
     )
 
 
-def swap_space_blocks(spec: ModelSpec, args: EngineArgs, kv_dtype: torch.dtype) -> int:
-    """Blocks of the CPU swap pool `swap_space_gib` holds (per rank under tensor parallelism)."""
-    return int(args.swap_space_gib * 2**30 // kv_block_bytes(spec, args.block_size, kv_dtype))
+def swap_space_blocks(dm: DeviceModel, cache: CacheConfig) -> int:
+    """Blocks of this device's CPU swap pool (`swap_space_gib`; per rank under tensor parallelism)."""
+    return cache.swap_blocks(kv_block_bytes(dm.loaded.spec, cache.block_size, dm.kv_cache_dtype))
 
 
 def build_runner(
     dm: DeviceModel,
-    args: EngineArgs,
     device: torch.device,
     *,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    forward: ForwardConfig,
+    seed: int,
     num_kv_blocks: int,
     eos_token_ids: frozenset[int],
     tensor_parallel: bool = False,
 ) -> ModelRunner:
     """The model runner of this device: KV cache, swap pool, and CUDA graphs or a compiled forward
-    where they apply. Slow (allocates the cache, captures graphs)."""
+    where they apply. `seed`: the sampler's, for unseeded requests (`ModelConfig.seed`). Slow
+    (allocates the cache, captures graphs)."""
     spec = dm.loaded.spec
     runner = ModelRunner(
         dm.loaded.model,
         dm.backend,
         dm.cache_ops,
         num_kv_blocks=num_kv_blocks,
-        block_size=args.block_size,
-        max_num_reqs=args.max_num_seqs,
-        max_model_len=dm.max_model_len,
+        block_size=cache.block_size,
+        max_num_reqs=scheduler.max_num_seqs,
+        max_model_len=scheduler.max_model_len,
         eos_token_ids=eos_token_ids,
         device=device,
         kv_cache_dtype=dm.kv_cache_dtype,
         kv_scales=kv_scales_for_cache(dm.loaded.model, spec.num_layers, is_fp8(dm.kv_cache_dtype)),
-        seed=args.seed,
+        seed=seed,
         new_kv_reads=dm.new_kv_reads,
     )
-    swap_blocks = swap_space_blocks(spec, args, dm.kv_cache_dtype)
+    swap_blocks = swap_space_blocks(dm, cache)
     if swap_blocks:
         runner.allocate_swap_space(swap_blocks)
-    _prepare_graphs(runner, dm, args, device)
-    _compile_cpu_forward(runner, spec, args, device, tensor_parallel)
+    _prepare_graphs(runner, dm, forward, scheduler, device)
+    _compile_cpu_forward(runner, spec, forward, device, tensor_parallel)
     return runner
 
 
-def _prepare_graphs(runner: ModelRunner, dm: DeviceModel, args: EngineArgs, device: torch.device) -> None:
-    """Capture the CUDA graphs (and compile the GPU forward) that `args` asks for and the device
+def _prepare_graphs(
+    runner: ModelRunner,
+    dm: DeviceModel,
+    forward: ForwardConfig,
+    scheduler: SchedulerConfig,
+    device: torch.device,
+) -> None:
+    """Capture the CUDA graphs (and compile the GPU forward) that `forward` asks for and the device
     and backend support; on other devices, log why there are none."""
     graph_plan = plan_graphs(
-        args.cudagraph_mode,
-        enforce_eager=args.enforce_eager,
+        forward.cudagraph_mode,
+        enforce_eager=forward.enforce_eager,
         # Under tensor parallelism too: the all-reduce is an opaque operator (`distributed.all_reduce`).
-        gpu_compile=args.gpu_compile,
+        gpu_compile=forward.gpu_compile,
         device=device,
-        programmatic_launch=args.programmatic_launch,
+        programmatic_launch=forward.programmatic_launch,
         spec=dm.loaded.spec,
         backend_supports_full=dm.backend.supports_full_cuda_graph,
         cache_ops_skip_padding=dm.cache_ops.skips_negative_slots,
         backend_supports_full_mixed=dm.backend.supports_full_cuda_graph_mixed,
-        compile_scope=args.gpu_compile_scope,
+        compile_scope=forward.gpu_compile_scope,
     )
     if device.type == "cuda":
         runner.startup_times = prepare_runner(
             runner,
             graph_plan,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=dm.max_num_batched_tokens,
-            max_model_len=dm.max_model_len,
-            cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+            max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            max_model_len=scheduler.max_model_len,
+            cuda_graph_max_tokens=forward.cuda_graph_max_tokens,
             attention_warmup_threads=attention_warmup_threads(
-                args.attention_warmup_threads, dm.backend, os.cpu_count()
+                forward.attention_warmup_threads, dm.backend, os.cpu_count()
             ),
         )
     else:
@@ -358,29 +343,16 @@ def _prepare_graphs(runner: ModelRunner, dm: DeviceModel, args: EngineArgs, devi
 
 
 def _compile_cpu_forward(
-    runner: ModelRunner, spec: ModelSpec, args: EngineArgs, device: torch.device, tensor_parallel: bool
+    runner: ModelRunner, spec: ModelSpec, forward: ForwardConfig, device: torch.device, tensor_parallel: bool
 ) -> None:
     """Compile the runner's CPU forward where it applies; warn when `cpu_compile=True` was asked
     for but cannot apply, so the setting is not silently ignored."""
-    not_compiled_why = compile_reason(device, spec, args.cpu_compile, args.enforce_eager)
+    not_compiled_why = compile_reason(device, spec, forward.cpu_compile, forward.enforce_eager)
     if not_compiled_why is None and tensor_parallel:
         # The CPU compilation (`cpu_compile`) swaps attention for its own hook and drops guards;
         # it has not been checked with the all-reduce operator inside, so ranks stay eager.
         not_compiled_why = "tensor_parallel_size > 1 runs eagerly on CPUs"
     if not_compiled_why is None:
-        runner.compile_forward(saved_compiles_dir() if args.compile_cache else None)
-    elif args.cpu_compile:
+        runner.compile_forward(saved_compiles_dir() if forward.compile_cache else None)
+    elif forward.cpu_compile:
         logger.warning("cpu_compile=True has no effect: %s", not_compiled_why)
-
-
-def _max_model_len(args: EngineArgs, spec: ModelSpec) -> int:
-    trained = spec.max_position_embeddings
-    if args.max_model_len is None:
-        return min(trained or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
-    if trained is not None and args.max_model_len > trained:
-        logger.warning(
-            "max_model_len=%d is longer than the model's trained context (%d): quality may degrade",
-            args.max_model_len,
-            trained,
-        )
-    return args.max_model_len

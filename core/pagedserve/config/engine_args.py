@@ -1,82 +1,28 @@
-"""Engine configuration: validated pydantic models, one per concern.
+"""`EngineArgs`: everything `LLM(...)`, `pagedserve generate` and `pagedserve serve` accept about the
+engine, as one flat set of options with vLLM's names.
 
-Every field has a range; a bad value raises `pydantic.ValidationError` whose message names the
-field. Cross-field rules (e.g. a token budget smaller than the model length without chunked
-prefill) are checked in `model_validator`s with a message that says what to change.
+This is what users fill, checked field by field when it is built: a bad value raises
+`pydantic.ValidationError` naming the field. It is not what the engine reads: the engine resolves it
+once, before any worker starts, into one frozen configuration per concern
+(`engine_config.resolve_engine_config`), which is where the defaults that depend on the model and
+the rules between fields live. The default of every option is written here, once.
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagedserve.config.cache import KVCacheDtypeName
+from pagedserve.config.forward import DEFAULT_CUDA_GRAPH_MAX_TOKENS, CompileScope, CudaGraphModeName
+from pagedserve.config.model import QuantizationName
+from pagedserve.config.parallel import ExecutorBackend
+from pagedserve.config.scheduler import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS, PreemptionMode
+
 
 class _Config(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
-
-
-class PreemptionMode(enum.Enum):
-    RECOMPUTE = "recompute"  # free the victim's blocks; re-prefill it later (generated tokens kept)
-    SWAP = "swap"  # copy the victim's blocks to the CPU swap pool; copy them back to resume
-
-
-class SchedulingPolicy(enum.Enum):
-    FCFS = "fcfs"  # waiting requests start in arrival order; every step may take the whole budget
-    # Offline batches: most tokens to generate first, prompt work spread over the steps that
-    # remain while requests decode (`pagedserve.scheduler.makespan`).
-    MAKESPAN = "makespan"
-
-
-class CacheConfig(_Config):
-    """The paged KV cache."""
-
-    block_size: int = Field(16, ge=1, le=256, description="tokens per KV-cache block")
-    num_kv_blocks: int | None = Field(
-        None, ge=1, description="exact number of KV blocks; None sizes the pool from platform memory"
-    )
-    enable_prefix_caching: bool = True
-    cache_salt: str | None = Field(None, description="mixed into every block hash (isolates tenants)")
-    swap_space_blocks: int = Field(
-        0, ge=0, description="blocks in the CPU swap pool; needed for preemption_mode='swap'"
-    )
-
-
-class SchedulerConfig(_Config):
-    """The V1 scheduler: one token budget per step."""
-
-    max_num_seqs: int = Field(256, ge=1, description="most requests running at once")
-    max_num_batched_tokens: int = Field(8192, ge=1, description="token budget of one step")
-    max_model_len: int = Field(8192, ge=1, description="longest prompt + output, in tokens")
-    enable_chunked_prefill: bool = True
-    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
-    num_speculative_tokens: int = Field(0, ge=0, le=16, description="draft tokens scored per step")
-    policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    widest_decoding_step: int | None = Field(
-        None,
-        ge=1,
-        description="makespan policy: the widest step the spread of prompt work asks for while "
-        "requests decode (None: max_num_batched_tokens)",
-    )
-    max_loras: int | None = Field(
-        None, ge=1, description="most distinct LoRA adapters running at once (None: LoRA is off)"
-    )
-
-    @model_validator(mode="after")
-    def _budget_fits_prompts(self) -> SchedulerConfig:
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
-                f"({self.max_model_len}) with chunked prefill off, so long prompts could never be "
-                "scheduled: enable chunked prefill or raise max_num_batched_tokens"
-            )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
-                f"({self.max_num_seqs}): every running request needs a token per step"
-            )
-        return self
 
 
 class EngineArgs(_Config):
@@ -94,12 +40,19 @@ class EngineArgs(_Config):
     )
     platform: str | None = Field(None, description="platform name; None: PAGEDSERVE_PLATFORM or automatic")
     dtype: str = Field("auto", pattern=r"^(auto|float32|float16|bfloat16|float64)$")
-    max_model_len: int | None = Field(None, ge=1, description="None: the model's trained context length")
+    max_model_len: int | None = Field(
+        None, ge=1, description=f"None: the model's trained context length, at most {DEFAULT_MAX_MODEL_LEN}"
+    )
     block_size: int = Field(16, ge=1, le=256)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="None: 8192, at least max_num_seqs")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=f"token budget of one step; None: {DEFAULT_MAX_NUM_BATCHED_TOKENS}, at least "
+        "max_num_seqs (and at least max_model_len with chunked prefill off)",
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="None: sized from the platform's memory")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     cpu_kv_cache_gib: float = Field(2.0, gt=0.0, description="KV budget on CPU platforms")
@@ -114,7 +67,7 @@ class EngineArgs(_Config):
         "`pagedserve generate` and `bench throughput`), 'fcfs' for the server",
     )
     load_format: str = Field("auto", pattern=r"^(auto|safetensors|gguf|dummy)$")
-    quantization: Literal["gguf", "fp8"] | None = Field(
+    quantization: QuantizationName | None = Field(
         None,
         description="'gguf': keep a GGUF file's Q4_1/Q8_0 blocks packed (CPU, bfloat16); 'fp8': "
         "linear weights quantized to FP8 at load time, per output channel (GPUs with sm_89+)",
@@ -124,12 +77,12 @@ class EngineArgs(_Config):
         description="with quantization='fp8': the LM head too, to FP8 per vocabulary row (half the "
         "head's bytes per decode step; the logits take the FP8 error directly, hence off by default)",
     )
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+    kv_cache_dtype: KVCacheDtypeName = Field(
         "auto", description="'auto': the model's dtype; 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2': an FP8 KV cache"
     )
     seed: int = Field(0, ge=0)
     enforce_eager: bool = Field(False, description="no CUDA graphs / compilation")
-    cudagraph_mode: Literal["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"] = Field(
+    cudagraph_mode: CudaGraphModeName = Field(
         "full",
         description="CUDA graphs on NVIDIA GPUs: 'full' replays decode batches and mixed steps "
         "(prefill chunks beside decodes) as whole graphs (attention inside) and other steps as "
@@ -142,7 +95,7 @@ class EngineArgs(_Config):
         description="GPU platforms: run the dense parts of the forward through torch.compile "
         "(attention stays the platform's kernels); artifacts are cached on disk",
     )
-    gpu_compile_scope: Literal["layer", "model"] = Field(
+    gpu_compile_scope: CompileScope = Field(
         "layer",
         description="with gpu_compile: 'layer' compiles each stretch of the decoder between two "
         "attention calls once and runs it for every layer (start-up grows with one layer, not with "
@@ -195,13 +148,15 @@ class EngineArgs(_Config):
         "False compiles at every start without saving",
     )
     cuda_graph_max_tokens: int = Field(
-        2048, ge=1, description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly"
+        DEFAULT_CUDA_GRAPH_MAX_TOKENS,
+        ge=1,
+        description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly",
     )
     num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram (prompt lookup) drafts per step")
     tensor_parallel_size: int = Field(
         1, ge=1, le=512, description="ranks the model is sharded over (one process per rank, one device each)"
     )
-    distributed_executor_backend: Literal["mp", "ray"] = Field(
+    distributed_executor_backend: ExecutorBackend = Field(
         "mp",
         description="how ranks (tensor_parallel_size > 1) and data-parallel replicas (data_parallel_size "
         "> 1) start: 'mp' processes on this host, 'ray' actors anywhere in a Ray cluster",

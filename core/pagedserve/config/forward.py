@@ -1,0 +1,45 @@
+"""How each device runs the model's forward: CUDA graphs and compilation, the platform's own kernels,
+and the warm-up before serving.
+
+These options say what is asked for; what a device then builds also depends on the device, the
+model and the attention backend, which `worker.graph_modes.plan_graphs` decides on each device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# Steps of 513-2,048 tokens (an offline batch's admission phase) are not large enough for their
+# GPU work to hide a layer-by-layer eager launch: on an H200 (8B, 1,000 ShareGPT-like requests)
+# they took 42 ms per launch eagerly and 14 ms replayed; output tok/s rose 13% at one GPU, and two
+# GPUs gave 1.44x one where they had given 1.11-1.23x (`benchmarks/tp_gpu.py
+# --cuda-graph-max-tokens`), for ~1 s more capture. Past 2,048 a step is bound by its matmuls.
+DEFAULT_CUDA_GRAPH_MAX_TOKENS = 2048
+"""`cuda_graph_max_tokens` when none is given: the largest step replayed as CUDA graphs."""
+
+CudaGraphModeName = Literal["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"]
+CompileScope = Literal["layer", "model"]
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardConfig:
+    """The forward's options, as `EngineArgs` gave them (`resolve_engine_config` copies them)."""
+
+    enforce_eager: bool  # no CUDA graphs, no compilation, no kernel warm-up
+    cudagraph_mode: CudaGraphModeName  # which steps replay CUDA graphs (`worker.graph_modes`)
+    cuda_graph_max_tokens: int  # largest step (tokens) replayed as CUDA graphs
+    gpu_compile: bool  # GPUs: the forward's dense parts through torch.compile
+    gpu_compile_scope: CompileScope  # one compilation per decoder stretch, or of the whole forward
+    cpu_compile: bool  # CPUs: steps of up to 32 tokens through torch.compile
+    compile_cache: bool  # with cpu_compile: compiled graphs saved whole and loaded at later starts
+    attention_warmup_threads: int | None  # threads of the attention-kernel sweep; None: chosen
+    platform_linear: bool  # GPUs: the platform's GEMM for linear layers, where it has one
+    programmatic_launch: bool  # NVIDIA sm_90+: kernels set up while the previous one drains
+    attention_reads_new_kv: bool  # the backend may read a step's new keys and values directly
+
+    @property
+    def compiles_gpu_forward(self) -> bool:
+        """Whether a GPU's forward is compiled, as far as the options go (the device and the model
+        may still say no: `worker.graph_modes.plan_graphs`)."""
+        return self.gpu_compile and not self.enforce_eager

@@ -417,6 +417,19 @@ def _check_today_form(doc: Path) -> None:
         assert (doc.parent / links[0]).exists(), f"{links[0]} does not exist"
 
 
+def test_the_shipped_today_tables_have_the_generated_form() -> None:
+    """The Today tables of docs/benchmarks.md, kept by hand until a suite run replaces them, have
+    the form `--docs` writes."""
+    _check_today_form(ROOT / "docs" / "benchmarks.md")
+
+
+def test_the_shipped_benchmarks_doc_reads_in_one_sitting() -> None:
+    lines = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    assert len(lines) <= 600, f"docs/benchmarks.md has {len(lines)} lines: move history out of it"
+    long_rows = [line[:60] for line in lines if line.startswith("|") and len(line) > 400]
+    assert not long_rows, f"table rows over 400 characters: {long_rows}"
+
+
 def test_moe_and_quantized_rows_judge_a_recorded_h100_run() -> None:
     """The rows read the files the stages' scripts write: here those of a real run."""
     results = ROOT / "docs" / "results" / "2026-12-07_h100_moe_engine"

@@ -1,5 +1,5 @@
 """On a GPU: what CUDA graphs and compilation buy, with Llama-3.1-8B shapes (or `--shape`: the 70B,
-or the mixture-of-experts shapes of `model_shapes.py`) and dummy bfloat16 weights.
+or the mixture-of-experts shapes of `common/model_shapes.py`) and dummy bfloat16 weights.
 
 For each mode of `--modes` (a `cudagraph_mode`, optionally with `+nocompile` for
 `gpu_compile=False`, or `eager` for `enforce_eager=True`), one engine is built and measured:
@@ -46,9 +46,8 @@ import torch
 from torch.autograd import DeviceType
 from transformers import LlamaConfig, PretrainedConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_shapes import MOE_SHAPES
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from benchmarks.common.model_shapes import MOE_SHAPES
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.config import EngineArgs

@@ -38,14 +38,16 @@ still run:
               load-time FP8: load, TPOT, the 1,000-request workload (`benchmarks/gpu_quantized.py`)
   serve       `pagedserve serve` loaded by `pagedserve bench serve` (at once, 20 requests/s, one at a
               time from the first request after ready), started on empty and on warm caches,
-              beside the offline engine under FCFS (`benchmarks/gpu_suite_serve.py`)
+              beside the offline engine under FCFS (`benchmarks/suite/serve.py`)
   multigpu    on hosts with 2+ GPUs: the all-reduce's paths, Llama-3.1-8B at TP=1/2/4 and 70B at
-              TP=2/4, data parallelism over every GPU (`benchmarks/gpu_suite_multigpu.py`)
+              TP=2/4, data parallelism over every GPU (`benchmarks/suite/multigpu.py`)
 
 Each stage writes `stage_NAME.json` and `logs/NAME.log` under OUT; stages can be run apart
 (`--stages latency,peers`) into the same OUT, and every run rewrites `suite.json` (all stages
-found in OUT) and `suite.md` (the scoreboard table docs/benchmarks.md quotes). `--report` only
-rewrites those two from the stage files already in OUT.
+found in OUT) and `suite.md` (every row of the scoreboard, "not run" included). `--report` only
+rewrites those two from the stage files already in OUT. `--docs` also rewrites the Today tables of
+docs/benchmarks.md from OUT (`benchmarks/suite/today.py`): OUT must then be under docs/results/,
+whose files the rows link to.
 """
 
 from __future__ import annotations
@@ -68,9 +70,16 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a file (or loaded by path) as well as with `python -m`
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_suite_multigpu import multigpu_rows, stage_multigpu  # noqa: E402
-from benchmarks.gpu_suite_serve import serve_rows, stage_serve  # noqa: E402
-from benchmarks.scoreboard_rows import Row, dig, fmt, judge  # noqa: E402
+from benchmarks.suite.multigpu import multigpu_rows, stage_multigpu  # noqa: E402
+from benchmarks.suite.rows import Row, dig, fmt, judge  # noqa: E402
+from benchmarks.suite.serve import serve_rows, stage_serve  # noqa: E402
+from benchmarks.suite.today import (  # noqa: E402
+    Section,
+    measured_from_env,
+    record_measured,
+    replace_today,
+    today_block,
+)
 
 WORKLOADS = {
     "256": ROOT / "benchmarks" / "workloads" / "sharegpt_like_256.json",
@@ -364,23 +373,22 @@ def throughput_rows(stages: dict[str, Any]) -> list[Row]:
         cold = dig(thr, f"{name}_cold", "result", "result", "output_tokens_per_s")
         warm_rps = dig(thr, f"{name}_warm", "result", "result", "requests_per_s")
         peer = peer_256 if name == "256" else "vLLM publishes ~37 req/s (Llama-3-8B, ShareGPT, one H100)"
-        target = f">= {warm_goal:,.0f} tok/s" + (" and >= 40 req/s" if name == "1000" else "")
-        verdict = judge(warm, ">=", warm_goal)
-        if name == "1000" and verdict == "met":
-            verdict = judge(warm_rps, ">=", 40.0)
-        ours = "not run" if warm is None else f"{fmt(warm)} tok/s, {fmt(warm_rps, '.1f')} req/s"
-        rows.append(Row(f"offline throughput, {name} requests, warm", ours, peer, target, verdict))
+        target = f">= {warm_goal:,.0f} tok/s"
+        label = f"offline throughput, {name} requests, warm"
+        rows.append(Row(label, fmt(warm, ",.0f", " tok/s"), peer, target, judge(warm, ">=", warm_goal)))
+        if name == "1000":  # its target names the request rate too
+            rps = fmt(warm_rps, ".1f", " req/s")
+            rows.append(Row(f"{label}, requests/s", rps, "", ">= 40 req/s", judge(warm_rps, ">=", 40.0)))
         ratio = None if cold is None or not warm else cold / warm
         cold_target = "within 10% of warm" + (f" and >= {cold_goal:,.0f} tok/s" if cold_goal else "")
         cold_verdict = judge(ratio, ">=", 0.9)
         if cold_goal and cold_verdict == "met":
             cold_verdict = judge(cold, ">=", cold_goal)
-        ours_cold = f"{fmt(cold)} tok/s ({fmt(ratio, '.0%')} of warm)" if ratio else fmt(cold)
         rows.append(
             Row(
                 f"offline throughput, {name} requests, empty kernel caches",
-                ours_cold,
-                "",
+                fmt(cold, ",.0f", " tok/s"),
+                "" if warm is None else f"warm caches, same command: {fmt(warm)} tok/s",
                 cold_target,
                 cold_verdict,
             )
@@ -389,21 +397,16 @@ def throughput_rows(stages: dict[str, Any]) -> list[Row]:
 
 
 def startup_rows(thr: dict[str, Any]) -> list[Row]:
-    """Engine start-up of the first workload's runs: cold (empty caches) and warm. Pure."""
+    """Engine start-up of the first workload's runs, cold (empty caches) and warm: the total, then
+    its compile and graph-capture phases, one number a row. Pure."""
     rows = []
     for kind in ("cold", "warm"):
         startup = next((dig(thr, key, "result", "startup") for key in thr if key.endswith(f"_{kind}")), None)
-        total = dig(startup, "total_s")
-        parts = ", ".join(
-            f"{label} {fmt(dig(startup, key), '.1f', ' s')}"
-            for key, label in (
-                ("compile_s", "compile"),
-                ("attention_kernels_s", "kernels"),
-                ("capture_s", "capture"),
-            )
-        )
-        ours = "not run" if total is None else f"{total:.1f} s ({parts})"
-        rows.append(Row(f"engine start-up, {kind} caches (8B shapes)", ours, "", "", "n/a"))
+        total = fmt(dig(startup, "total_s"), ".1f", " s")
+        rows.append(Row(f"engine start-up, {kind} caches (8B shapes)", total, "", "", "n/a"))
+        for key, label in (("compile_s", "compile"), ("capture_s", "graph capture")):
+            value = fmt(dig(startup, key), ".1f", " s")
+            rows.append(Row(f"engine start-up, {kind} caches: {label}", value, "", "", "n/a"))
     return rows
 
 
@@ -480,17 +483,26 @@ def _exit_row(benchmark: str, rc: int | None, passed: str, target: str) -> Row:
     )
 
 
-def check_rows(stages: dict[str, Any]) -> list[Row]:
+def conformance_rows(stages: dict[str, Any]) -> list[Row]:
     rows = []
     for plat in PLATFORMS:
         rc = dig(stages, "conformance", plat, "rc")
         rows.append(_exit_row(f"conformance of {plat} against cpu_reference", rc, "all pass", "all pass"))
+    return rows
+
+
+def engine_rows(stages: dict[str, Any]) -> list[Row]:
+    rows = []
     for plat in PLATFORMS:
         rc = dig(stages, "engine", plat, "rc")
         rows.append(_exit_row(f"greedy tokens on {plat} equal cpu_reference's", rc, "equal", "equal"))
-    summary = dig(stages, "tests", "summary") or "all pass"
-    rows.append(_exit_row("GPU tests (pytest -m gpu)", dig(stages, "tests", "rc"), summary, "all pass"))
     return rows
+
+
+def tests_rows(stages: dict[str, Any]) -> list[Row]:
+    passed = re.search(r"\b(\d+) passed", dig(stages, "tests", "summary") or "")
+    shown = f"{int(passed.group(1)):,} passed" if passed else "all pass"
+    return [_exit_row("GPU tests (pytest -m gpu)", dig(stages, "tests", "rc"), shown, "all pass")]
 
 
 def variant_rows(stages: dict[str, Any]) -> list[Row]:
@@ -623,20 +635,31 @@ def quantized_rows(stages: dict[str, Any]) -> list[Row]:
     ]  # fmt: skip
 
 
+# Each stage's rows, in the scoreboard's order; peers measured by another stage are named.
+SECTIONS: tuple[tuple[str, Callable[[dict[str, Any]], list[Row]], str | None], ...] = (
+    ("throughput", throughput_rows, "peers"),
+    ("latency", latency_rows, "peers"),
+    ("attention", attention_rows, None),
+    ("variants", variant_rows, None),
+    ("gemm", gemm_rows, None),
+    ("fp8", fp8_rows, None),
+    ("moe", moe_rows, None),
+    ("quantized", quantized_rows, None),
+    ("serve", serve_rows, None),
+    ("multigpu", multigpu_rows, None),
+    ("conformance", conformance_rows, None),
+    ("engine", engine_rows, None),
+    ("tests", tests_rows, None),
+)
+
+
+def scoreboard_sections(stages: dict[str, Any]) -> list[Section]:
+    """The scoreboard's rows by the stage whose file holds their numbers. Pure."""
+    return [Section(stage, tuple(rows(stages)), peers) for stage, rows, peers in SECTIONS]
+
+
 def scoreboard(stages: dict[str, Any]) -> list[Row]:
-    return (
-        throughput_rows(stages)
-        + latency_rows(stages)
-        + attention_rows(stages)
-        + variant_rows(stages)
-        + gemm_rows(stages)
-        + fp8_rows(stages)
-        + moe_rows(stages)
-        + quantized_rows(stages)
-        + serve_rows(stages)
-        + multigpu_rows(stages)
-        + check_rows(stages)
-    )
+    return [row for section in scoreboard_sections(stages) for row in section.rows]
 
 
 def markdown(stages: dict[str, Any]) -> str:
@@ -658,21 +681,11 @@ def markdown(stages: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-PRESENT_BEGIN, PRESENT_END = "<!-- scoreboard:present -->", "<!-- /scoreboard:present -->"
-
-
-def replace_present_scoreboard(doc: str, stages: dict[str, Any]) -> str:
-    """`doc` with the text between the present-scoreboard markers replaced by this run's table
-    (`markdown`) and the command that made it. Raises ValueError when the markers are missing.
-    Pure."""
-    start, end = doc.find(PRESENT_BEGIN), doc.find(PRESENT_END)
-    if start < 0 or end < start:
-        raise ValueError(f"no {PRESENT_BEGIN} ... {PRESENT_END} block to replace")
-    body = (
-        "Every row from one run of `python -m benchmarks.gpu_suite --out OUT --peers PEERS_DIR` "
-        "(the stage that measured it is named in `OUT/suite.json`):\n\n" + markdown(stages)
-    )
-    return doc[: start + len(PRESENT_BEGIN)] + "\n" + body + doc[end:]
+def write_docs(doc: Path, out: Path, stages: dict[str, Any]) -> None:
+    """Replace the Today tables of `doc` (docs/benchmarks.md) with the rows measured in `out`, each
+    linked to its stage file there (`suite/today.py`)."""
+    block = today_block(scoreboard_sections(stages), sorted(stages), out, doc)
+    doc.write_text(replace_today(doc.read_text(), block))
 
 
 def write_report(out: Path) -> dict[str, Any]:
@@ -695,7 +708,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="256,1000", help="of 256, 1000, or paths to workload files")
     parser.add_argument("--report", action="store_true", help="only rewrite suite.json and suite.md")
     parser.add_argument(
-        "--docs", type=Path, help="also replace the present scoreboard of this file (docs/benchmarks.md)"
+        "--docs",
+        type=Path,
+        nargs="?",
+        const=ROOT / "docs" / "benchmarks.md",
+        help="also replace the Today tables of this file (default docs/benchmarks.md) with the rows "
+        "measured in --out, which must be inside its folder (docs/results/...)",
     )
     parser.add_argument(
         "--revision", help="the pagedserve revision to record (default: `git rev-parse` of the checkout)"
@@ -731,13 +749,18 @@ def main(argv: list[str] | None = None) -> int:
             "serve": lambda: stage_serve(suite),
             "multigpu": lambda: stage_multigpu(suite),
         }
-        # The environment is recorded with every run: stages run apart may meet different hosts.
+        # The environment is recorded with every run: stages run apart may meet different hosts,
+        # so each stage's machine and revision are kept beside its results.
+        here = None
         for name in ["env", *(s for s in stages if s != "env")]:
             result = runners[name]()
             (args.out / f"stage_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+            here = measured_from_env(result) if name == "env" else here
+            if here is not None:
+                record_measured(args.out, name, here)
     stages_found = write_report(args.out)
     if args.docs is not None:
-        args.docs.write_text(replace_present_scoreboard(args.docs.read_text(), stages_found))
+        write_docs(args.docs, args.out, stages_found)
     print((args.out / "suite.md").read_text())
     return 0
 

@@ -13,7 +13,7 @@ from bench_support import load_benchmark
 
 @pytest.fixture(scope="module")
 def offline() -> ModuleType:
-    return load_benchmark("offline_scheduling")
+    return load_benchmark("offline_scheduling", "investigations")
 
 
 def test_windows_parse_in_step_order_with_modes(offline: ModuleType, tmp_path: Path) -> None:

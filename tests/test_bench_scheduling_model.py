@@ -1,5 +1,5 @@
-"""`benchmarks/scheduling_model.py`: the step-time model and a whole workload through the real
-scheduler under each policy."""
+"""`benchmarks/investigations/scheduling_model.py`: the step-time model and a whole workload through
+the real scheduler under each policy."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pagedserve.config import SchedulingPolicy
 ROOT = Path(__file__).resolve().parents[1]
 
 
-bench = load_benchmark("scheduling_model")
+bench = load_benchmark("scheduling_model", "investigations")
 
 
 def test_step_model_interpolates_between_measured_points() -> None:

@@ -198,8 +198,12 @@ def test_results_index_lists_every_entry() -> None:
     assert not gone, f"docs/results/README.md lists entries that are gone: {gone}"
 
 
+# Every folder of benchmarks/ that holds scripts; each one's __init__.py names each of them.
+_BENCHMARK_FOLDERS = ("", "kernel_benchmarks", "suite", "investigations", "common")
+
+
 def test_benchmarks_map_names_every_script() -> None:
-    for folder in (ROOT / "benchmarks", ROOT / "benchmarks" / "kernel_benchmarks"):
+    for folder in (ROOT / "benchmarks" / name for name in _BENCHMARK_FOLDERS):
         doc = (folder / "__init__.py").read_text()
         named = set(re.findall(r"^  (\w+\.py)\b", doc, flags=re.MULTILINE))
         scripts = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
@@ -215,8 +219,24 @@ def test_no_benchmark_module_shadows_an_installed_package() -> None:
     # that path: a script or folder named like an installed package (transformers imports
     # `kernels`, for one) would be imported in its place.
     installed = set(importlib.metadata.packages_distributions())
-    for folder in (ROOT / "benchmarks", ROOT / "benchmarks" / "kernel_benchmarks"):
+    for folder in (ROOT / "benchmarks" / name for name in _BENCHMARK_FOLDERS):
         names = {p.stem for p in folder.glob("*.py") if p.name != "__init__.py"}
         names |= {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
         clash = sorted(names & installed)
         assert not clash, f"{folder.relative_to(ROOT)} has modules named like installed packages: {clash}"
+
+
+def test_benchmarks_top_level_holds_only_what_a_user_runs() -> None:
+    # What a user runs stays in sight; one-off investigations, kernels and the suite's parts have
+    # folders of their own, so the top level stays a short list.
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py")
+    assert len(scripts) <= 12, f"benchmarks/ has {len(scripts)} scripts at its top level: {scripts}"
+    folders = {p.name for p in (ROOT / "benchmarks").iterdir() if (p / "__init__.py").is_file()}
+    assert folders <= set(_BENCHMARK_FOLDERS), f"benchmarks/ folders not mapped: {sorted(folders)}"
+
+
+def test_investigations_readme_says_what_each_script_answered() -> None:
+    folder = ROOT / "benchmarks" / "investigations"
+    listed = set(re.findall(r"^\| `(\w+\.py)` \| \S", (folder / "README.md").read_text(), flags=re.M))
+    scripts = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+    assert listed == scripts, f"investigations/README.md: {sorted(listed)}; the folder: {sorted(scripts)}"

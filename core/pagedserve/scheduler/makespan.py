@@ -38,7 +38,7 @@ from pagedserve.scheduler.request import Request, RequestStatus
 # Prompt tokens a step takes beside its decodes, however thin the spread: admission keeps moving.
 # Of {32, 64, 96, 128, 192} x SPREAD {1.5, 2, 3, 4}, 64 and 2.0 came within 0.01 s of the best
 # on both ShareGPT-like workloads of `benchmarks/workloads/` (8.42 and 17.45 s) in
-# `benchmarks/scheduling_model.py`, this scheduler timed by a model of the H100's steps.
+# `benchmarks/investigations/scheduling_model.py`, this scheduler timed by a model of the H100's steps.
 MIN_PROMPT_TOKENS = 64
 # How many times the even share of the waiting prompt work a step takes: above 1 so that the
 # prompts are done with room to spare before the horizon.

@@ -4,8 +4,8 @@ data-parallel replicas.
 
 Why. Every token a replica generates is streamed by an API-server process, one server-sent event
 per running request per step, and a Python process does about 100 us of that work per event
-(`docs/benchmarks.md`, "CPU: the API-server process under 512 streams"). Two H200 replicas behind
-one process gave 1.17x one replica. N processes split the streaming work.
+(`docs/benchmarks_history.md`, "CPU: the API-server process under 512 streams"). Two H200
+replicas behind one process gave 1.17x one replica. N processes split the streaming work.
 
 How. This process binds the port once and spawns the N processes (never forks: torch and ZeroMQ
 state must not be shared), each handed the bound socket; the kernel gives each new connection to

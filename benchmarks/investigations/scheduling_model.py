@@ -14,7 +14,8 @@ Fitted to first-come-first-served traces, it reproduces the measured step bucket
 and the makespan policy's measured gain within 2 points (docs/benchmarks.md). It is for comparing
 policies and their constants without a GPU, not a substitute for `offline_scheduling.py`.
 
-    python benchmarks/scheduling_model.py --workloads benchmarks/workloads/sharegpt_like_256.json
+    python benchmarks/investigations/scheduling_model.py \\
+        --workloads benchmarks/workloads/sharegpt_like_256.json
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from benchmarks.scoreboard_rows import Row, dig, fmt, judge
+from benchmarks.suite.rows import Row, dig, fmt, judge
 
 
 class Suite(Protocol):
@@ -147,7 +147,7 @@ def multigpu_rows(stages: dict[str, Any]) -> list[Row]:
         rows.append(
             Row(
                 f"8B TP={tp} single-stream TPOT",
-                f"{fmt(tpot, '.2f', ' ms')} ({fmt(tpot_ratio, '.2f')}x TP=1)",
+                fmt(tpot, ".2f", " ms"),
                 peer_tpot,
                 f"<= {goal}x TP=1" if goal else "",
                 judge(tpot_ratio, "<=", goal) if goal else "n/a",
@@ -157,7 +157,7 @@ def multigpu_rows(stages: dict[str, Any]) -> list[Row]:
         rows.append(
             Row(
                 f"8B TP={tp} output tok/s, 1,000 requests",
-                f"{fmt(thr)} ({fmt(thr_ratio, '.2f')}x TP=1)",
+                fmt(thr, ",.0f", " tok/s"),
                 f"TP=1 {fmt(thr1)}",
                 f">= {goal}x TP=1" if goal else "",
                 judge(thr_ratio, ">=", goal) if goal else "n/a",
@@ -195,7 +195,7 @@ def multigpu_rows(stages: dict[str, Any]) -> list[Row]:
     rows.append(
         Row(
             f"8B DP={size} output tok/s, 1,000 requests",
-            f"{fmt(dp)} ({fmt(ratio, '.2f')}x one GPU)",
+            fmt(dp, ",.0f", " tok/s"),
             f"one engine {fmt(one)}",
             f">= {goal}x one GPU" if goal else "",
             judge(ratio, ">=", goal) if goal else "n/a",
@@ -210,7 +210,7 @@ def multigpu_rows(stages: dict[str, Any]) -> list[Row]:
         rows.append(
             Row(
                 f"8B DP={size} through `serve`, output tok/s, 1,000 requests",
-                f"{fmt(dp)} ({fmt(ratio, '.2f')}x one GPU)",
+                fmt(dp, ",.0f", " tok/s"),
                 f"one-engine server {fmt(one)}",
                 f">= {goal}x one GPU" if goal else "",
                 judge(ratio, ">=", goal) if goal else "n/a",

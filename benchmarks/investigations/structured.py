@@ -12,7 +12,7 @@ Throughput: the offline engine serves `--requests` prompts twice, once unconstra
 every other request constrained to the schema, `--max-tokens` each, all added at once; output
 tokens per second of each run. `--model` defaults to the embedded SmolLM2-135M (GGUF).
 
-Usage: .venv/bin/python benchmarks/structured.py [--batches 64,256] [--steps 50]
+Usage: .venv/bin/python benchmarks/investigations/structured.py [--batches 64,256] [--steps 50]
        [--requests 32] [--max-tokens 64] [--model PATH] [--skip-throughput] [--bounded-strings]
 """
 

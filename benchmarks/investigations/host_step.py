@@ -37,7 +37,7 @@ processes of a shared machine do not count (`--clock wall` for perf_counter). Th
 mean per step of each phase over the timed steps, and the median and p90 of the total.
 `--profile VARIANT` also prints the top functions of a cProfile run of that variant's timed steps.
 
-Usage: .venv/bin/python benchmarks/host_step.py [--requests 256] [--steps 200] [--warmup 20]
+Usage: .venv/bin/python benchmarks/investigations/host_step.py [--requests 256] [--steps 200] [--warmup 20]
        [--vocab 2048] [--prompt-len 32] [--variants greedy,greedy-detok,mixed,mixed-detok,penalties]
        [--clock cpu|wall] [--output-kind cumulative|final_only] [--gc-freeze] [--profile mixed]
 """

@@ -14,7 +14,7 @@ compare the same tokens:
 Models: `--tiny` (random Llama and Qwen2 configs, the tests' shapes) and the embedded SmolLM2-135M
 (`--smollm2`, real weights, real text prompts). CPU (cpu_reference, torch 2.13's CPU `_scaled_mm`):
 
-    python benchmarks/fp8_accuracy.py --tiny --smollm2
+    python benchmarks/investigations/fp8_accuracy.py --tiny --smollm2
 
 On a GPU add `--platform cuda` (or `triton`). Variants a platform cannot run are reported as such.
 """

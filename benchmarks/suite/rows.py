@@ -1,5 +1,5 @@
 """The GPU suite's scoreboard vocabulary: one row per number docs/benchmarks.md quotes, and the
-helpers every stage's rows are built with (shared by `gpu_suite` and `gpu_suite_multigpu`)."""
+helpers every stage's rows are built with (shared by `gpu_suite.py` and this folder's stages)."""
 
 from __future__ import annotations
 

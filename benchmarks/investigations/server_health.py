@@ -21,8 +21,8 @@ and the engine core kept busy meanwhile, and what the load did (requests finishe
 chunks received per second). The targets: /health within 50 ms (max) while a 1 MB
 prompt is tokenized, within 100 ms at p99 under the streams.
 
-    .venv/bin/python benchmarks/server_health.py [--probes 200] [--interval-ms 10] [--streams 32]
-        [--max-tokens 128] [--prompt-bytes 1000000] [--truncate 16]
+    .venv/bin/python benchmarks/investigations/server_health.py [--probes 200] [--interval-ms 10]
+        [--streams 32] [--max-tokens 128] [--prompt-bytes 1000000] [--truncate 16]
         [--situations idle,tokenize_1mb,completion_1mb,streams] [--json OUT.json]
         [--server-arg MODEL] [--server-arg=--max-model-len=4096 ...]
 

@@ -19,7 +19,7 @@ a container as long as its sequence). Clock: thread CPU time.
 Variants (`--variants`): ids (detokenize=False), text (SmolLM2's tokenizer), logprobs (text, and
 one logprob per token).
 
-Usage: .venv/bin/python benchmarks/output_step.py [--requests 256] [--length 4096] [--steps 40]
+Usage: .venv/bin/python benchmarks/investigations/output_step.py [--requests 256] [--length 4096] [--steps 40]
        [--variants ids,text,logprobs] [--modes cumulative,delta]
 """
 

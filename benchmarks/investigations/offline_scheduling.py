@@ -14,9 +14,9 @@ first workload under the last policy, not timed, is observed in windows of its s
 the tokens, running requests and keys read (context) per step, from which attention's achieved
 bandwidth follows.
 
-    python benchmarks/offline_scheduling.py --json offline_scheduling.json \\
+    python benchmarks/investigations/offline_scheduling.py --json offline_scheduling.json \\
         --workloads benchmarks/workloads/sharegpt_like_256.json,benchmarks/workloads/sharegpt_like_1000.json
-    python benchmarks/offline_scheduling.py --policies makespan --rounds 1 \\
+    python benchmarks/investigations/offline_scheduling.py --policies makespan --rounds 1 \\
         --profile-steps 100:20,400:20,800:20 --json profile.json
 """
 
@@ -32,13 +32,18 @@ import logging
 import os
 import pstats
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+# The GPU scripts' shared pieces live one folder up (`benchmarks/gpu_latency.py`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_latency import _gpu_busy, bench_engine_args, kernel_table, llama_8b_config
 
 from pagedserve.bench.datasets import fit_vocab, load_workload

@@ -16,8 +16,8 @@ on: the time per decode step, the simulated device's idle time per step (from fi
 to the launch of the next) and the host's CPU time per step, means over `--steps` timed steps
 after `--warmup`.
 
-Usage: .venv/bin/python benchmarks/async_overlap.py [--requests 256] [--steps 100] [--warmup 10]
-       [--vocab 256] [--device-ms 0,2,5,10]
+Usage: .venv/bin/python benchmarks/investigations/async_overlap.py [--requests 256] [--steps 100]
+       [--warmup 10] [--vocab 256] [--device-ms 0,2,5,10]
 """
 
 from __future__ import annotations

@@ -18,12 +18,22 @@ pytest.importorskip("triton.backends.nvidia.compiler")
 pytest.importorskip("triton.backends.amd.compiler")
 
 # (rows, bits, group size, zero points): groups of 128 (K steps of 64) and of 32 (K steps of 32).
+# With the default files' tiles (every target), and with the H100 file's (sm_90 only) at its
+# decode and 64-row classes, narrow and wide outputs (longer steps there dequantize first).
+H100 = "NVIDIA H100 80GB HBM3"
 CASES = [
-    (m, bits, group, zeros)
+    (m, bits, group, zeros, 4096, "default")
     for m in (1, 256)
     for bits in (4, 8)
     for group in (128, 32)
     for zeros in (False, True)
+] + [
+    (m, bits, group, zeros, n, H100)
+    for m in (1, 64)
+    for bits in (4, 8)
+    for group in (128, 32)
+    for zeros in (False, True)
+    for n in (6144, 28672)
 ]
 LDS_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
 
@@ -50,8 +60,8 @@ def record(key, target, compiled):
         results[key] = {"shared": compiled.metadata.shared, "vgpr_spills": stats.vgpr_spills,
                         "sgpr_spills": stats.sgpr_spills}
 
-for m, bits, group, zeros in json.loads(sys.argv[1]):
-    tiles = il.choose_tiles(m, group, 4096, 4096, bits)
+for m, bits, group, zeros, n, device in json.loads(sys.argv[1]):
+    tiles = il.choose_tiles(m, group, n, 4096, bits, device)
     constexprs = dict(SPLIT=tiles.split_k > 1, BITS=bits, HAS_ZEROS=zeros, HAS_BIAS=False,
                       GROUP_ALIGNED=group % tiles.block_k == 0, EVEN=True,
                       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
@@ -70,11 +80,11 @@ for m, bits, group, zeros in json.loads(sys.argv[1]):
             signature[arg] = "i32"
             if arg.startswith("stride") or arg in ("N", "K", "k_per_split"):
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    for target, gpu in TARGETS.items():
+    for target, gpu in TARGETS.items() if device == "default" else [("sm90", TARGETS["sm90"])]:
         compiled = triton.compile(ASTSource(fn=il.int_weight_gemm_kernel, signature=signature,
                                             constexprs=constexprs, attrs=attrs), target=gpu,
                                   options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
-        record(f"{m}/{bits}/{group}/{zeros}/{target}", target, compiled)
+        record(f"{m}/{bits}/{group}/{zeros}/{n}/{device}/{target}", target, compiled)
 dequant_sig = {"w_ptr": "*i32", "scale_ptr": "*fp32", "zero_ptr": "*i8", "out_ptr": "*bf16", "N": "i32",
                "K": "i32", "stride_wn": "i32", "stride_sn": "i32", "group_size": "i32", "BITS": "constexpr",
                "HAS_ZEROS": "constexpr", "GROUP_ALIGNED": "constexpr", "EVEN": "constexpr",
@@ -117,7 +127,7 @@ def test_compiles_for_h100_without_local_memory(compiled: dict[str, dict[str, ob
 @pytest.mark.parametrize("target", ["gfx942", "gfx950"])
 def test_compiles_for_amd_without_spills(compiled: dict[str, dict[str, object]], target: str) -> None:
     keys = [key for key in compiled if key.endswith(f"/{target}")]
-    assert len(keys) == len(CASES) + 1  # and the dequantize kernel
+    assert len(keys) == sum(case[-1] == "default" for case in CASES) + 1  # and the dequantize kernel
     for key in keys:
         result = compiled[key]
         shared = result["shared"]

@@ -61,6 +61,7 @@ def test_plugin_registers_cleanly_and_is_unavailable_without_gpu() -> None:
     assert type(platform.cache_ops()).__name__ == "TritonCacheOps"
     assert set(platform.tuned_configs().kernels()) == {
         *ATTENTION_KERNELS,
+        "int_weight_gemm",
         "ragged_prefill",
         "reduce_segments",
         "reshape_and_cache",

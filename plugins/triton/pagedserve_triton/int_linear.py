@@ -4,28 +4,33 @@
 8-bit integer codes (`pagedserve.platforms.api.IntLinearKernel` is the contract).
 
 `int_weight_gemm_kernel`: each program computes a [BLOCK_M, BLOCK_N] tile of the output over one
-range of the inputs. Per step of BLOCK_K inputs it loads the activation tile, the int32 words holding the
-tile's codes (each word once per code it holds: the repeats hit the L1 cache), shifts and masks
-the codes out in registers, subtracts the zero points, multiplies by the scales (float32, exact),
-rounds the weight tile once to x's dtype and feeds it with the activations to `tl.dot`
-(float32 accumulation). A decode step therefore streams the packed codes (a quarter of bfloat16's
-bytes at 4 bits) and never writes a dense weight; a prefill's tiles run on the tensor cores.
+range of the inputs. Per step of BLOCK_K inputs it loads the activation tile and each int32 word
+of the tile's codes once, shifts the codes out along a third axis that a reshape lays next to each
+other, subtracts the zero points, multiplies by the scales (float32, exact), rounds the weight
+tile once to x's dtype and feeds it with the activations to `tl.dot` (float32 accumulation); with
+`weight_major` the weight tile is the dot's M side, as Hopper's warpgroup MMA wants at 16 rows. A
+decode step streams the packed codes (a quarter of bfloat16's bytes at 4 bits) and never writes a
+dense weight. When the group size is a multiple of BLOCK_K a tile's inputs share one group and
+its scales (and zeros) are one vector load; otherwise each input's group is gathered. Tiles that
+lie inside the weight (`EVEN`) load without masks.
 
-When the group size is a multiple of BLOCK_K (the launch rule makes it so for every group size
-the kernel takes), a tile's inputs share one group and its scales (and zeros) are one vector
-load; otherwise each input's group is gathered.
+Decode steps split K: each of up to `split_k` programs of a column tile covers one range of K
+(whole K steps, so a step still lies in one group) and writes its float32 partial tile; the last
+program of the tile to take a ticket from its counter adds the partials in range order (the same
+bits every call), adds the bias, rounds once and resets the counter, so a split costs no second
+launch. Unsplit, one program per 32 columns walked all of K and the GPTQ 8B shape decoded at
+74.5 ms a token on an H100 (bf16: 5.9 ms).
 
-Decode steps split K: with one program per 32 output columns, a step of few tokens gave each SM
-one program walking all of K, one dependent load after another, and the GPTQ 8B shape decoded at
-74.5 ms a token on an H100 (bf16: 5.9 ms). Split, each of up to `MAX_SPLIT_K` programs of a column
-tile covers one range of K (whole K steps, so a step still lies in one group), about
-`TARGET_PROGRAMS` programs stream at once, each writes its float32 partial tile, and
-`int_gemm_reduce_kernel` adds the partials in split order (plus the bias) and rounds once.
+Long steps may instead write the dense weight (`dequantize_int_weight_kernel`, the same formula
+and rounding) and run one library GEMM (`dequantize_first`): at 256 rows of an 8B layer that beat
+every fused tile measured on an H100.
 
-Launch parameters (`choose_tiles`) are rules, not tuned on any GPU: 16 x 32 tiles of 8 warps for
-steps of up to 16 tokens (16 rows: the smallest `tl.dot`), split as above, 64 x 64 of 4 warps
-above, unsplit; K steps of 64 inputs, or of the largest power of two (>= 16) dividing the group
-size, so that a step lies in one group. Rows are independent: rows past the step's tokens change
+Launch parameters come from the plugin's tuned-config files (`configs/int_weight_gemm-<device>.json`,
+kernel "int_weight_gemm", shape keys `rows` (rounded up to a power of two), `n`, `k`, `bits`,
+`group_size`), looked up once per shape class by `choose_tiles`; the K step is halved until it
+lies in one group, and an entry without `SPLIT_K` gets the split that keeps about
+`TARGET_PROGRAMS` programs streaming. `benchmarks/kernel_benchmarks/int_gemm.py --sweep` measures
+the candidates and writes such entries. Rows are independent: rows past the step's tokens change
 no other row, and the same call gives the same bits.
 """
 
@@ -291,16 +296,16 @@ def parse_tiles(params: Mapping[str, ParamValue], where: str) -> tuple[IntGemmTi
         raise TunedConfigError(
             f"{where}: unknown params {unknown}, missing {missing}; known: {sorted(_PARAMS)}"
         )
-    try:
-        tiles = IntGemmTiles(
-            *(_int_param(params, n, where, True) for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "WARPS")),
-            _int_param(params, "STAGES", where, False),
-            split_k=_int_param(params, "SPLIT_K", where, False) if "SPLIT_K" in params else 1,
-            weight_major=_bool_param(params, "WEIGHT_MAJOR", where),
-            dequantize_first=_bool_param(params, "DEQUANTIZE_FIRST", where),
-        )
-    except ValueError as e:
-        raise TunedConfigError(f"{where}: {e}") from e
+    tiles = IntGemmTiles(
+        block_m=_int_param(params, "BLOCK_M", where, True),
+        block_n=_int_param(params, "BLOCK_N", where, True),
+        block_k=_int_param(params, "BLOCK_K", where, True),
+        num_warps=_int_param(params, "WARPS", where, True),
+        num_stages=_int_param(params, "STAGES", where, False),
+        split_k=_int_param(params, "SPLIT_K", where, False) if "SPLIT_K" in params else 1,
+        weight_major=_bool_param(params, "WEIGHT_MAJOR", where),
+        dequantize_first=_bool_param(params, "DEQUANTIZE_FIRST", where),
+    )
     return tiles, "SPLIT_K" in params
 
 

@@ -30,7 +30,7 @@ from pagedserve.inputs import PromptType, is_single_prompt, to_engine_prompt
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams, PoolingTask
-from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling.sampling_params import SAMPLING_PARAMS, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
@@ -406,15 +406,9 @@ def _describe_validation_error(exc: pydantic.ValidationError) -> str:
     return "invalid engine arguments: " + "; ".join(parts)
 
 
-# generation_config.json field -> SamplingParams field (the ones vLLM takes as defaults)
-_GENERATION_DEFAULTS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
+# generation_config.json field -> SamplingParams field (the ones vLLM takes as defaults), from
+# the parameters' declarations.
+_GENERATION_DEFAULTS = {d.generation_config: d.name for d in SAMPLING_PARAMS if d.generation_config}
 
 
 def generation_defaults(model: str | None) -> SamplingParams:

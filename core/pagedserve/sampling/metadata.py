@@ -55,17 +55,20 @@ class SamplingMetadata:
 
     num_reqs: int
     vocab_size: int  # width of the logits the sampler will receive
-    temperature: torch.Tensor | None  # [num_reqs] float32, 1.0 on greedy rows; None: all greedy
     greedy: torch.Tensor | None  # [num_reqs] bool; None unless greedy and random rows are mixed
     all_greedy: bool  # every row is greedy: no noise, no top-k/top-p/min-p
     all_random: bool  # no row is greedy
     top_k: torch.Tensor | None  # [num_reqs] int64 in [1, vocab_size]; vocab_size where disabled
     max_top_k: int | None  # largest top_k below vocab_size, on the host; None: no row uses top-k
-    top_p: torch.Tensor | None  # [num_reqs] float32; 1.0 where disabled
     # [num_top_p] int64 ascending: the rows with top_p < 1, when they are at most half the batch;
     # only they then go through top-p's full-vocabulary sort. None: every row does (or no top-p).
     top_p_rows: torch.Tensor | None
-    min_p: torch.Tensor | None  # [num_reqs] float32; 0.0 where disabled
+    # The parameters declared with RowColumn(metadata=True), one field each, which SamplingRows
+    # builds from their columns: the neutral value on greedy rows (they are read by random rows
+    # only), None when every row holds it. A repository test keeps these and the declarations one.
+    temperature: torch.Tensor | None  # [num_reqs] float32; 1.0 on greedy rows; None: all 1.0
+    top_p: torch.Tensor | None  # [num_reqs] float32; 1.0 where disabled; None: all 1.0
+    min_p: torch.Tensor | None  # [num_reqs] float32; 0.0 where disabled; None: all 0.0
     penalties: PenaltyTensors | None  # None: no row has a penalty
     logit_edits: SparseLogitEdits | None  # None: no logit bias and no min_tokens ban this step
     seeded: SeededRows | None  # None: no random row has a seed

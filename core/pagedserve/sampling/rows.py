@@ -5,7 +5,13 @@ whole batch, and a host-to-device copy per feature, every step. Here a request's
 written into flat arrays once, when it joins (`add`); leaving moves the last row into the hole
 (`remove`), exactly as the persistent input batch does, so row r here is row r there.
 
-`metadata` derives one step's `SamplingMetadata` from the arrays with numpy. What depends only
+The arrays are the columns of a `RowTable`, laid out from the parameter declarations: a newly
+declared parameter gets its column, and its metadata tensor when declared `metadata=True`,
+without a line of this module changing.
+
+`metadata` derives one step's `SamplingMetadata` from the columns with numpy. Each declared
+`metadata=True` column becomes the metadata tensor of its name (neutral on greedy rows where only
+random rows read it; None when every sampled row holds the neutral value). What depends only
 on the rows' parameters (temperatures, top-k/top-p/min-p, penalty weights, logit bias, prompt
 histories, seeds' request parts) is cached with its device tensors while the set of rows stays
 the same (`version`), which in steady decode is most steps. Only what moves with each token is
@@ -16,8 +22,10 @@ none of them reuses one cached object.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +33,18 @@ import torch
 from pagedserve.sampling.metadata import SamplingMetadata, SeededRows, SparseLogitEdits
 from pagedserve.sampling.noise import request_seed_hash, step_seeds
 from pagedserve.sampling.penalties import PenaltyTensors
+from pagedserve.sampling.row_table import DECLARED, NEUTRAL, RowTable
 from pagedserve.sampling.sampling_params import SamplingParams, SamplingType
+
+_RANDOM_ONLY = tuple(name for name, row in DECLARED if row.random_only)  # neutral on greedy rows
+_METADATA = tuple(name for name, row in DECLARED if row.metadata)  # a metadata tensor each
+# The columns `_build_static` reads through `_values`, the metadata ones and top_k: (column, its
+# neutral value, whether greedy rows get it).
+_METADATA_READS = tuple((name, NEUTRAL[name], name in _RANDOM_ONLY) for name in (*_METADATA, "top_k"))
+# The penalty columns, in PenaltyTensors' order (presence, frequency, repetition).
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+_read_penalties = operator.attrgetter(*_PENALTIES)
+_NO_PENALTY = tuple(row.neutral for name, row in DECLARED if name in _PENALTIES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +86,14 @@ class _Static:
     """The part of the metadata that depends only on which rows are sampled, for one batch shape."""
 
     key: tuple[object, ...]  # (version, vocab_size, device, generator) it was built for
-    temperature: torch.Tensor | None
+    # declared metadata column -> its tensor (None: every sampled row holds the neutral value)
+    per_row: dict[str, Any]
     greedy: torch.Tensor | None
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None
     max_top_k: int | None
-    top_p: torch.Tensor | None
     top_p_rows: torch.Tensor | None
-    min_p: torch.Tensor | None
     max_num_logprobs: int | None
     # Penalties: None when no position has one.
     penalty_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # presence, frequency, repetition
@@ -107,20 +125,18 @@ class _Static:
         return SamplingMetadata(
             num_reqs=num_positions,
             vocab_size=vocab_size,
-            temperature=self.temperature,
             greedy=self.greedy,
             all_greedy=self.all_greedy,
             all_random=self.all_random,
             top_k=self.top_k,
             max_top_k=self.max_top_k,
-            top_p=self.top_p,
             top_p_rows=self.top_p_rows,
-            min_p=self.min_p,
             penalties=penalties,
             logit_edits=logit_edits,
             seeded=seeded,
             generator=generator,
             max_num_logprobs=self.max_num_logprobs,
+            **self.per_row,
         )
 
 
@@ -131,43 +147,19 @@ class SamplingRows:
     def __init__(self, max_num_rows: int) -> None:
         self.max_num_rows = max_num_rows
         self.params: list[SamplingParams] = []  # row -> params; len == num_rows
-        n = max_num_rows
-        self.greedy = np.zeros(n, dtype=bool)
-        self.temperature = np.ones(n, dtype=np.float32)  # raw; greedy rows are neutralised later
-        self.top_k = np.zeros(n, dtype=np.int64)  # SamplingParams' value: 0 disables
-        self.top_p = np.ones(n, dtype=np.float32)
-        self.min_p = np.zeros(n, dtype=np.float32)
-        self.presence = np.zeros(n, dtype=np.float32)
-        self.frequency = np.zeros(n, dtype=np.float32)
-        self.repetition = np.ones(n, dtype=np.float32)
-        self.seeded = np.zeros(n, dtype=bool)
-        self.seed_hash = np.zeros(n, dtype=np.uint64)  # request_seed_hash; meaningful where seeded
-        self.wants_logprobs = np.zeros(n, dtype=bool)
-        self.num_logprobs = np.zeros(n, dtype=np.int64)  # 0 where not wanted
-        self.wants_prompt_logprobs = np.zeros(n, dtype=bool)
-        self.min_tokens = np.zeros(n, dtype=np.int64)
-        self.has_bias = np.zeros(n, dtype=bool)  # logit bias, allowed_token_ids or bad words
-        self.bad_word_prefixes = np.zeros(n, dtype=bool)  # a bad word of several tokens
-        self._arrays = [
-            self.greedy,
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.min_p,
-            self.presence,
-            self.frequency,
-            self.repetition,
-            self.seeded,
-            self.seed_hash,
-            self.wants_logprobs,
-            self.num_logprobs,
-            self.wants_prompt_logprobs,
-            self.min_tokens,
-            self.has_bias,
-            self.bad_word_prefixes,
-        ]
+        self._table = RowTable(max_num_rows)
+        self.columns = self._table.columns  # column -> [max_num_rows]; read only
+        self.greedy = self.columns["greedy"]
+        self.seeded = self.columns["seeded"]
+        self.seed_hash = self.columns["seed_hash"]
+        self.wants_logprobs = self.columns["wants_logprobs"]
+        self.num_logprobs = self.columns["num_logprobs"]
+        self.wants_prompt_logprobs = self.columns["wants_prompt_logprobs"]
+        self.has_bias = self.columns["has_bias"]
+        self.bad_word_prefixes = self.columns["bad_word_prefixes"]
+        self.reads_generated = self.columns["reads_generated"]
         self.version = 0  # bumped by every add/remove: the cache key of the static part
-        self._arange = np.arange(n, dtype=np.int64)
+        self._arange = np.arange(max_num_rows, dtype=np.int64)
         self._static: _Static | None = None
 
     @property
@@ -181,23 +173,21 @@ class SamplingRows:
         if row >= self.max_num_rows:
             raise RuntimeError(f"all {self.max_num_rows} sampling rows are taken")
         self.params.append(params)
-        self.greedy[row] = params.sampling_type is SamplingType.GREEDY
-        self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
-        self.presence[row] = params.presence_penalty
-        self.frequency[row] = params.frequency_penalty
-        self.repetition[row] = params.repetition_penalty
-        self.seeded[row] = params.seed is not None
-        self.seed_hash[row] = request_seed_hash(params.seed, sample_index) if params.seed is not None else 0
-        self.wants_logprobs[row] = params.logprobs is not None
-        self.num_logprobs[row] = params.logprobs or 0
-        self.wants_prompt_logprobs[row] = params.prompt_logprobs is not None
-        self.min_tokens[row] = params.min_tokens
         bad_words = params.bad_words_token_ids
-        self.has_bias[row] = bool(params.bias) or params.allowed_token_ids is not None or bool(bad_words)
-        self.bad_word_prefixes[row] = any(len(seq) > 1 for seq in bad_words)
+        prefixes = any(len(seq) > 1 for seq in bad_words) if bad_words else False
+        seed, logprobs = params.seed, params.logprobs
+        derived = (  # in row_table.DERIVED's order
+            params.sampling_type is SamplingType.GREEDY,
+            seed is not None,
+            request_seed_hash(seed, sample_index) if seed is not None else 0,
+            logprobs is not None,
+            logprobs or 0,
+            params.prompt_logprobs is not None,
+            bool(params.logit_bias) or params.allowed_token_ids is not None or bool(bad_words),
+            prefixes,
+            prefixes or _read_penalties(params) != _NO_PENALTY,
+        )
+        self._table.write(row, params, derived)
         self.version += 1
         return row
 
@@ -208,8 +198,7 @@ class SamplingRows:
             raise IndexError(f"row {row} is not in use ({self.num_rows} rows)")
         if row != last:
             self.params[row] = self.params[last]
-            for array in self._arrays:
-                array[row] = array[last]
+            self._table.move(last, row)
         self.params.pop()
         self.version += 1
 
@@ -217,12 +206,7 @@ class SamplingRows:
         """Whether sampling any of these rows reads its generated tokens: for a penalty, or to
         match a bad word of several tokens. A runner that schedules a row before the host has its
         previous sample must then write that sample into the row's history first. Does not mutate."""
-        return bool(
-            (self.presence[rows] != 0).any()
-            or (self.frequency[rows] != 0).any()
-            or (self.repetition[rows] != 1).any()
-            or self.bad_word_prefixes[rows].any()
-        )
+        return bool(self.reads_generated[rows].any())
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -247,7 +231,7 @@ class SamplingRows:
         every_row = n == self.num_rows and bool((rows == self._arange[:n]).all())
         static = self._static
         if static is None or static.key != key or not every_row:
-            static = self._build_static(rows, key, vocab_size, device, generator)
+            static = self._build_static(rows, every_row, key, vocab_size, device, generator)
             # Only the plain every-row-once layout repeats from step to step.
             self._static = static if every_row else None
         if static.fixed is not None:
@@ -269,6 +253,7 @@ class SamplingRows:
     def _build_static(
         self,
         rows: np.ndarray,
+        every_row: bool,
         key: tuple[object, ...],
         vocab_size: int,
         device: torch.device,
@@ -277,40 +262,50 @@ class SamplingRows:
         def tensor(values: np.ndarray) -> torch.Tensor:
             return _to_device(values, device)
 
-        greedy = self.greedy[rows]
+        # Where the columns are read: a slice when every row is sampled once, in order (views,
+        # cheaper than gathering), else the rows themselves.
+        at: slice | np.ndarray = slice(0, len(rows)) if every_row else rows
+        greedy = self.greedy[at]
         random = ~greedy
-        all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
-        top_k, top_p, min_p, temperature = self._filter_values(rows, greedy, vocab_size)
+        num_greedy = int(np.count_nonzero(greedy))
+        all_greedy, all_random = num_greedy == len(rows), num_greedy == 0
+        values = self._values(at, greedy, all_random)
+        per_row: dict[str, Any] = {}
+        for name in _METADATA:
+            column = values[name]
+            per_row[name] = tensor(column) if (column != NEUTRAL[name]).any() else None
+        # top_k in the vocabulary's terms: the vocabulary's size where disabled (0), at most it.
+        top_k = values["top_k"]
+        top_k = np.where(top_k > 0, np.minimum(top_k, vocab_size), vocab_size)
         uses_top_k = top_k < vocab_size
-        uses_top_p = top_p != 1.0
+        any_top_k = bool(uses_top_k.any())
+        uses_top_p = values["top_p"] != NEUTRAL["top_p"]
         # Sorting a few rows instead of the batch pays for the gather and scatter around it.
         sort_subset = bool(uses_top_p.any()) and 2 * int(uses_top_p.sum()) <= len(rows)
-        wants = self._wanted_logprobs(rows, vocab_size)
-        penalized, penalty_weights = self._penalty_weights(rows, device)
-        bias = self._bias(rows, vocab_size)
-        seeded_positions = np.nonzero(random & self.seeded[rows])[0]
+        wants = self._wanted_logprobs(at, vocab_size)
+        penalized, penalty_weights = self._penalty_weights(at, len(rows), device)
+        bias = self._bias(rows, at, vocab_size)
+        seeded_positions = (random & self.seeded[at]).nonzero()[0]
         static = _Static(
             key=key,
-            temperature=None if all_greedy else tensor(temperature),
+            per_row=per_row,
             greedy=None if all_greedy or all_random else tensor(greedy),
             all_greedy=all_greedy,
             all_random=all_random,
-            top_k=tensor(top_k) if uses_top_k.any() else None,
-            max_top_k=int(top_k[uses_top_k].max()) if uses_top_k.any() else None,
-            top_p=tensor(top_p) if uses_top_p.any() else None,
-            top_p_rows=tensor(np.nonzero(uses_top_p)[0]) if sort_subset else None,
-            min_p=tensor(min_p) if (min_p != 0.0).any() else None,
+            top_k=tensor(top_k) if any_top_k else None,
+            max_top_k=int(top_k[uses_top_k].max()) if any_top_k else None,
+            top_p_rows=tensor(uses_top_p.nonzero()[0]) if sort_subset else None,
             max_num_logprobs=int(wants.max()) if wants.size else None,
             penalty_weights=penalty_weights,
-            penalty_positions=np.nonzero(penalized)[0],
+            penalty_positions=penalized.nonzero()[0],
             prompt_ids=None,
             bias=bias,
             bias_edits=_edits(*bias, device) if bias[0].size else None,
-            min_tokens_positions=np.nonzero(self.min_tokens[rows] > 0)[0],
-            bad_word_positions=np.nonzero(self.bad_word_prefixes[rows])[0],
+            min_tokens_positions=(self.columns["min_tokens"][at] > 0).nonzero()[0],
+            bad_word_positions=self.bad_word_prefixes[at].nonzero()[0],
             seeded_positions=seeded_positions,
             seeded_rows=tensor(seeded_positions) if seeded_positions.size else None,
-            seed_hashes=self.seed_hash[rows][seeded_positions],
+            seed_hashes=self.seed_hash[at][seeded_positions],
             fixed=None,
         )
         per_step = static.min_tokens_positions.size or static.bad_word_positions.size or seeded_positions.size
@@ -318,24 +313,22 @@ class SamplingRows:
             static.fixed = static.assemble(len(rows), vocab_size, generator, None, static.bias_edits, None)
         return static
 
-    def _filter_values(
-        self, rows: np.ndarray, greedy: np.ndarray, vocab_size: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(top_k, top_p, min_p, temperature) of `rows`, each [len(rows)]; greedy rows (the mask
-        `greedy`) get neutral values so that the random path can run over the whole batch."""
-        random = ~greedy
-        top_k = np.where(
-            random & (self.top_k[rows] > 0), np.minimum(self.top_k[rows], vocab_size), vocab_size
-        )
-        top_p = np.where(random, self.top_p[rows], np.float32(1.0))
-        min_p = np.where(random, self.min_p[rows], np.float32(0.0))
-        temperature = np.where(greedy, np.float32(1.0), self.temperature[rows])
-        return top_k, top_p, min_p, temperature
+    def _values(self, at: slice | np.ndarray, greedy: np.ndarray, all_random: bool) -> dict[str, np.ndarray]:
+        """column -> its values at `at` (possibly views of the columns: read, never write them)
+        for the columns the metadata reads. Greedy rows (the mask `greedy`) hold the neutral value
+        in those only random rows read, so that the random path can run over the whole batch."""
+        out = {}
+        for name, neutral, random_only in _METADATA_READS:
+            values = self.columns[name][at]
+            if random_only and not all_random:
+                values = np.where(greedy, neutral, values)
+            out[name] = values
+        return out
 
-    def _wanted_logprobs(self, rows: np.ndarray, vocab_size: int) -> np.ndarray:
-        """The numbers of top logprobs asked for by those of `rows` that want logprobs; raises if
+    def _wanted_logprobs(self, at: slice | np.ndarray, vocab_size: int) -> np.ndarray:
+        """The numbers of top logprobs asked for by the rows at `at` that want logprobs; raises if
         one asks for more than the vocabulary has, since no token could fill the surplus."""
-        wants = self.num_logprobs[rows][self.wants_logprobs[rows]]
+        wants = self.num_logprobs[at][self.wants_logprobs[at]]
         if wants.size and int(wants.max()) > vocab_size:
             raise ValueError(
                 f"logprobs={int(wants.max())} asks for more top tokens than the vocabulary has ({vocab_size})"
@@ -343,12 +336,14 @@ class SamplingRows:
         return wants
 
     def _penalty_weights(
-        self, rows: np.ndarray, device: torch.device
+        self, at: slice | np.ndarray, num_positions: int, device: torch.device
     ) -> tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
-        """The mask of penalized `rows` and their (presence, frequency, repetition) weights on
+        """The mask of the penalized rows at `at` and their (presence, frequency, repetition) weights on
         `device`, or None for the weights when no row is penalized (the step skips penalties)."""
-        presence, frequency, repetition = self.presence[rows], self.frequency[rows], self.repetition[rows]
-        penalized = (presence != 0) | (frequency != 0) | (repetition != 1)
+        presence, frequency, repetition = (self.columns[name][at] for name in _PENALTIES)
+        penalized = np.zeros(num_positions, dtype=bool)
+        for name, values in zip(_PENALTIES, (presence, frequency, repetition), strict=True):
+            penalized |= values != NEUTRAL[name]
         if not penalized.any():
             return penalized, None
         weights = (
@@ -358,14 +353,17 @@ class SamplingRows:
         )
         return penalized, weights
 
-    def _bias(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _bias(
+        self, rows: np.ndarray, at: slice | np.ndarray, vocab_size: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Logit bias, for rows with allowed_token_ids a -inf ban of every other token, and a -inf
-        ban of every one-token bad word (built when the batch changes, not per step)."""
+        ban of every one-token bad word (built when the batch changes, not per step). `rows` are
+        the sampled positions' rows, `at` where their columns are read (`_build_static`)."""
         positions: list[int] = []
         tokens: list[int] = []
         values: list[float] = []
         bans: list[tuple[int, np.ndarray]] = []  # (position, banned token ids)
-        for position in np.nonzero(self.has_bias[rows])[0].tolist():
+        for position in np.nonzero(self.has_bias[at])[0].tolist():
             params = self.params[int(rows[position])]
             for token, value in params.bias.items():
                 positions.append(position)
@@ -404,7 +402,7 @@ class SamplingRows:
         tokens: list[int] = []
         candidates = static.min_tokens_positions
         if candidates.size:
-            candidates = candidates[num_outputs[candidates] < self.min_tokens[rows[candidates]]]
+            candidates = candidates[num_outputs[candidates] < self.columns["min_tokens"][rows[candidates]]]
         for position in candidates.tolist():
             # Until min_tokens are generated, nothing that would end the request may be sampled.
             params = self.params[int(rows[position])]
@@ -452,7 +450,8 @@ class SamplingRows:
         positions = static.penalty_positions
         if static.prompt_ids is None:
             # The prompt part never changes for a row: built once per static part.
-            with_repetition = positions[self.repetition[histories.rows[positions]] != 1]
+            weights = self.columns["repetition_penalty"][histories.rows[positions]]
+            with_repetition = positions[weights != NEUTRAL["repetition_penalty"]]
             static.prompt_ids = _padded_histories(
                 histories,
                 with_repetition,
@@ -509,8 +508,11 @@ def _padded_histories(
 
 
 def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`values` as a tensor on `device` (from_numpy needs a contiguous array)."""
-    return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+    """`values` as a tensor on `device`, sharing no memory with the rows' table: a view of a column
+    is copied (from_numpy shares memory, and so does `.to` a CPU device, so a cached tensor
+    would change with the table)."""
+    own = values if values.flags.owndata and values.flags.c_contiguous else np.array(values)
+    return torch.from_numpy(own).to(device)
 
 
 def _check_vocab(tokens: list[int], vocab_size: int) -> None:

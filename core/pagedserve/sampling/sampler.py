@@ -143,8 +143,10 @@ class Sampler:
 
     @staticmethod
     def _sample_random(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        assert meta.temperature is not None  # None only for an all-greedy batch
-        scaled = processed / meta.temperature.unsqueeze(1)  # a fresh tensor: safe to edit in place
+        # A fresh tensor either way, safe to edit in place (`processed` may be the caller's
+        # logits); no temperature tensor means every random row's is 1.
+        temperature = meta.temperature
+        scaled = processed.clone() if temperature is None else processed / temperature.unsqueeze(1)
         if meta.top_p_rows is None or meta.top_p is None:
             apply_top_k_top_p(scaled, meta.top_k, meta.top_p, meta.max_top_k)
         else:

@@ -29,35 +29,23 @@ from pagedserve.outputs import CompletionOutput, Logprob, PromptLogprobs, Reques
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, invalid
 from pagedserve.server.handlers import GenerationHandler, Merged, SampleDelta, stream_choices, usage
-from pagedserve.server.openai_protocol import CompletionRequest, to_sampling_params
+from pagedserve.server.openai_protocol import SERVED_PARAMS, CompletionRequest, to_sampling_params
 from pagedserve.server.structured_fields import structured_outputs_of
 
 _NOT_WITH_BEAMS = (
     "stream",
     "logprobs",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "min_tokens",
+    *(served.field for served in SERVED_PARAMS if not served.api.with_beam_search),
     "response_format",
     "structured_outputs",
     "guided_json",
     "guided_regex",
     "guided_choice",
     "guided_grammar",
-    "truncate_prompt_tokens",
-    "allowed_token_ids",
-    "bad_words",
 )
 """Fields that shape sampling, which a beam search does not do: with use_beam_search a value other
-than the default is refused naming the field rather than ignored."""
+than the default is refused naming the field rather than ignored. The sampling parameters among
+them are those whose declaration does not say `with_beam_search`."""
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.outputs import PoolingRequestOutput
 from pagedserve.pooling_params import PoolingParams
-from pagedserve.server.async_engine import EngineDeadError, InvalidRequest
+from pagedserve.server.engine_errors import EngineDeadError, InvalidRequest
 from pagedserve.server.errors import APIError, engine_dead
 from pagedserve.server.handlers import GenerationHandler, gather_or_cancel, unless_disconnected
 from pagedserve.server.openai_protocol import EmbeddingRequest

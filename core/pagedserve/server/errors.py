@@ -7,7 +7,7 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from pagedserve.server.async_engine import EngineDeadError, InvalidRequest
+from pagedserve.server.engine_errors import EngineDeadError, InvalidRequest
 from pagedserve.server.openai_protocol import field_of_error
 
 

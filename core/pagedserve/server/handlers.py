@@ -25,7 +25,8 @@ from pagedserve.engine.output_processor import merge_deltas
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError, InvalidRequest
+from pagedserve.server.async_engine import AsyncLLMEngine
+from pagedserve.server.engine_errors import EngineDeadError, InvalidRequest
 from pagedserve.server.errors import APIError, engine_dead, error_body, invalid
 from pagedserve.server.lora_modules import LoRAModule
 

@@ -7,11 +7,16 @@ hold) is refused naming where it is, and OpenAI fields this server does not impl
 that would change the result (`best_of` > 1 without beam search) are refused rather than ignored.
 Value ranges are not repeated here: `to_sampling_params` hands the values to `SamplingParams`,
 whose ValueError names the field.
+
+The sampling fields both generation requests share are not written here: each is the `ApiField`
+of a parameter's declaration (`SAMPLING_PARAMS`), from which `DeclaredSamplingFields` is built,
+with the declaration's doc line as the field's description in the OpenAPI schema.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,11 +26,13 @@ from pydantic import (
     StrictInt,
     ValidationError,
     ValidatorFunctionWrapHandler,
+    create_model,
     field_validator,
     model_validator,
 )
 
-from pagedserve.sampling.sampling_params import SamplingParams
+from pagedserve.sampling.declaration import ApiField, Declaration
+from pagedserve.sampling.sampling_params import SAMPLING_PARAMS, SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 
 
@@ -105,27 +112,44 @@ class RequestBody(_Lenient):
         return data
 
 
-class _SamplingFields(RequestBody):
-    """Fields both endpoints share."""
+@dataclass(frozen=True, slots=True)
+class ServedParam:
+    """A sampling parameter both generation requests take as a field of their own (declared with
+    an `ApiField`; `max_tokens` and `logprobs` mean different things per endpoint and are written
+    out)."""
+
+    field: str  # the request field
+    declaration: Declaration
+    api: ApiField  # the declaration's
+
+
+SERVED_PARAMS: tuple[ServedParam, ...] = tuple(
+    ServedParam(d.api.name or d.name, d, d.api) for d in SAMPLING_PARAMS if d.api is not None
+)
+
+
+def _request_field(served: ServedParam) -> tuple[Any, Any]:
+    """The pydantic (annotation, FieldInfo) of a served parameter."""
+    api, default = served.api, served.declaration.default
+    # Booleans are strict: "stream": "yes" is an error, not true.
+    annotation = StrictBool if api.annotation is bool else api.annotation
+    doc = api.note or served.declaration.doc
+    if api.nullable:
+        unset = "" if default is None else f" (null: {default!r})"
+        return annotation | None, Field(default=None, description=doc + unset)
+    return annotation, Field(default=default, description=doc)
+
+
+_DECLARED_FIELDS: dict[str, Any] = {served.field: _request_field(served) for served in SERVED_PARAMS}
+# Typed Any: the type checker cannot read a model built at run time (see _SamplingFields).
+DeclaredSamplingFields: Any = create_model("DeclaredSamplingFields", __base__=RequestBody, **_DECLARED_FIELDS)
+
+
+class _SamplingFields(DeclaredSamplingFields):
+    """Fields both endpoints share: the declared sampling fields, and these."""
 
     model: str | None = None
-    n: int = 1
     best_of: int | None = None  # the beam width with use_beam_search; otherwise only 1 is accepted
-    temperature: float | None = None  # None: 1.0, as OpenAI
-    top_p: float | None = None
-    top_k: int | None = None  # an extension, as in vLLM; -1 and 0 disable it
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias
-    ignore_eos: StrictBool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: StrictBool = False
-    skip_special_tokens: StrictBool = True
     user: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -136,9 +160,11 @@ class _SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    truncate_prompt_tokens: int | None = None  # vLLM's extension: keep the prompt's last k tokens
-    allowed_token_ids: list[int] | None = None  # vLLM's extension: sample only these token ids
-    bad_words: list[str] | None = None  # vLLM's extension: words never generated ([]: none)
+
+    if TYPE_CHECKING:
+        # The declared fields are built at run time, so the type checker cannot see them: to it
+        # they read as Any.
+        def __getattr__(self, name: str) -> Any: ...
 
 
 class CompletionRequest(_SamplingFields):
@@ -272,59 +298,19 @@ def to_sampling_params(
 ) -> SamplingParams:
     """The engine's SamplingParams for a request. Raises ValueError whose message starts with the
     offending field's name."""
-    kwargs: dict[str, Any] = {
-        "n": req.n,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": 0 if req.top_k is None else req.top_k,
-        "min_p": 0.0 if req.min_p is None else req.min_p,
-        "seed": req.seed,
-        "stop": req.stop,
-        "stop_token_ids": req.stop_token_ids,
-        "presence_penalty": 0.0 if req.presence_penalty is None else req.presence_penalty,
-        "frequency_penalty": 0.0 if req.frequency_penalty is None else req.frequency_penalty,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        "logit_bias": logit_bias_by_id(req.logit_bias, vocab_size),
-        "ignore_eos": req.ignore_eos,
-        "max_tokens": max_tokens,
-        "min_tokens": req.min_tokens,
-        "logprobs": logprobs,
-        "prompt_logprobs": prompt_logprobs,
-        "include_stop_str_in_output": req.include_stop_str_in_output,
-        "skip_special_tokens": req.skip_special_tokens,
-        "structured_outputs": structured_outputs,
-        "truncate_prompt_tokens": req.truncate_prompt_tokens,
-        "allowed_token_ids": req.allowed_token_ids,
-        "bad_words": req.bad_words,
-    }
+    kwargs: dict[str, Any] = {}
+    for served in SERVED_PARAMS:
+        value = getattr(req, served.field)
+        kwargs[served.declaration.name] = served.declaration.default if value is None else value
+    kwargs["logit_bias"] = logit_bias_by_id(req.logit_bias, vocab_size)  # JSON keys are strings
+    kwargs["max_tokens"] = max_tokens
+    kwargs["logprobs"] = logprobs
+    kwargs["prompt_logprobs"] = prompt_logprobs
+    kwargs["structured_outputs"] = structured_outputs
     return SamplingParams(**kwargs)
 
 
-SAMPLING_FIELDS: tuple[str, ...] = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop_token_ids",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "ignore_eos",
-    "max_tokens",
-    "min_tokens",
-    "logprobs",
-    "prompt_logprobs",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "structured_outputs",
-    "truncate_prompt_tokens",
-    "allowed_token_ids",
-    "bad_words",
-)
+SAMPLING_FIELDS: frozenset[str] = frozenset(d.name for d in SAMPLING_PARAMS)
 """Field names a SamplingParams error message may start with."""
 
 

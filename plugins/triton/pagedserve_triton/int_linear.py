@@ -48,7 +48,14 @@ import triton.language as tl
 from pagedserve.platforms.api import IntLinearKernel, PackedIntWeight
 from pagedserve.platforms.tuned_configs import DEFAULT_DEVICE, TunedConfigError, TunedConfigs
 from pagedserve_triton.interpreter import INTERPRETED
-from pagedserve_triton.launch_params import device_name_of, tuned_config_files
+from pagedserve_triton.launch_params import (
+    ParamValue,
+    bool_param,
+    device_name_of,
+    positive_param,
+    power_of_two_param,
+    tuned_config_files,
+)
 from pagedserve_triton.rounding import rounded_to
 from pagedserve_triton.skinny_gemm import split_counters
 
@@ -254,7 +261,6 @@ class IntGemmTiles:
 KERNEL = "int_weight_gemm"  # the tuned-config files' kernel name (configs/int_weight_gemm-<device>.json)
 TARGET_PROGRAMS = 264  # programs to keep streaming when a file leaves SPLIT_K to the rule (2 per H100 SM)
 MAX_SPLIT_K = 16
-ParamValue = int | float | str | bool  # a tuned-config param (`Params`' values)
 _PARAMS = {
     "BLOCK_M",
     "BLOCK_N",
@@ -267,26 +273,6 @@ _PARAMS = {
 }
 
 
-def _int_param(params: Mapping[str, ParamValue], name: str, where: str, power_of_two: bool) -> int:
-    value = params[name]
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < 1
-        or (power_of_two and value & (value - 1))
-    ):
-        kind = "a power of two >= 1" if power_of_two else "a positive integer"
-        raise TunedConfigError(f"{where}: param {name!r} must be {kind}, got {value!r}")
-    return value
-
-
-def _bool_param(params: Mapping[str, ParamValue], name: str, where: str) -> bool:
-    value = params.get(name, False)
-    if not isinstance(value, bool):
-        raise TunedConfigError(f"{where}: param {name!r} must be true or false, got {value!r}")
-    return value
-
-
 def parse_tiles(params: Mapping[str, ParamValue], where: str) -> tuple[IntGemmTiles, bool]:
     """An "int_weight_gemm" entry's params, checked, and whether it named its K split (absent:
     the split that fills `TARGET_PROGRAMS`). Raises `TunedConfigError` naming `where`. Pure."""
@@ -297,14 +283,14 @@ def parse_tiles(params: Mapping[str, ParamValue], where: str) -> tuple[IntGemmTi
             f"{where}: unknown params {unknown}, missing {missing}; known: {sorted(_PARAMS)}"
         )
     tiles = IntGemmTiles(
-        block_m=_int_param(params, "BLOCK_M", where, True),
-        block_n=_int_param(params, "BLOCK_N", where, True),
-        block_k=_int_param(params, "BLOCK_K", where, True),
-        num_warps=_int_param(params, "WARPS", where, True),
-        num_stages=_int_param(params, "STAGES", where, False),
-        split_k=_int_param(params, "SPLIT_K", where, False) if "SPLIT_K" in params else 1,
-        weight_major=_bool_param(params, "WEIGHT_MAJOR", where),
-        dequantize_first=_bool_param(params, "DEQUANTIZE_FIRST", where),
+        block_m=power_of_two_param(params, "BLOCK_M", where, 1),
+        block_n=power_of_two_param(params, "BLOCK_N", where, 1),
+        block_k=power_of_two_param(params, "BLOCK_K", where, 1),
+        num_warps=power_of_two_param(params, "WARPS", where, 1),
+        num_stages=positive_param(params, "STAGES", where),
+        split_k=positive_param(params, "SPLIT_K", where) if "SPLIT_K" in params else 1,
+        weight_major=bool_param(params, "WEIGHT_MAJOR", where),
+        dequantize_first=bool_param(params, "DEQUANTIZE_FIRST", where),
     )
     return tiles, "SPLIT_K" in params
 

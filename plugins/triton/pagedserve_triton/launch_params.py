@@ -24,7 +24,7 @@ NVIDIA sm_90+ only), LONGEST_FIRST (true/false). `AttentionLaunchConfig` says wh
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 _VALID_WARPS = (1, 2, 4, 8, 16)
 _MIN_MAXNREG, _MAX_MAXNREG = 16, 255  # what NVIDIA's assembler accepts as registers per thread
 RAGGED_PREFILL_KERNELS = ("triton", "gluon_sm90")
+ParamValue = int | float | str | bool  # a value of `Params`
 
 
 def tuned_config_files() -> list[Path]:
@@ -158,10 +159,27 @@ def _check_gluon_sm90(config: RaggedPrefillLaunchConfig, where: str, *, has_cont
         )
 
 
-def _bool_param(params: Params, name: str, where: str) -> bool:
+def bool_param(params: Mapping[str, ParamValue], name: str, where: str) -> bool:
+    """Optional param `name` of a tuned-config entry: true or false, false when absent."""
     value = params.get(name, False)
     if not isinstance(value, bool):
         raise TunedConfigError(f"{where}: param {name!r} must be true or false, got {value!r}")
+    return value
+
+
+def power_of_two_param(params: Mapping[str, ParamValue], name: str, where: str, least: int) -> int:
+    """Param `name` of a tuned-config entry: a power of two of at least `least`."""
+    value = params.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
+        raise TunedConfigError(f"{where}: param {name!r} must be a power of two >= {least}, got {value!r}")
+    return value
+
+
+def positive_param(params: Mapping[str, ParamValue], name: str, where: str) -> int:
+    """Param `name` of a tuned-config entry: an integer of at least 1."""
+    value = params.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TunedConfigError(f"{where}: param {name!r} must be a positive integer, got {value!r}")
     return value
 
 
@@ -226,11 +244,11 @@ class LaunchParams:
             num_stages=_int_param(params, "num_stages", where),
             tile_size=_int_param(params, "TILE_SIZE", where, power_of_two_ge=16),
             block_m=_int_param(params, "BLOCK_M", where, power_of_two_ge=16),
-            prefetch_block_ids=_bool_param(params, "PREFETCH_BLOCK_IDS", where),
-            lazy_rescale=_bool_param(params, "LAZY_RESCALE", where),
+            prefetch_block_ids=bool_param(params, "PREFETCH_BLOCK_IDS", where),
+            lazy_rescale=bool_param(params, "LAZY_RESCALE", where),
             loop_stages=_int_param(params, "LOOP_STAGES", where) if "LOOP_STAGES" in params else 0,
-            warp_specialize=_bool_param(params, "WARP_SPECIALIZE", where),
-            longest_first=_bool_param(params, "LONGEST_FIRST", where),
+            warp_specialize=bool_param(params, "WARP_SPECIALIZE", where),
+            longest_first=bool_param(params, "LONGEST_FIRST", where),
         )
         if config.loop_stages < 0:
             raise TunedConfigError(f"{where}: param 'LOOP_STAGES' must be >= 0, got {config.loop_stages}")
@@ -261,7 +279,7 @@ class LaunchParams:
             num_stages=_int_param(params, "num_stages", where),
             block_m=_int_param(params, "BLOCK_M", where, power_of_two_ge=16),
             block_n=_int_param(params, "BLOCK_N", where, power_of_two_ge=16),
-            prefetch_block_ids=_bool_param(params, "PREFETCH_BLOCK_IDS", where),
+            prefetch_block_ids=bool_param(params, "PREFETCH_BLOCK_IDS", where),
             maxnreg=_maxnreg(params, where),
             kernel=_kernel_param(params, where),
         )

@@ -62,12 +62,19 @@ from pagedserve.platforms.api import ExpertWeights, MoEKernel, MoERouting
 from pagedserve.platforms.tuned_configs import TunedConfigError, TunedConfigs
 from pagedserve_triton.fp8_widen import bit_widening, widen_fp8
 from pagedserve_triton.interpreter import INTERPRETED
-from pagedserve_triton.launch_params import device_name_of, dtype_key, tuned_config_files
+from pagedserve_triton.launch_params import (
+    ParamValue,
+    bool_param,
+    device_name_of,
+    dtype_key,
+    positive_param,
+    power_of_two_param,
+    tuned_config_files,
+)
 from pagedserve_triton.linear_activations import silu_times
 from pagedserve_triton.moe_routing import max_blocks, route_and_group
 from pagedserve_triton.rounding import rounded_to
 
-ParamValue = int | float | str | bool  # a tuned-config param (`pagedserve.platforms.tuned_configs.Params`)
 KERNEL = "fused_moe"
 TARGET_PROGRAMS = 528  # busy down-product programs to aim for when splitting K (4 per H100 SM)
 MAX_SPLIT_K = 8
@@ -242,20 +249,6 @@ class MoEConfig:
     weight_major: bool = False
 
 
-def _power_of_two(params: Mapping[str, ParamValue], name: str, where: str, least: int) -> int:
-    value = params.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
-        raise TunedConfigError(f"{where}: param {name!r} must be a power of two >= {least}, got {value!r}")
-    return value
-
-
-def _positive(params: Mapping[str, ParamValue], name: str, where: str) -> int:
-    value = params.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TunedConfigError(f"{where}: param {name!r} must be a positive integer, got {value!r}")
-    return value
-
-
 def parse_config(params: Mapping[str, ParamValue], where: str) -> MoEConfig:
     """`params` of a "fused_moe" entry, checked. Raises `TunedConfigError` naming `where`. Pure."""
     known = {"BLOCK_M", "DOWN_SPLIT_K", "WEIGHT_MAJOR"} | {
@@ -266,19 +259,17 @@ def parse_config(params: Mapping[str, ParamValue], where: str) -> MoEConfig:
         raise TunedConfigError(f"{where}: unknown params {unknown}; known: {sorted(known)}")
     tiles = {
         gemm: GemmTiles(
-            _power_of_two(params, f"{gemm}_BLOCK_N", where, 32 if gemm == "GATE_UP" else 16),
-            _power_of_two(params, f"{gemm}_BLOCK_K", where, 16),
-            _power_of_two(params, f"{gemm}_WARPS", where, 1),
-            _positive(params, f"{gemm}_STAGES", where),
+            power_of_two_param(params, f"{gemm}_BLOCK_N", where, 32 if gemm == "GATE_UP" else 16),
+            power_of_two_param(params, f"{gemm}_BLOCK_K", where, 16),
+            power_of_two_param(params, f"{gemm}_WARPS", where, 1),
+            positive_param(params, f"{gemm}_STAGES", where),
         )
         for gemm in ("GATE_UP", "DOWN")
     }
-    weight_major = params.get("WEIGHT_MAJOR", False)
-    if not isinstance(weight_major, bool):
-        raise TunedConfigError(f"{where}: param 'WEIGHT_MAJOR' must be true or false, got {weight_major!r}")
-    split = _positive(params, "DOWN_SPLIT_K", where) if "DOWN_SPLIT_K" in params else 0
+    weight_major = bool_param(params, "WEIGHT_MAJOR", where)
+    split = positive_param(params, "DOWN_SPLIT_K", where) if "DOWN_SPLIT_K" in params else 0
     return MoEConfig(
-        _power_of_two(params, "BLOCK_M", where, 16), tiles["GATE_UP"], tiles["DOWN"], split, weight_major
+        power_of_two_param(params, "BLOCK_M", where, 16), tiles["GATE_UP"], tiles["DOWN"], split, weight_major
     )
 
 

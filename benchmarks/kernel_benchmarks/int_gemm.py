@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_op import copy_bandwidth
-from timing import graph_ms
+from timing import L2_BYTES, cycled_graph_us
 
 from pagedserve.platforms.api import PackedIntWeight
 from pagedserve.quantization.int_linear import int_linear_reference
@@ -47,19 +47,7 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {  # model -> projection -> (N, 
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)},
 }
-L2_BYTES = 60 << 20
-REPEAT = 20
 TOLERANCE = 2e-2  # relative error of a bfloat16 product against the formulation
-
-
-def _time_us(fn: Callable[[int], object], copies: int) -> float:
-    """Mean us of one `fn(i)` in a CUDA graph of REPEAT calls cycling through the copies."""
-
-    def products() -> None:
-        for i in range(REPEAT):
-            fn(i % copies)
-
-    return graph_ms(products, repeats=3, replays=5) * 1e3 / REPEAT
 
 
 def _packed(n: int, k: int, bits: int, group: int, zeros: bool, gen: torch.Generator) -> PackedIntWeight:
@@ -124,7 +112,8 @@ def _time_candidates(
             if err > TOLERANCE:
                 results.append((tiles, float("inf"), f"wrong: relative error {err:.2e}"))
                 continue
-            us = _time_us(lambda i, t=tiles: int_weight_linear_forward(x, copies[i], None, t), len(copies))
+            product = lambda i, t=tiles: int_weight_linear_forward(x, copies[i], None, t)
+            us = cycled_graph_us(product, len(copies), repeats=3)
             results.append((tiles, us, ""))
         except Exception as e:  # a candidate that does not compile (resources) is skipped
             results.append((tiles, float("inf"), f"{type(e).__name__}: {str(e)[:120]}"))
@@ -145,7 +134,7 @@ def measure(args: argparse.Namespace, save: Callable[[list[dict[str, Any]]], Non
         bound = _bytes(first) / bandwidth * 1e6
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bf16 = _time_us(lambda i, x=x, dense=dense: F.linear(x, dense[i]), len(dense))
+            bf16 = cycled_graph_us(lambda i, x=x, dense=dense: F.linear(x, dense[i]), len(dense), repeats=3)
             row: dict[str, Any] = {
                 "proj": proj,
                 "n": n,

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from timing import graph_ms
+from timing import L2_BYTES, cycled_graph_us
 
 from pagedserve_triton.linear_activations import quantize_rows_fused, silu_mul
 from pagedserve_triton.linear_op import (
@@ -103,19 +103,6 @@ ROWS_EXTRA = [
     (64, 128, 1, 4, 5, True),
 ]
 EXTRA = [(64, 256, 1, 8, 4), (128, 128, 1, 8, 3), (32, 512, 2, 8, 4), (16, 1024, 1, 4, 3), (32, 256, 8, 4, 4)]
-L2_BYTES = 60 << 20
-REPEAT = 20
-
-
-def _graph_time_us(fn: Callable[[int], object], copies: int) -> float:
-    """Mean µs of one call of `fn(i)` replayed inside a CUDA graph of REPEAT calls (`i` cycling
-    through the weight copies): the best of 5 rounds of 5 replays."""
-
-    def products() -> None:
-        for i in range(REPEAT):
-            fn(i % copies)
-
-    return graph_ms(products, repeats=5, replays=5) * 1e3 / REPEAT
 
 
 def _weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -161,8 +148,8 @@ def _measure_rows(
         config = fit_shared_memory(config, m, weights[0].dtype, x.dtype, budget)
     y16 = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)  # a product's output, for `silu_mul`
     row = {
-        "torch_us": _graph_time_us(lambda i: F.linear(x, weights[i]), len(weights)),
-        "skinny_us": _graph_time_us(lambda i: skinny_linear(x, weights[i], config), len(weights)),
+        "torch_us": cycled_graph_us(lambda i: F.linear(x, weights[i]), len(weights)),
+        "skinny_us": cycled_graph_us(lambda i: skinny_linear(x, weights[i], config), len(weights)),
     }
     if fp8 is not None:
         fp8_weights, scale, fp8_config = fp8
@@ -179,22 +166,22 @@ def _measure_rows(
             codes, scale_a = quantize_rows_fused(x)  # the one launch the engine's operator runs
             return torch._scaled_mm(codes, w_t[i], scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype)
 
-        row["torch_fp8_us"] = _graph_time_us(torch_fp8, len(w_t))
-        row["skinny_fp8_us"] = _graph_time_us(
+        row["torch_fp8_us"] = cycled_graph_us(torch_fp8, len(w_t))
+        row["skinny_fp8_us"] = cycled_graph_us(
             lambda i: kernel_linear(x, fp8_weights[i], fp8_config, scale, None), len(fp8_weights)
         )
     if gated:
-        row["skinny_plus_silu_mul_us"] = row["skinny_us"] + _graph_time_us(
+        row["skinny_plus_silu_mul_us"] = row["skinny_us"] + cycled_graph_us(
             lambda i: silu_mul(y16), len(weights)
         )
-        row["skinny_gated_us"] = _graph_time_us(
+        row["skinny_gated_us"] = cycled_graph_us(
             lambda i: kernel_linear(x, weights[i], config, None, None, gated=True), len(weights)
         )
         if fp8 is not None:
-            row["skinny_fp8_plus_silu_mul_us"] = row["skinny_fp8_us"] + _graph_time_us(
+            row["skinny_fp8_plus_silu_mul_us"] = row["skinny_fp8_us"] + cycled_graph_us(
                 lambda i: silu_mul(y16), len(weights)
             )
-            row["skinny_fp8_gated_us"] = _graph_time_us(
+            row["skinny_fp8_gated_us"] = cycled_graph_us(
                 lambda i: kernel_linear(x, fp8_weights[i], fp8_config, scale, None, gated=True),
                 len(fp8_weights),
             )
@@ -212,7 +199,7 @@ def _best(
     best: tuple[float, SkinnyGemmConfig] | None = None
     for cfg in configs:
         try:
-            us = _graph_time_us(lambda i, c=cfg: fn(i, c), copies)
+            us = cycled_graph_us(lambda i, c=cfg: fn(i, c), copies)
         except Exception as exc:
             timed.append({"config": str(cfg), "error": str(exc)[:200]})
             continue

@@ -73,3 +73,19 @@ def graph_ms(step: Callable[[], None], repeats: int = 7, replays: int = 10) -> f
         end.synchronize()
         best = min(best, start.elapsed_time(end) / replays)
     return best
+
+
+L2_BYTES = 60 << 20  # more than any current GPU's L2: weight copies beyond it stream from memory
+REPEAT = 20  # calls per captured graph in `cycled_graph_us`
+
+
+def cycled_graph_us(fn: Callable[[int], object], copies: int, repeats: int = 5) -> float:
+    """Mean microseconds of one call of `fn(i)` replayed inside a CUDA graph of REPEAT calls,
+    `i` cycling through `copies` weight copies (so each call streams its weight from memory, as
+    a decode step does): the best of `repeats` rounds of 5 replays."""
+
+    def calls() -> None:
+        for i in range(REPEAT):
+            fn(i % copies)
+
+    return graph_ms(calls, repeats=repeats, replays=5) * 1e3 / REPEAT

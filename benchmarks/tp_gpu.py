@@ -48,7 +48,7 @@ from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.async_output import PendingOutput
-from pagedserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_TOKENS
+from pagedserve.worker.graphs.cuda_graphs import DEFAULT_MAX_GRAPH_TOKENS
 from pagedserve.worker.host_times import HostTimes
 from pagedserve.worker.model_runner import ModelRunner
 

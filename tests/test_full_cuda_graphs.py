@@ -23,9 +23,14 @@ from pagedserve.models.loader import load_model
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.attention_sweep import WarmupBatch, attention_warmup_batches, warm_up_attention
-from pagedserve.worker.cuda_graphs import default_graph_sizes, padded_size
-from pagedserve.worker.full_cuda_graphs import (
+from pagedserve.worker.compile.gpu_compile import (
+    PROGRAMMATIC_MAX_TOKENS,
+    GpuCompiledForward,
+    configure_compile_caches,
+    programmatic_options,
+)
+from pagedserve.worker.graphs.cuda_graphs import default_graph_sizes, padded_size
+from pagedserve.worker.graphs.full_cuda_graphs import (
     PADDING_SLOT,
     DecodeGraphBuffers,
     DecodeGraphIndex,
@@ -34,15 +39,10 @@ from pagedserve.worker.full_cuda_graphs import (
     forward_graph_key,
     seq_len_buckets,
 )
-from pagedserve.worker.gpu_compile import (
-    PROGRAMMATIC_MAX_TOKENS,
-    GpuCompiledForward,
-    configure_compile_caches,
-    programmatic_options,
-)
-from pagedserve.worker.graph_modes import GraphPlan, no_programmatic_launch, plan_graphs, step_path
+from pagedserve.worker.graphs.graph_modes import GraphPlan, no_programmatic_launch, plan_graphs, step_path
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.warmup import prepare_runner
+from pagedserve.worker.startup.attention_sweep import WarmupBatch, attention_warmup_batches, warm_up_attention
+from pagedserve.worker.startup.warmup import prepare_runner
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 

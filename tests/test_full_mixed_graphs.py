@@ -17,10 +17,10 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cuda_graphs import default_graph_sizes
-from pagedserve.worker.full_cuda_graphs import PADDING_SLOT, GraphBuffers
-from pagedserve.worker.full_mixed_graphs import FullMixedGraphs, mixed_graph_sizes
-from pagedserve.worker.graph_modes import plan_graphs
+from pagedserve.worker.graphs.cuda_graphs import default_graph_sizes
+from pagedserve.worker.graphs.full_cuda_graphs import PADDING_SLOT, GraphBuffers
+from pagedserve.worker.graphs.full_mixed_graphs import FullMixedGraphs, mixed_graph_sizes
+from pagedserve.worker.graphs.graph_modes import plan_graphs
 from pagedserve.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")

@@ -2,7 +2,7 @@
 and the warm-up before serving.
 
 These options say what is asked for; what a device then builds also depends on the device, the
-model and the attention backend, which `worker.graph_modes.plan_graphs` decides on each device.
+model and the attention backend, which `worker.graphs.graph_modes.plan_graphs` decides on each device.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class ForwardConfig:
     """The forward's options, as `EngineArgs` gave them (`resolve_engine_config` copies them)."""
 
     enforce_eager: bool  # no CUDA graphs, no compilation, no kernel warm-up
-    cudagraph_mode: CudaGraphModeName  # which steps replay CUDA graphs (`worker.graph_modes`)
+    cudagraph_mode: CudaGraphModeName  # which steps replay CUDA graphs (`worker.graphs.graph_modes`)
     cuda_graph_max_tokens: int  # largest step (tokens) replayed as CUDA graphs
     gpu_compile: bool  # GPUs: the forward's dense parts through torch.compile
     gpu_compile_scope: CompileScope  # one compilation per decoder stretch, or of the whole forward
@@ -41,5 +41,5 @@ class ForwardConfig:
     @property
     def compiles_gpu_forward(self) -> bool:
         """Whether a GPU's forward is compiled, as far as the options go (the device and the model
-        may still say no: `worker.graph_modes.plan_graphs`)."""
+        may still say no: `worker.graphs.graph_modes.plan_graphs`)."""
         return self.gpu_compile and not self.enforce_eager

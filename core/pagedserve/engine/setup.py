@@ -42,15 +42,15 @@ from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.structured.backend import StructuredOutputBackend
 from pagedserve.structured.checks import backend_available
 from pagedserve.structured.manager import StructuredOutputManager
-from pagedserve.worker.kv_sizing import kv_block_bytes
-from pagedserve.worker.runner_setup import (
+from pagedserve.worker.startup.kv_sizing import kv_block_bytes
+from pagedserve.worker.startup.runner_setup import (
     build_runner,
     choose_backend,
     fit_kv_blocks,
     load_device_model,
     swap_space_blocks,
 )
-from pagedserve.worker.startup_heap import freeze_startup_heap
+from pagedserve.worker.startup.startup_heap import freeze_startup_heap
 
 # Re-exported: it lived here before the per-device half of the setup moved to `runner_setup`.
 __all__ = ["EngineSetup", "build_engine", "choose_backend", "eos_token_ids"]

@@ -44,11 +44,11 @@ from pagedserve.worker.async_output import (
     TokenLogprobs,
     upload,
 )
-from pagedserve.worker.cpu_compile import CompiledForward
-from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs
-from pagedserve.worker.full_cuda_graphs import FullDecodeGraphs
-from pagedserve.worker.full_mixed_graphs import FullMixedGraphs
-from pagedserve.worker.gpu_compile import GpuCompiledForward
+from pagedserve.worker.compile.cpu_compile import CompiledForward
+from pagedserve.worker.compile.gpu_compile import GpuCompiledForward
+from pagedserve.worker.graphs.cuda_graphs import PiecewiseCudaGraphs
+from pagedserve.worker.graphs.full_cuda_graphs import FullDecodeGraphs
+from pagedserve.worker.graphs.full_mixed_graphs import FullMixedGraphs
 from pagedserve.worker.input_batch import InputBatch, RowState
 from pagedserve.worker.startup_times import StartupTimes
 

@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 
 from pagedserve.models.spec import ModelSpec
-from pagedserve.worker.cuda_graphs import padded_size
+from pagedserve.worker.graphs.cuda_graphs import padded_size
 
 
 class CudaGraphMode(enum.Enum):

@@ -48,8 +48,8 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cpu_compile import zero_attention
-from pagedserve.worker.saved_compiles import compile_cache_root
+from pagedserve.worker.compile.cpu_compile import zero_attention
+from pagedserve.worker.compile.saved_compiles import compile_cache_root
 
 logger = logging.getLogger(__name__)
 

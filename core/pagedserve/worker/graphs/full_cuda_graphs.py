@@ -53,8 +53,8 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape, CacheOps, KVCacheScales
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cuda_graphs import padded_size
-from pagedserve.worker.graph_modes import step_path
+from pagedserve.worker.graphs.cuda_graphs import padded_size
+from pagedserve.worker.graphs.graph_modes import step_path
 
 if TYPE_CHECKING:  # torch imports it at runtime only lazily (an import cycle otherwise)
     from torch.cuda import _POOL_HANDLE

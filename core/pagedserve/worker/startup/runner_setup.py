@@ -32,15 +32,15 @@ from pagedserve.platforms.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
 from pagedserve.quantization.kv_scales import kv_scales_for_cache
-from pagedserve.worker.attention_sweep import attention_warmup_threads
-from pagedserve.worker.cpu_compile import compile_reason
-from pagedserve.worker.gpu_compile import PROGRAMMATIC_MAX_TOKENS, configure_compile_caches
-from pagedserve.worker.graph_modes import no_programmatic_launch, plan_graphs
-from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
+from pagedserve.worker.compile.cpu_compile import compile_reason
+from pagedserve.worker.compile.gpu_compile import PROGRAMMATIC_MAX_TOKENS, configure_compile_caches
+from pagedserve.worker.compile.saved_compiles import saved_compiles_dir
+from pagedserve.worker.graphs.graph_modes import no_programmatic_launch, plan_graphs
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.profile import profile_activation_bytes
-from pagedserve.worker.saved_compiles import saved_compiles_dir
-from pagedserve.worker.warmup import prepare_runner
+from pagedserve.worker.startup.attention_sweep import attention_warmup_threads
+from pagedserve.worker.startup.kv_sizing import kv_block_bytes, num_kv_blocks_for
+from pagedserve.worker.startup.profile import profile_activation_bytes
+from pagedserve.worker.startup.warmup import prepare_runner
 
 logger = logging.getLogger(__name__)
 

@@ -24,22 +24,22 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from pagedserve.worker.attention_sweep import (
-    AttentionWarmup,
-    SweepInBackground,
-    attention_warmup_batches,
-    warm_up_attention,
-)
-from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs, default_graph_sizes
-from pagedserve.worker.full_cuda_graphs import (
+from pagedserve.worker.compile.gpu_compile import GpuCompiledForward
+from pagedserve.worker.graphs.cuda_graphs import PiecewiseCudaGraphs, default_graph_sizes
+from pagedserve.worker.graphs.full_cuda_graphs import (
     FullDecodeGraphs,
     attention_layer_shapes,
     forward_graph_key,
     seq_len_buckets,
 )
-from pagedserve.worker.full_mixed_graphs import FullMixedGraphs, mixed_graph_sizes
-from pagedserve.worker.gpu_compile import GpuCompiledForward
-from pagedserve.worker.graph_modes import GraphPlan
+from pagedserve.worker.graphs.full_mixed_graphs import FullMixedGraphs, mixed_graph_sizes
+from pagedserve.worker.graphs.graph_modes import GraphPlan
+from pagedserve.worker.startup.attention_sweep import (
+    AttentionWarmup,
+    SweepInBackground,
+    attention_warmup_batches,
+    warm_up_attention,
+)
 from pagedserve.worker.startup_times import StartupTimes
 
 if TYPE_CHECKING:  # annotations only; the runner depends on nothing here

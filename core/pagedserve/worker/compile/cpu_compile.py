@@ -25,7 +25,7 @@ traced for another model of the process never runs for this one.
 Saved graphs (`compile_cache=True`, opt-in). Even with inductor's cache warm, a start re-runs
 dynamo's tracing, which is most of its compile time. So each size class's graph is compiled ahead
 of time (`aot_compile`) and saved whole under the compile cache root
-(`pagedserve.worker.saved_compiles`); a later start with the same model, code and torch loads it
+(`pagedserve.worker.compile.saved_compiles`); a later start with the same model, code and torch loads it
 instead: a 32-layer model's start took 11-14 s instead of 24-27 s (docs/benchmarks.md, CPU). The
 engine picks the graph by step size itself (`size_class`); each graph's guards (torch's, module
 guards included) are checked at warm-up and at the first step of each token count.
@@ -48,7 +48,7 @@ from pagedserve.models.packed_int4 import MAX_PACKED_ROWS
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.saved_compiles import CompiledFn, GraphOrigin, graph_key, load_or_compile
+from pagedserve.worker.compile.saved_compiles import CompiledFn, GraphOrigin, graph_key, load_or_compile
 
 logger = logging.getLogger(__name__)
 

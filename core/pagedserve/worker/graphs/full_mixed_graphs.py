@@ -41,8 +41,8 @@ from tqdm import tqdm
 from pagedserve.attention.forward_context import ForwardContext
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cuda_graphs import padded_size
-from pagedserve.worker.full_cuda_graphs import (
+from pagedserve.worker.graphs.cuda_graphs import padded_size
+from pagedserve.worker.graphs.full_cuda_graphs import (
     Forward,
     GraphBuffers,
     GraphKey,

@@ -52,8 +52,8 @@ from tqdm import tqdm
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cuda_graphs import default_graph_sizes
-from pagedserve.worker.full_cuda_graphs import PADDING_SLOT
+from pagedserve.worker.graphs.cuda_graphs import default_graph_sizes
+from pagedserve.worker.graphs.full_cuda_graphs import PADDING_SLOT
 
 logger = logging.getLogger(__name__)
 

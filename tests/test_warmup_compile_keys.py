@@ -341,7 +341,7 @@ def test_the_8b_sweep_runs_one_call_per_variant_and_compiles_them_all() -> None:
     backend.enable_programmatic_launch(16)
     backend.enable_new_kv_reads()
     width = MAX_MODEL_LEN // ENGINE_BLOCK_SIZE
-    # The full decode graphs an engine of these limits captures, as `prepare_runner` plans them.
+    # The full decode graphs an engine of these limits captures, as `warmup.build_step_forward` plans them.
     layers = attention_layer_shapes(
         LLAMA_8B, block_size=ENGINE_BLOCK_SIZE, kv_cache_dtype=torch.bfloat16, device=CPU
     )

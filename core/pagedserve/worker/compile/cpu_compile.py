@@ -39,7 +39,7 @@ import types
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -91,6 +91,9 @@ class CompiledForward:
 
     Call it inside an open forward context, exactly like the model. Holds the compiled callable;
     inductor's code and on-disk cache are torch's."""
+
+    # The largest step it runs (`graphs.step_path`): longer steps run the model eagerly.
+    max_tokens: ClassVar[int | None] = MAX_COMPILED_TOKENS
 
     def __init__(self, model: PagedCausalLM, saved_dir: Path | None = None) -> None:
         """`saved_dir`: the folder of saved graphs (`saved_compiles`), each size class's graph
@@ -146,11 +149,6 @@ class CompiledForward:
         with torch._dynamo.config.patch(specialize_float=True):
             compiler = torch.compile(type(self.model).forward, fullgraph=True, dynamic=True)
             return compiler.aot_compile(((self.model, ids, ids.clone()), {}))  # type: ignore[attr-defined]
-
-    @staticmethod
-    def fits(num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` tokens runs compiled. Pure."""
-        return num_tokens <= MAX_COMPILED_TOKENS
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[num_tokens] ids and positions -> [num_tokens, hidden_size]. Mutates the KV caches of

@@ -490,7 +490,7 @@ class _LoadRecord(logging.Handler):
 def logged_load_seconds() -> Iterator[_LoadRecord]:
     """The weight-loading seconds the engine's start-up logs while the block runs (None if it logs
     none)."""
-    source = logging.getLogger("pagedserve.worker.runner_setup")
+    source = logging.getLogger("pagedserve.worker.startup.device_model")
     handler = _LoadRecord()
     level = source.level
     if not source.isEnabledFor(logging.INFO):

@@ -20,6 +20,7 @@ collective time above. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import gc
@@ -30,6 +31,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +49,8 @@ from pagedserve.executor.worker import host_profile_text
 from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import SchedulerOutput
-from pagedserve.worker.async_output import PendingOutput
-from pagedserve.worker.cuda_graphs import DEFAULT_MAX_GRAPH_TOKENS
+from pagedserve.worker.async_output import ModelRunnerOutput, PendingOutput
+from pagedserve.worker.graphs.cuda_graphs import DEFAULT_MAX_GRAPH_TOKENS
 from pagedserve.worker.host_times import HostTimes
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -162,35 +164,60 @@ def throughput(engine: LLMEngine, requests: list[BenchRequest]) -> dict[str, Any
     executor = engine.core.runner
     if isinstance(executor, ParallelExecutor):
         executor.host_times()  # reset: count the throughput run alone
-        one_device = None
-    else:
-        one_device = time_launches(executor)
     trace: list[StepRecord] = []
-    out = run_throughput(engine, requests, trace).to_dict()
+    with timed_launches(engine) as one_device:
+        out = run_throughput(engine, requests, trace).to_dict()
     out["trace"] = summarize_trace(trace)
     if isinstance(executor, ParallelExecutor):
         out["host_times"] = executor.host_times()
     elif one_device is not None:
         out["host_times"] = {"runner": one_device.take()}
-        del executor.launch  # the class's method again
     return out
 
 
-def time_launches(runner: ModelRunner) -> HostTimes:
-    """Time every `launch` of a one-device runner into a `HostTimes`, as a tensor-parallel rank
-    times its own (its wait for outputs is not counted). Mutates the runner: undo with
-    `del runner.launch`."""
-    times = HostTimes()
-    launch = runner.launch
+class TimedLaunches:
+    """A one-device runner whose every `launch` is timed into a `HostTimes`, as a tensor-parallel
+    rank times its own (its wait for outputs is not counted); everything else is the runner's."""
 
-    def timed(so: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingOutput:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.times = HostTimes()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def launch(self, so: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None) -> PendingOutput:
         start = time.perf_counter()
-        pending = launch(so, grammar_bitmask)
-        times.add_launch(so.total_num_scheduled_tokens, time.perf_counter() - start)
+        pending = self.runner.launch(so, grammar_bitmask)
+        self.times.add_launch(so.total_num_scheduled_tokens, time.perf_counter() - start)
         return pending
 
-    runner.launch = timed  # type: ignore[method-assign]
-    return times
+    def execute(
+        self, so: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
+    ) -> ModelRunnerOutput:
+        """`ModelRunner.execute`: one timed launch, then its output."""
+        return self.launch(so, grammar_bitmask).result()
+
+
+@contextlib.contextmanager
+def timed_launches(engine: LLMEngine) -> Iterator[HostTimes | None]:
+    """Within the block, the engine core (and its step pipeline) steps a `TimedLaunches` over its
+    one-device runner, whose times it yields; None under tensor parallelism (the ranks time
+    themselves). The engine's own runner is back afterwards."""
+    core = engine.core
+    runner = core.runner
+    if not isinstance(runner, ModelRunner):
+        yield None
+        return
+    timed = TimedLaunches(runner)
+    holders: list[Any] = [core] if core.pipeline is None else [core, core.pipeline]
+    for holder in holders:
+        holder.runner = timed
+    try:
+        yield timed.times
+    finally:
+        for holder in holders:
+            holder.runner = runner
 
 
 def host_profile(engine: LLMEngine, requests: list[BenchRequest], top: int) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from pagedserve.config import EngineArgs
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import KVCacheScales
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.attention_sweep import attention_warmup_batches, warm_up_attention
+from pagedserve.worker.startup.attention_sweep import attention_warmup_batches, warm_up_attention
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 

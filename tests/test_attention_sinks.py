@@ -46,11 +46,11 @@ from pagedserve.platforms.api import (
 from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve.platforms.registry import PlatformRegistry
-from pagedserve.worker.attention_sweep import WarmupBatch, warm_up_attention
-from pagedserve.worker.cpu_compile import zero_attention
-from pagedserve.worker.cuda_graphs import _SplitAtAttention
-from pagedserve.worker.full_cuda_graphs import attention_layer_shapes
-from pagedserve.worker.runner_setup import choose_backend
+from pagedserve.worker.compile.cpu_compile import zero_attention
+from pagedserve.worker.graphs.cuda_graphs import _SplitAtAttention
+from pagedserve.worker.graphs.full_cuda_graphs import attention_layer_shapes
+from pagedserve.worker.startup.attention_sweep import WarmupBatch, warm_up_attention
+from pagedserve.worker.startup.device_model import choose_backend
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend

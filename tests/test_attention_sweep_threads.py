@@ -1,4 +1,4 @@
-"""The start-up attention sweep on several threads (`worker/attention_sweep.py`): the same calls as on
+"""The start-up attention sweep on several threads (`worker/startup/attention_sweep.py`): the same calls as on
 one thread, really at once, only for a backend that declares `concurrent_batches`; and the whole
 sweep on a thread of its own beside the forward's compilation (`SweepInBackground`)."""
 
@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.attention_sweep import (
+from pagedserve.worker.startup.attention_sweep import (
     DEFAULT_MAX_THREADS,
     AttentionWarmup,
     SweepInBackground,
@@ -103,7 +103,7 @@ def test_threads_need_a_backend_that_declares_concurrent_batches(caplog: pytest.
     plain = ReferenceAttentionBackend()
     with pytest.raises(ValueError, match="does not declare concurrent_batches"):
         warm_up_attention(plain, ReferenceCacheOps(), CACHE, SPEC, BATCHES, threads=2)
-    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.attention_sweep"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.startup.attention_sweep"):
         assert attention_warmup_threads(4, plain, cpu_count=32) == 1
     assert "attention_warmup_threads=4 has no effect" in caplog.text
     assert attention_warmup_threads(None, plain, cpu_count=32) == 1

@@ -16,7 +16,7 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.attention.layer import paged_attention
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cpu_compile import MAX_COMPILED_TOKENS, compile_reason
+from pagedserve.worker.compile.cpu_compile import MAX_COMPILED_TOKENS, compile_reason
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 

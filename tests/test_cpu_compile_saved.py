@@ -19,8 +19,13 @@ from transformers import LlamaConfig
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.models.packed_int4 import MAX_PACKED_ROWS
-from pagedserve.worker.cpu_compile import MAX_COMPILED_TOKENS, WARM_UP_SIZES, CompiledForward, size_class
-from pagedserve.worker.saved_compiles import (
+from pagedserve.worker.compile.cpu_compile import (
+    MAX_COMPILED_TOKENS,
+    WARM_UP_SIZES,
+    CompiledForward,
+    size_class,
+)
+from pagedserve.worker.compile.saved_compiles import (
     compile_cache_root,
     graph_key,
     load_or_compile,

@@ -21,7 +21,7 @@ from pagedserve.config import EngineArgs
 from pagedserve.models.loader import load_model
 from pagedserve.platforms.api import CacheOps
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cuda_graphs import (
+from pagedserve.worker.graphs.cuda_graphs import (
     PiecewiseCudaGraphs,
     _SplitAtAttention,
     default_graph_sizes,

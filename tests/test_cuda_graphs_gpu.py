@@ -22,7 +22,7 @@ from bench_support import load_benchmark
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.worker.cuda_graphs import borrow, default_graph_sizes
+from pagedserve.worker.graphs.cuda_graphs import borrow, default_graph_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins" / "triton"))

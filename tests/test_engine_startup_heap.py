@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 
 import pagedserve.engine.setup as engine_setup
 from pagedserve import LLM, SamplingParams
-from pagedserve.worker.startup_heap import freeze_startup_heap
+from pagedserve.worker.startup.startup_heap import freeze_startup_heap
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +94,7 @@ def test_frozen_objects_are_finalized_when_the_interpreter_exits() -> None:
     shuts down (extension modules that count their objects report them as leaked otherwise)."""
     script = (
         "import gc\n"
-        "from pagedserve.worker.startup_heap import freeze_startup_heap\n"
+        "from pagedserve.worker.startup.startup_heap import freeze_startup_heap\n"
         "class Node:\n"
         "    def __init__(self):\n"
         "        self.me = self\n"

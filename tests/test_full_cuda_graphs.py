@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import graph_support
 import pydantic
 import pytest
 import torch
@@ -23,9 +24,14 @@ from pagedserve.models.loader import load_model
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.attention_sweep import WarmupBatch, attention_warmup_batches, warm_up_attention
-from pagedserve.worker.cuda_graphs import default_graph_sizes, padded_size
-from pagedserve.worker.full_cuda_graphs import (
+from pagedserve.worker.compile.gpu_compile import (
+    PROGRAMMATIC_MAX_TOKENS,
+    GpuCompiledForward,
+    configure_compile_caches,
+    programmatic_options,
+)
+from pagedserve.worker.graphs.cuda_graphs import padded_size
+from pagedserve.worker.graphs.full_cuda_graphs import (
     PADDING_SLOT,
     DecodeGraphBuffers,
     DecodeGraphIndex,
@@ -34,20 +40,18 @@ from pagedserve.worker.full_cuda_graphs import (
     forward_graph_key,
     seq_len_buckets,
 )
-from pagedserve.worker.gpu_compile import (
-    PROGRAMMATIC_MAX_TOKENS,
-    GpuCompiledForward,
-    configure_compile_caches,
-    programmatic_options,
-)
-from pagedserve.worker.graph_modes import GraphPlan, no_programmatic_launch, plan_graphs, step_path
+from pagedserve.worker.graphs.graph_modes import GraphPlan, StepLimits, no_programmatic_launch
+from pagedserve.worker.graphs.step_path import DecodeGraphCover, PathPlan
+from pagedserve.worker.kv_caches import KVCaches
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.warmup import prepare_runner
+from pagedserve.worker.startup.attention_sweep import WarmupBatch, attention_warmup_batches, warm_up_attention
+from pagedserve.worker.startup.device_model import DeviceModel
+from pagedserve.worker.startup.warmup import build_step_forward
+from pagedserve.worker.step_forward import StepForward
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 
 VOCAB = 96
-CUDA = torch.device("cuda", 0)
 
 
 def _spec(implementation: str = "native", windows: tuple[int | None, ...] = (None, None)) -> ModelSpec:
@@ -69,16 +73,9 @@ def _spec(implementation: str = "native", windows: tuple[int | None, ...] = (Non
 
 # ----------------------------------------------------------------------------- cudagraph_mode
 def _plan(mode: str, **overrides: object) -> tuple[bool, bool, bool, tuple[str, ...]]:
-    kwargs: dict = dict(
-        enforce_eager=False,
-        gpu_compile=True,
-        device=CUDA,
-        spec=_spec(),
-        backend_supports_full=True,
-        cache_ops_skip_padding=True,
-    )
-    kwargs.update(overrides)
-    plan = plan_graphs(mode, **kwargs)
+    spec = overrides.pop("spec", _spec())
+    assert isinstance(spec, ModelSpec)
+    plan = graph_support.plan(mode, spec, **overrides)
     return plan.full_decode, plan.piecewise, plan.compile, plan.notes
 
 
@@ -103,27 +100,12 @@ def test_the_default_mode_is_full() -> None:
 
 
 def test_enforce_eager_turns_everything_off() -> None:
-    plan = plan_graphs(
-        "full_and_piecewise",
-        enforce_eager=True,
-        gpu_compile=True,
-        device=CUDA,
-        spec=_spec(),
-        backend_supports_full=True,
-        cache_ops_skip_padding=True,
-    )
+    plan = graph_support.plan("full_and_piecewise", _spec(), enforce_eager=True)
     assert (plan.full_decode, plan.piecewise, plan.compile, plan.warm_up_kernels) == (False,) * 4
     assert "enforce_eager" in plan.notes[0]
     assert _plan("none", gpu_compile=False)[:3] == (False, False, False)
-    assert plan_graphs(  # no graphs and no compile asked for, yet the kernels still warm up
-        "none",
-        enforce_eager=False,
-        gpu_compile=False,
-        device=CUDA,
-        spec=_spec(),
-        backend_supports_full=True,
-        cache_ops_skip_padding=True,
-    ).warm_up_kernels
+    # no graphs and no compile asked for, yet the kernels still warm up
+    assert graph_support.plan("none", _spec(), gpu_compile=False).warm_up_kernels
 
 
 def test_compile_switches_off_separately() -> None:
@@ -164,31 +146,6 @@ def test_cli_flags_reach_engine_args() -> None:
     assert (args.cudagraph_mode, args.gpu_compile) == ("piecewise", False)
     with pytest.raises(SystemExit, match="--cudagraph-mode"):
         engine_args_from(parser.parse_args(["--cudagraph-mode", "sometimes"]), None)
-
-
-# ----------------------------------------------------------------------------- routing one step
-FULL = default_graph_sizes(8)  # 1, 2, 4, 8 requests
-PIECEWISE = default_graph_sizes(64)  # up to 64 tokens
-
-
-@pytest.mark.parametrize(
-    ("tokens", "reqs", "max_q", "full", "piecewise", "expected"),
-    [
-        (3, 3, 1, FULL, PIECEWISE, "full"),  # decode: padded to the 4-request graph
-        (8, 8, 1, FULL, PIECEWISE, "full"),
-        (9, 9, 1, FULL, PIECEWISE, "piecewise"),  # larger than every full graph
-        (9, 9, 1, FULL, (), "eager"),  # full_decode_only: no piecewise fallback
-        (7, 3, 5, FULL, PIECEWISE, "piecewise"),  # mixed: a prefill chunk among decodes
-        (8, 4, 2, FULL, PIECEWISE, "piecewise"),  # uniform speculative batch
-        (65, 1, 65, FULL, PIECEWISE, "eager"),  # beyond the piecewise ladder
-        (3, 3, 1, (), PIECEWISE, "piecewise"),  # piecewise mode
-        (3, 3, 1, (), (), "eager"),  # none
-    ],
-)
-def test_step_path(
-    tokens: int, reqs: int, max_q: int, full: tuple[int, ...], piecewise: tuple[int, ...], expected: str
-) -> None:
-    assert step_path(tokens, reqs, max_q, full_sizes=full, piecewise_sizes=piecewise) == expected
 
 
 def test_full_graphs_refuse_a_cpu_device() -> None:
@@ -410,7 +367,8 @@ def test_fill_refuses_what_a_decode_graph_cannot_hold() -> None:
 
 # ----------------------------------------------------------------------------- runner dispatch
 class _EagerStandIn:
-    """Stands in for captured graphs on the CPU: the runner's routing is real, the forward eager."""
+    """Stands in for captured graphs on the CPU: the runner's routing is real, the forward eager
+    (over the runner's own KV caches and backend)."""
 
     def __init__(self, runner: ModelRunner, sizes: tuple[int, ...]) -> None:
         self.runner, self.sizes = runner, sizes
@@ -426,21 +384,16 @@ class _EagerStandIn:
 class _FullStandIn(_EagerStandIn):
     def __init__(self, runner: ModelRunner, sizes: tuple[int, ...]) -> None:
         super().__init__(runner, sizes)
-        self.index = DecodeGraphIndex(sizes, (64,), lambda size, bucket: None, max_model_len=64)
-
-    def covers(self, metadata: AttentionMetadata) -> bool:
-        return FullDecodeGraphs.covers(self, metadata)  # type: ignore[arg-type]
+        self.cover = DecodeGraphCover(sizes, max_seq_len=64)
 
     def run(self, metadata: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        assert metadata.max_query_len == 1
+        assert metadata.max_query_len == 1 and metadata.num_reqs <= self.sizes[-1]
         return self._forward(metadata, ids, pos)
 
 
 class _PiecewiseStandIn(_EagerStandIn):
-    def fits(self, num_tokens: int) -> bool:
-        return padded_size(self.sizes, num_tokens) is not None
-
     def run(self, ctx: ForwardContext, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        assert padded_size(self.sizes, ids.shape[0]) is not None
         return self._forward(ctx.metadata, ids, pos)
 
 
@@ -472,7 +425,8 @@ def test_runner_sends_decodes_to_full_graphs_mixed_to_piecewise_and_large_steps_
     runner = llm.engine.core.runner
     full = _FullStandIn(runner, (1, 2))  # a 3-request decode is larger than every full graph
     piecewise = _PiecewiseStandIn(runner, (1, 2, 4, 8, 16, 24, 32))  # the 44-token prefill is not
-    runner.full_graphs, runner.cuda_graphs = full, piecewise  # type: ignore[assignment]
+    forward = StepForward(runner.model, full_decode=full, piecewise=piecewise)  # type: ignore[arg-type]
+    graph_support.runner_with(llm, forward)
     routed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert routed == plain
     # Step 1: the 44-token prefill runs eagerly. Steps 2-3: 3 decodes -> piecewise (3 tokens).
@@ -571,12 +525,7 @@ def test_programmatic_launch_needs_the_compiled_forward_and_sm90(monkeypatch: py
 
 
 def _plan_with(**overrides: object) -> GraphPlan:
-    kwargs: dict[str, object] = dict(
-        enforce_eager=False, gpu_compile=True, device=CUDA, spec=_spec(), backend_supports_full=True,
-        cache_ops_skip_padding=True,
-    )  # fmt: skip
-    kwargs.update(overrides)
-    return plan_graphs("full_and_piecewise", **kwargs)  # type: ignore[arg-type]
+    return graph_support.plan("full_and_piecewise", _spec(), **overrides)
 
 
 def test_short_steps_run_the_programmatic_compilation(checkpoint: Path) -> None:
@@ -612,17 +561,22 @@ def test_compile_caches_go_to_a_persistent_directory_unless_chosen(tmp_path: Pat
     assert configure_compile_caches(env)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "x/pagedserve/inductor")
 
 
-def test_prepare_runner_times_each_phase_and_leaves_the_kv_cache_alone(checkpoint: Path) -> None:
+def test_build_step_forward_times_each_phase_and_leaves_the_kv_cache_alone(checkpoint: Path) -> None:
     # What the engine does at start on a GPU, here with only the kernel warm-up (CPU: no graphs,
-    # no GPU compile): the sweep runs on the runner's own backend and caches, nothing is captured.
-    runner = _llm(checkpoint).engine.core.runner
+    # no GPU compile): the sweep runs on the engine's own backend and caches, nothing is captured.
+    llm = _llm(checkpoint)
+    setup, runner = llm.engine.setup, llm.engine.core.runner
+    dm = DeviceModel(setup.platform, setup.loaded, setup.backend, runner.cache_ops, runner.kv_caches[0].dtype)
+    kv = KVCaches(runner.kv_caches, runner.block_size, runner.kv_scales)
     before = [c.clone() for c in runner.kv_caches]
-    limits = dict(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16, cuda_graph_max_tokens=8)
-    times = prepare_runner(runner, GraphPlan(False, False, False, ()), **limits)
+    limits = StepLimits(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16, cuda_graph_max_tokens=8)
+    forward, times = build_step_forward(dm, kv, GraphPlan(False, False, False, ()), limits)
     sweep = attention_warmup_batches(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16)
     assert times.num_warmup_batches == len(sweep)
     assert times.kernels_s > 0 and times.compile_s == times.capture_s == 0.0
-    assert runner.full_graphs is None and runner.cuda_graphs is None and runner.compiled is None
+    assert forward.full_decode is None and forward.piecewise is None and forward.compiled is None
+    assert forward.plan == PathPlan()  # every step runs the model eagerly
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
-    skipped = prepare_runner(runner, GraphPlan(False, False, False, (), warm_up_kernels=False), **limits)
+    plan = GraphPlan(False, False, False, (), warm_up_kernels=False)
+    _, skipped = build_step_forward(dm, kv, plan, limits)
     assert skipped.num_warmup_batches == 0 and skipped.kernels_s == 0.0

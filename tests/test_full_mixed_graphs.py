@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from pathlib import Path
 
+import graph_support
 import pytest
 import torch
 from models_harness import random_prompts, save_tiny_llama
@@ -17,11 +18,12 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cuda_graphs import default_graph_sizes
-from pagedserve.worker.full_cuda_graphs import PADDING_SLOT, GraphBuffers
-from pagedserve.worker.full_mixed_graphs import FullMixedGraphs, mixed_graph_sizes
-from pagedserve.worker.graph_modes import plan_graphs
+from pagedserve.worker.graphs.cuda_graphs import default_graph_sizes
+from pagedserve.worker.graphs.full_cuda_graphs import PADDING_SLOT, GraphBuffers
+from pagedserve.worker.graphs.full_mixed_graphs import mixed_graph_sizes
+from pagedserve.worker.graphs.step_path import MixedGraphCover, PathPlan, step_path
 from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.step_forward import StepForward
 
 CPU = torch.device("cpu")
 VOCAB = 96
@@ -46,25 +48,17 @@ def _spec() -> ModelSpec:
 
 # ----------------------------------------------------------------------------- the mode
 def test_full_mode_adds_mixed_graphs_when_the_backend_promises_them() -> None:
-    common: dict = dict(
-        enforce_eager=False,
-        gpu_compile=True,
-        device=torch.device("cuda", 0),
-        spec=_spec(),
-        backend_supports_full=True,
-        cache_ops_skip_padding=True,
-    )
-    plan = plan_graphs("full", backend_supports_full_mixed=True, **common)
+    plan = graph_support.plan("full", _spec(), backend_supports_full_mixed=True)
     assert (plan.full_decode, plan.full_mixed, plan.piecewise, plan.notes) == (True, True, True, ())
     assert plan.describe().startswith("full decode + full mixed + piecewise CUDA graphs")
     # A backend of API 1.9 or older never declares it: decode graphs and piecewise graphs only.
-    plan = plan_graphs("full", **common)
+    plan = graph_support.plan("full", _spec())
     assert (plan.full_decode, plan.full_mixed, plan.piecewise) == (True, False, True)
     assert "supports_full_cuda_graph_mixed" in plan.notes[0] and "piecewise" in plan.notes[0]
     # Without full graphs at all, the mode falls back to piecewise graphs, as full_and_piecewise does.
-    plan = plan_graphs("full", **{**common, "backend_supports_full": False}, backend_supports_full_mixed=True)
+    plan = graph_support.plan("full", _spec(), backend_supports_full=False, backend_supports_full_mixed=True)
     assert (plan.full_decode, plan.full_mixed, plan.piecewise) == (False, False, True)
-    assert not plan_graphs("full_and_piecewise", backend_supports_full_mixed=True, **common).full_mixed
+    assert not graph_support.plan("full_and_piecewise", _spec(), backend_supports_full_mixed=True).full_mixed
 
 
 def test_mixed_sizes_start_at_two_tokens() -> None:
@@ -112,21 +106,16 @@ def test_fill_step_and_graph_metadata_refuse_what_does_not_fit() -> None:
 
 
 # ----------------------------------------------------------------------------- which steps replay
-class _Covers:
-    """`FullMixedGraphs.covers` on the CPU: the real method over the attributes it reads."""
+def _cover(sizes: tuple[int, ...], *, max_num_seqs: int, prompt_steps_elsewhere: bool) -> MixedGraphCover:
+    """The cover `FullMixedGraphs` makes, without a GPU: the capture keys from the real buffers'
+    capture metadata."""
 
-    def __init__(self, sizes: tuple[int, ...], *, max_num_seqs: int, prompt_steps_elsewhere: bool) -> None:
-        self.sizes, self.max_num_seqs, self.max_seq_len = sizes, max_num_seqs, 64
-        self.prompt_steps_elsewhere = prompt_steps_elsewhere
-        # The plan: short queries among few requests plan apart (like a split-KV choice).
-        self._graph_key = lambda md: "short" if md.max_query_len <= 4 and md.num_reqs <= 2 else "wide"
-        self._keys: dict[int, Hashable] = {s: self._graph_key(_capture(s, max_num_seqs)) for s in sizes}
+    # The plan: short queries among few requests plan apart (like a split-KV choice).
+    def graph_key(md: AttentionMetadata) -> Hashable:
+        return "short" if md.max_query_len <= 4 and md.num_reqs <= 2 else "wide"
 
-    def num_reqs_of(self, size: int) -> int:
-        return FullMixedGraphs.num_reqs_of(self, size)  # type: ignore[arg-type]
-
-    def covers(self, md: AttentionMetadata) -> bool:
-        return FullMixedGraphs.covers(self, md)  # type: ignore[arg-type]
+    keys = {s: graph_key(_capture(s, max_num_seqs)) for s in sizes}
+    return MixedGraphCover(sizes, max_num_seqs, 64, prompt_steps_elsewhere, graph_key, keys)
 
 
 def _capture(size: int, max_num_seqs: int) -> AttentionMetadata:
@@ -148,25 +137,23 @@ def _capture(size: int, max_num_seqs: int) -> AttentionMetadata:
     ],
 )
 def test_which_steps_replay_a_mixed_graph(query_lens: list[int], elsewhere: bool, expected: bool) -> None:
-    graphs = _Covers((2, 4, 8), max_num_seqs=4, prompt_steps_elsewhere=elsewhere)
+    plan = PathPlan(full_mixed=_cover((2, 4, 8), max_num_seqs=4, prompt_steps_elsewhere=elsewhere))
     md = _metadata(query_lens, [q + 3 for q in query_lens])
-    assert graphs.covers(md) is expected
+    assert (step_path(md, plan) == "full_mixed") is expected
 
 
 # ----------------------------------------------------------------------------- runner dispatch
-class _MixedStandIn(_Covers):
-    """Stands in for captured mixed graphs on the CPU: the runner's routing and `covers` are
+class _MixedStandIn:
+    """Stands in for captured mixed graphs on the CPU: the runner's routing and the cover are
     real, the forward eager."""
 
     def __init__(self, runner: ModelRunner, sizes: tuple[int, ...]) -> None:
-        super().__init__(sizes, max_num_seqs=4, prompt_steps_elsewhere=True)
-        self._graph_key = lambda md: None
-        self._keys = dict.fromkeys(sizes)
+        self.cover = MixedGraphCover(sizes, 4, 64, True, lambda md: None, dict.fromkeys(sizes))
         self.runner = runner
         self.steps: list[tuple[int, int]] = []  # (tokens, requests) of every step served
 
     def run(self, md: AttentionMetadata, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        assert self.covers(md)
+        assert step_path(md, PathPlan(full_mixed=self.cover)) == "full_mixed"
         r = self.runner
         self.steps.append((md.num_actual_tokens, md.num_reqs))
         with forward_context(ForwardContext(md, r.kv_caches, r.backend, r.cache_ops)):
@@ -199,7 +186,7 @@ def test_runner_sends_mixed_steps_to_the_mixed_graphs(checkpoint: Path) -> None:
     llm = _llm(checkpoint)
     runner = llm.engine.core.runner
     mixed = _MixedStandIn(runner, (2, 4, 8))
-    runner.mixed_graphs = mixed  # type: ignore[assignment]
+    graph_support.runner_with(llm, StepForward(runner.model, full_mixed=mixed))  # type: ignore[arg-type]
     routed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert routed == plain
     # Step 1 holds the 3-token prompt and 5 tokens of the other: prompt chunks only, which stay

@@ -26,7 +26,7 @@ from pagedserve.models.fp8 import FP8_MAX, Fp8Linear, quantize_rows, scaled_line
 from pagedserve.models.loader import load_model
 from pagedserve.models.platform_linear import route_lm_head
 from pagedserve.platforms.api import LinearKernel
-from pagedserve.worker.runner_setup import _route_linear_layers
+from pagedserve.worker.startup.device_model import _route_linear_layers
 
 VOCAB = TINY_DECODER["vocab_size"]
 HIDDEN = TINY_DECODER["hidden_size"]

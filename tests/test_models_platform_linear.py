@@ -18,7 +18,7 @@ from pagedserve.models.platform_linear import PlatformLinear, route_linear_layer
 from pagedserve.platforms.api import LinearKernel
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve.platforms.registry import PlatformRegistry
-from pagedserve.worker.runner_setup import _route_linear_layers
+from pagedserve.worker.startup.device_model import _route_linear_layers
 
 CALLS: list[int] = []  # rows of every call of the test operator
 
@@ -275,7 +275,7 @@ def test_the_dependent_operator_needs_the_compiled_forward(monkeypatch: pytest.M
     sm_90+ NVIDIA GPU with the compiled forward on (alone, the products were measured slower)."""
     from config_support import resolved
 
-    from pagedserve.worker.runner_setup import _programmatic
+    from pagedserve.worker.startup.device_model import _programmatic
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)

@@ -16,8 +16,8 @@ from pagedserve.models.decoder import EAGER_REGIONS, DecoderForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cpu_compile import zero_attention
-from pagedserve.worker.gpu_compile import GpuCompiledForward
+from pagedserve.worker.compile.cpu_compile import zero_attention
+from pagedserve.worker.compile.gpu_compile import GpuCompiledForward
 
 
 def _model(cls: type[DecoderForCausalLM], config: Any) -> DecoderForCausalLM:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.gpu_compile import PROGRAMMATIC_MAX_TOKENS
-from pagedserve.worker.runner_setup import _launch_attention_programmatically
+from pagedserve.worker.compile.gpu_compile import PROGRAMMATIC_MAX_TOKENS
+from pagedserve.worker.startup.device_model import _launch_attention_programmatically
 from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 
@@ -42,7 +42,7 @@ def test_the_engine_asks_both_with_the_compiled_forwards_token_bound(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     backend, cache_ops = _RecordingBackend(), ReferenceCacheOps()
-    with caplog.at_level(logging.INFO, logger="pagedserve.worker.runner_setup"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.worker.startup.device_model"):
         _launch_attention_programmatically(backend, cache_ops)
     assert backend.asked == [PROGRAMMATIC_MAX_TOKENS]
     text = caplog.text

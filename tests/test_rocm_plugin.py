@@ -356,7 +356,7 @@ def test_full_graph_key_is_the_inherited_plan_with_the_amd_thresholds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from pagedserve.platforms.api import PLUGIN_API_VERSION, AttentionLayerShape
-    from pagedserve.worker.full_cuda_graphs import DecodeGraphBuffers
+    from pagedserve.worker.graphs.full_cuda_graphs import DecodeGraphBuffers
     from pagedserve_rocm.attention import RocmUnifiedAttentionBackend
     from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 

@@ -51,13 +51,22 @@ def test_engine_core_warm_up_runs_a_request_and_leaves_no_trace(
 ) -> None:
     core = _engine(model_dir)
     steps: list[object] = []
-    execute = core.runner.execute
 
-    def counted(*args: Any) -> Any:
-        steps.append(args)
-        return execute(*args)
+    class Counted:
+        """The engine's runner, keeping the arguments of every step it executes."""
 
-    monkeypatch.setattr(core.runner, "execute", counted)
+        def __init__(self, runner: Any) -> None:
+            self.runner = runner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.runner, name)
+
+        def execute(self, *args: Any) -> Any:
+            steps.append(args)
+            return self.runner.execute(*args)
+
+    assert core.pipeline is None  # steps run synchronously, through core.runner
+    monkeypatch.setattr(core, "runner", Counted(core.runner))
     core.warm_up()
     assert len(steps) >= 4  # each request: its prompt step and a decode step ran the model
     assert not core.has_unfinished_requests()

@@ -23,8 +23,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.attention_sweep import attention_warmup_batches, warm_up_attention
-from pagedserve.worker.full_cuda_graphs import PADDING_SLOT, DecodeGraphBuffers
+from pagedserve.worker.graphs.full_cuda_graphs import PADDING_SLOT, DecodeGraphBuffers
+from pagedserve.worker.startup.attention_sweep import attention_warmup_batches, warm_up_attention
 from pagedserve_triton.attention import TritonUnifiedAttentionBackend
 from pagedserve_triton.cache_ops import TritonCacheOps
 from pagedserve_triton.unified_attention import unified_attention_2d_kernel

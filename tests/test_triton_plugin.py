@@ -28,7 +28,7 @@ from pagedserve.platforms.tuned_configs import (
     TunedConfigs,
     load_tuned_config_file,
 )
-from pagedserve.worker.full_cuda_graphs import DecodeGraphBuffers, DecodeGraphIndex
+from pagedserve.worker.graphs.full_cuda_graphs import DecodeGraphBuffers, DecodeGraphIndex
 from pagedserve_triton import plugin
 from pagedserve_triton.attention import (
     MAX_SPLITS,

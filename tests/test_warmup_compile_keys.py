@@ -32,20 +32,20 @@ import pagedserve_triton.ragged_prefill_sm90 as ragged_sm90
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, AttentionLayerShape
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.attention_sweep import (
-    WarmupBatch,
-    attention_warmup_batches,
-    warm_up_attention,
-    warmup_metadata,
-)
 from pagedserve.worker.buffers import PackedUpload
-from pagedserve.worker.cuda_graphs import default_graph_sizes
-from pagedserve.worker.full_cuda_graphs import (
+from pagedserve.worker.graphs.cuda_graphs import default_graph_sizes
+from pagedserve.worker.graphs.full_cuda_graphs import (
     DecodeGraphBuffers,
     DecodeGraphIndex,
     attention_layer_shapes,
     forward_graph_key,
     seq_len_buckets,
+)
+from pagedserve.worker.startup.attention_sweep import (
+    WarmupBatch,
+    attention_warmup_batches,
+    warm_up_attention,
+    warmup_metadata,
 )
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 from pagedserve_triton.attention import SplitPlan, TritonUnifiedAttentionBackend, choose_split
@@ -341,7 +341,7 @@ def test_the_8b_sweep_runs_one_call_per_variant_and_compiles_them_all() -> None:
     backend.enable_programmatic_launch(16)
     backend.enable_new_kv_reads()
     width = MAX_MODEL_LEN // ENGINE_BLOCK_SIZE
-    # The full decode graphs an engine of these limits captures, as `prepare_runner` plans them.
+    # The full decode graphs an engine of these limits captures, as `warmup.build_step_forward` plans them.
     layers = attention_layer_shapes(
         LLAMA_8B, block_size=ENGINE_BLOCK_SIZE, kv_cache_dtype=torch.bfloat16, device=CPU
     )

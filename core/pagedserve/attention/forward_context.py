@@ -9,7 +9,7 @@ nested forward, almost always a bug in the runner) is refused.
 
 A context may carry an `AttentionHook`: then every attention call of the forward goes to the hook
 instead of the KV cache and the backend. Piecewise CUDA-graph capture
-(`pagedserve.worker.cuda_graphs`) uses it to cut the forward into graphs at each attention call.
+(`pagedserve.worker.graphs.cuda_graphs`) uses it to cut the forward into graphs at each attention call.
 """
 
 from __future__ import annotations

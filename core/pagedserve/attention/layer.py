@@ -8,7 +8,7 @@ Attention sinks (gpt-oss, plugin API 1.13) are a per-head tensor the model owns 
 they arrive per call too (`PagedAttention.forward(q, k, v, sinks=...)`), and every path that
 intercepts attention (CUDA-graph capture, warm-up hooks) carries them to the backend.
 
-Under `torch.compile` (`pagedserve.worker.cpu_compile`) the call is one opaque operator,
+Under `torch.compile` (`pagedserve.worker.compile.cpu_compile`) the call is one opaque operator,
 `torch.ops.pagedserve.paged_attention`, whose kernel is the eager code below: the forward context,
 the per-step plan and the platform's backend (a plugin) are host-side state that no graph should
 freeze or look into, so the compiled graph stops at attention and calls it as it is.

@@ -3,7 +3,7 @@ number of blocks.
 
 Everything here is known before any worker starts but one value: how many blocks fit. That needs
 the loaded model and, on a GPU, a profile of its largest step, so each device measures
-(`worker.kv_sizing`) and hands the numbers to the methods below; the driver then agrees on one
+(`worker.startup.kv_sizing`) and hands the numbers to the methods below; the driver then agrees on one
 pool size for every rank (`agreed_blocks`). The rules live here, beside the options they read, so
 the single-device engine, every tensor-parallel rank and the driver apply the same ones.
 """

@@ -22,7 +22,7 @@ import torch
 
 from pagedserve.config.cache import CacheConfig
 from pagedserve.config.engine_args import EngineArgs
-from pagedserve.config.forward import ForwardConfig
+from pagedserve.config.forward import CudaGraphMode, ForwardConfig
 from pagedserve.config.lora import LoRAConfig
 from pagedserve.config.model import LoadFormat, ModelConfig
 from pagedserve.config.parallel import ParallelConfig
@@ -81,7 +81,7 @@ def resolve_engine_config(
         ),
         forward=ForwardConfig(
             enforce_eager=args.enforce_eager,
-            cudagraph_mode=args.cudagraph_mode,
+            cudagraph_mode=CudaGraphMode.parse(args.cudagraph_mode),
             cuda_graph_max_tokens=args.cuda_graph_max_tokens,
             gpu_compile=args.gpu_compile,
             gpu_compile_scope=args.gpu_compile_scope,

@@ -2,11 +2,14 @@
 and the warm-up before serving.
 
 These options say what is asked for; what a device then builds also depends on the device, the
-model and the attention backend, which `worker.graph_modes.plan_graphs` decides on each device.
+model and the attention backend, which `worker.graphs.graph_modes.plan_graphs` decides on each device.
+`cudagraph_mode` is parsed here once, into `CudaGraphMode`: what each mode asks for is a property of
+the mode, so no later reader compares strings.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,12 +25,46 @@ CudaGraphModeName = Literal["none", "piecewise", "full_decode_only", "full_and_p
 CompileScope = Literal["layer", "model"]
 
 
+class CudaGraphMode(enum.Enum):
+    """`cudagraph_mode`, with vLLM's names (`worker.graphs.graph_modes` says what each builds)."""
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL_DECODE_ONLY = "full_decode_only"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+    FULL = "full"
+
+    @classmethod
+    def parse(cls, name: str) -> CudaGraphMode:
+        """The mode of that name. Raises ValueError naming every mode for an unknown one."""
+        try:
+            return cls(name)
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise ValueError(f"cudagraph_mode={name!r} is not one of {names}") from None
+
+    @property
+    def piecewise(self) -> bool:
+        """Asks for piecewise graphs (for every step no full graph serves)."""
+        return self in (CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE, CudaGraphMode.FULL)
+
+    @property
+    def full_decode(self) -> bool:
+        """Asks for full graphs of decode batches."""
+        return self in (CudaGraphMode.FULL_DECODE_ONLY, CudaGraphMode.FULL_AND_PIECEWISE, CudaGraphMode.FULL)
+
+    @property
+    def full_mixed(self) -> bool:
+        """Asks for full graphs of mixed steps too."""
+        return self is CudaGraphMode.FULL
+
+
 @dataclass(frozen=True, slots=True)
 class ForwardConfig:
     """The forward's options, as `EngineArgs` gave them (`resolve_engine_config` copies them)."""
 
     enforce_eager: bool  # no CUDA graphs, no compilation, no kernel warm-up
-    cudagraph_mode: CudaGraphModeName  # which steps replay CUDA graphs (`worker.graph_modes`)
+    cudagraph_mode: CudaGraphMode  # which steps replay CUDA graphs (`worker.graphs.graph_modes`)
     cuda_graph_max_tokens: int  # largest step (tokens) replayed as CUDA graphs
     gpu_compile: bool  # GPUs: the forward's dense parts through torch.compile
     gpu_compile_scope: CompileScope  # one compilation per decoder stretch, or of the whole forward
@@ -41,5 +78,5 @@ class ForwardConfig:
     @property
     def compiles_gpu_forward(self) -> bool:
         """Whether a GPU's forward is compiled, as far as the options go (the device and the model
-        may still say no: `worker.graph_modes.plan_graphs`)."""
+        may still say no: `worker.graphs.graph_modes.plan_graphs`)."""
         return self.gpu_compile and not self.enforce_eager

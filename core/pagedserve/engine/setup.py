@@ -42,17 +42,12 @@ from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.structured.backend import StructuredOutputBackend
 from pagedserve.structured.checks import backend_available
 from pagedserve.structured.manager import StructuredOutputManager
-from pagedserve.worker.kv_sizing import kv_block_bytes
-from pagedserve.worker.runner_setup import (
-    build_runner,
-    choose_backend,
-    fit_kv_blocks,
-    load_device_model,
-    swap_space_blocks,
-)
-from pagedserve.worker.startup_heap import freeze_startup_heap
+from pagedserve.worker.startup.device_model import choose_backend, load_device_model
+from pagedserve.worker.startup.kv_sizing import kv_block_bytes
+from pagedserve.worker.startup.runner_setup import build_runner, fit_kv_blocks, swap_space_blocks
+from pagedserve.worker.startup.startup_heap import freeze_startup_heap
 
-# Re-exported: it lived here before the per-device half of the setup moved to `runner_setup`.
+# Re-exported: it lived here before the per-device half of the setup moved to `worker.startup`.
 __all__ = ["EngineSetup", "build_engine", "choose_backend", "eos_token_ids"]
 
 logger = logging.getLogger(__name__)
@@ -130,8 +125,8 @@ def _build_local_engine(config: EngineConfig, platform: LoadedPlatform) -> Engin
         seed=config.model.seed,
         num_kv_blocks=num_blocks,
         eos_token_ids=eos,
+        lora=lora,
     )
-    runner.lora = lora
     scheduler = Scheduler(config.scheduler, config.cache, num_blocks, swap_space_blocks(dm, config.cache))
     core = _engine_core(config, scheduler, runner, tokenizer, spec.vocab_size, eos, device)
     if config.freeze_startup_heap:

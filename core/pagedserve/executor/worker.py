@@ -38,8 +38,9 @@ from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.async_output import PendingOutput
 from pagedserve.worker.host_times import HostTimes
 from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
-from pagedserve.worker.runner_setup import DeviceModel, build_runner, fit_kv_blocks, load_device_model
-from pagedserve.worker.startup_heap import freeze_startup_heap
+from pagedserve.worker.startup.device_model import DeviceModel, load_device_model
+from pagedserve.worker.startup.runner_setup import build_runner, fit_kv_blocks
+from pagedserve.worker.startup.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 

@@ -454,7 +454,7 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[AttentionCapabilities]
     # API 1.1. True promises that `forward` can be recorded whole in a CUDA graph and replayed for
-    # other batches of the same padded size (full decode graphs, `pagedserve.worker.full_cuda_graphs`):
+    # other batches of the same padded size (full decode graphs, `pagedserve.worker.graphs.full_cuda_graphs`):
     # its kernels, grids and scalar arguments depend only on the metadata's host fields
     # (`num_reqs`, `num_actual_tokens`, `max_query_len`, `max_seq_len`) and on tensor layouts,
     # never on values it would read back from the device; it does not sync; every device tensor
@@ -467,14 +467,14 @@ class AttentionBackend(ABC):
     # requests and a `max_query_len` bound serve any batch with at most that many tokens and
     # requests and queries no longer than the bound (padding tokens past the last request's query
     # belong to no request, and no kernel writes their output rows with anything a real row reads).
-    # Full graphs of mixed steps (`pagedserve.worker.full_mixed_graphs`) need it.
+    # Full graphs of mixed steps (`pagedserve.worker.graphs.full_mixed_graphs`) need it.
     supports_full_cuda_graph_mixed: ClassVar[bool] = False
     # API 1.11. True promises that `forward` may run on several host threads at once for calls of
     # different batches (distinct metadata objects), each thread's current CUDA device being the
     # tensors'; calls that share a metadata object (the layers of one step) still come from one
-    # thread, in order. The engine's start-up sweep (`pagedserve.worker.attention_sweep`) then runs its
-    # calls on a thread pool beside the forward's compilation, so their JIT compiles (Triton,
-    # NVRTC: native code that leaves Python's lock) run in parallel.
+    # thread, in order. The engine's start-up sweep (`pagedserve.worker.startup.attention_sweep`)
+    # then runs its calls on a thread pool beside the forward's compilation, so their JIT compiles
+    # (Triton, NVRTC: native code that leaves Python's lock) run in parallel.
     concurrent_batches: ClassVar[bool] = False
 
     def full_graph_key(self, metadata: AttentionMetadata, layer: AttentionLayerShape) -> Hashable | None:
@@ -485,7 +485,7 @@ class AttentionBackend(ABC):
         `max_seq_len` an upper bound of the real sequences). The engine captures one graph per
         padded size and distinct key over a ladder of `max_seq_len` bounds, each at the largest
         bound of its key, and replays the one planned for the smallest bound that holds the
-        step (`pagedserve.worker.full_cuda_graphs`).
+        step (`pagedserve.worker.graphs.full_cuda_graphs`).
 
         The default, None, means the launches do not change with `max_seq_len`: one graph per
         padded size, planned for `max_model_len`. Host-only (no device sync); may fill the
@@ -529,7 +529,7 @@ class AttentionBackend(ABC):
         options; an NVRTC module's source and defines). The promise: once calls launching a
         variant have run, a call whose variants are all among them compiles and loads nothing.
         An empty set: `forward` launches nothing. The engine's start-up warm-up
-        (`pagedserve.worker.attention_sweep`) runs only the calls of its sweep that need a variant no
+        (`pagedserve.worker.startup.attention_sweep`) runs only the calls of its sweep that need a variant no
         earlier call did.
 
         Host-only: reads the metadata's host fields and the tensors' layouts (shapes, strides,

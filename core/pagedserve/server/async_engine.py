@@ -59,7 +59,7 @@ from pagedserve.server.output_router import OutputRouter
 from pagedserve.server.request_table import RequestTable
 from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.server.warm_start import warm_up_tokenizer
-from pagedserve.worker.startup_heap import freeze_startup_heap
+from pagedserve.worker.startup.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 

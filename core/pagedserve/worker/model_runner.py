@@ -17,16 +17,15 @@ import gc
 import itertools
 import operator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pagedserve.attention.forward_context import ForwardContext, forward_context
+from pagedserve.attention.forward_context import ForwardContext
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.spec import PagedCausalLM
-from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
+from pagedserve.platforms.api import AttentionBackend, CacheOps
 from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
@@ -44,13 +43,15 @@ from pagedserve.worker.async_output import (
     TokenLogprobs,
     upload,
 )
-from pagedserve.worker.cpu_compile import CompiledForward
-from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs
-from pagedserve.worker.full_cuda_graphs import FullDecodeGraphs
-from pagedserve.worker.full_mixed_graphs import FullMixedGraphs
-from pagedserve.worker.gpu_compile import GpuCompiledForward
+from pagedserve.worker.compile.cpu_compile import CompiledForward
+from pagedserve.worker.compile.gpu_compile import GpuCompiledForward
+from pagedserve.worker.graphs.cuda_graphs import PiecewiseCudaGraphs
+from pagedserve.worker.graphs.full_cuda_graphs import FullDecodeGraphs
+from pagedserve.worker.graphs.full_mixed_graphs import FullMixedGraphs
 from pagedserve.worker.input_batch import InputBatch, RowState
+from pagedserve.worker.kv_caches import KVCaches
 from pagedserve.worker.startup_times import StartupTimes
+from pagedserve.worker.step_forward import StepForward
 
 if TYPE_CHECKING:
     from pagedserve.lora.manager import LoRAManager
@@ -92,73 +93,68 @@ class ModelRunner:
         backend: AttentionBackend,
         cache_ops: CacheOps,
         *,
-        num_kv_blocks: int,
-        block_size: int,
+        kv: KVCaches,
         max_num_reqs: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
         device: torch.device,
-        kv_cache_dtype: torch.dtype | None = None,
-        kv_scales: list[KVCacheScales] | None = None,  # layer_idx -> scales; exactly for an FP8 cache
         seed: int = 0,
         new_kv_reads: bool = False,  # `backend.enable_new_kv_reads()` answered True
+        forward: StepForward | None = None,  # the forwards start-up built; None: the model's, eagerly
+        lora: LoRAManager | None = None,  # with enable_lora: the adapters' slots; None keeps LoRA out
+        startup_times: StartupTimes | None = None,  # what getting `forward` ready cost (GPUs)
     ) -> None:
+        """Everything the runner serves with is built before it (`startup.runner_setup`) and given
+        here; nothing outside this class sets its attributes afterwards."""
         self.model = model
         self.spec = model.spec
         self.backend = backend
         self.cache_ops = cache_ops
-        self.block_size = block_size
+        self.block_size = kv.block_size
         self.device = device
         self.eos_token_id = min(eos_token_ids) if eos_token_ids else None
         self.extra_eos_ids = eos_token_ids
-        dtype = kv_cache_dtype or self.spec.dtype
-        shape = self.spec.kv_cache_shape(num_kv_blocks, block_size)
-        # Zeroed, not empty: a backend may multiply masked-out (never written) slots by a zero weight,
-        # and 0 * NaN garbage would poison the output.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.spec.num_layers)]
-        self.kv_scales = kv_scales
+        self.kv_caches = kv.layers
+        self.kv_scales = kv.scales
+        self.swap_caches = kv.swap
         self.new_kv_reads = new_kv_reads
-        max_blocks_per_req = -(-max_model_len // block_size)
+        max_blocks_per_req = -(-max_model_len // kv.block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks_per_req, device)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self.swap_caches: list[torch.Tensor] | None = None
-        # Set by `warmup.prepare_runner` (GPUs) / `compile_forward` (CPUs); None: that path is off
-        # (full decode graphs, full mixed-step graphs, piecewise graphs, compiled forward).
-        self.full_graphs: FullDecodeGraphs | None = None
-        self.mixed_graphs: FullMixedGraphs | None = None
-        self.cuda_graphs: PiecewiseCudaGraphs | None = None
-        self.compiled: CompiledForward | GpuCompiledForward | None = None
-        self.startup_times: StartupTimes | None = None  # set by `warmup.prepare_runner`
+        self.forward = forward if forward is not None else StepForward(model)
+        self.startup_times = startup_times
         # The last launched step's output: its device tokens are the next step's placeholder inputs.
         self._last: PendingOutput | None = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pools: dict[RequestId, _PoolState] = {}  # req_id -> pooling request mid-prompt
-        # Set by `build_engine` with enable_lora: the adapters' slots; None keeps LoRA out of the step.
-        self.lora: LoRAManager | None = None
+        self.lora = lora
+
+    # The paths of `forward`, by their old names (read-only: they are built at start-up).
+    @property
+    def full_graphs(self) -> FullDecodeGraphs | None:
+        return self.forward.full_decode
+
+    @property
+    def mixed_graphs(self) -> FullMixedGraphs | None:
+        return self.forward.full_mixed
+
+    @property
+    def cuda_graphs(self) -> PiecewiseCudaGraphs | None:
+        return self.forward.piecewise
+
+    @property
+    def compiled(self) -> CompiledForward | GpuCompiledForward | None:
+        return self.forward.compiled
 
     def drop_graphs(self) -> None:
         """Forget every captured CUDA graph; later steps run the compiled or eager forward. Waits
         for the device, so no replay is in flight when the graphs go. Mutates the runner."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.full_graphs = self.mixed_graphs = self.cuda_graphs = None
+        self.forward = self.forward.without_graphs()
         gc.collect()
-
-    def allocate_swap_space(self, num_blocks: int) -> None:
-        """Allocate the CPU swap pool (one tensor per layer) used by swap-mode preemption."""
-        shape = self.spec.kv_cache_shape(num_blocks, self.block_size)
-        self.swap_caches = [torch.zeros(shape, dtype=c.dtype, device="cpu") for c in self.kv_caches]
-
-    def compile_forward(self, saved_dir: Path | None = None) -> None:
-        """Compile the model forward for small steps (see `cpu_compile`) and warm it up; steps
-        that fit run it from then on. `saved_dir`: where compiled graphs are saved and loaded
-        (`saved_compiles`); None compiles without saving. Call once, after the KV cache exists.
-        Mutates the runner; slow (compiles several graphs unless they were saved before)."""
-        compiled = CompiledForward(self.model, saved_dir)
-        compiled.warm_up(self.kv_caches, self.backend, self.cache_ops)
-        self.compiled = compiled
 
     # ----------------------------------------------------------------------------- one step
     def execute(
@@ -190,17 +186,7 @@ class ModelRunner:
             kv_scales=self.kv_scales,
             new_kv_reads=self.new_kv_reads,
         )
-        full, mixed, graphs, compiled = self.full_graphs, self.mixed_graphs, self.cuda_graphs, self.compiled
-        if full is not None and full.covers(metadata):
-            hidden = full.run(metadata, input_ids, positions)
-        elif mixed is not None and mixed.covers(metadata):
-            hidden = mixed.run(metadata, input_ids, positions)
-        elif graphs is not None and graphs.fits(metadata.num_actual_tokens):
-            hidden = graphs.run(ctx, input_ids, positions)
-        else:
-            forward = compiled if compiled is not None and compiled.fits(input_ids.shape[0]) else self.model
-            with forward_context(ctx):
-                hidden = forward(input_ids, positions)
+        hidden = self.forward.run(ctx, input_ids, positions)  # on the path `step_path` picks
         pooled = self._pool(plan, hidden) if self._pools else None
         out = self._sample(plan, hidden, grammar_bitmask, pooled)
         self._last = out

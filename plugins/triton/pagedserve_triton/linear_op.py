@@ -45,7 +45,7 @@ ROWS_FP8 = MAX_ROWS  # the most rows FP8 weights take it for
 FP8_FEW_ROWS = 16  # the most rows FP8 weights meet exact (widened) activations for
 # The most rows `linear_dependent` launches programmatically for. Such launches pay only between
 # kernels launched the same way, and the engine compiles its forward that way for short steps
-# only (`pagedserve.worker.gpu_compile.PROGRAMMATIC_MAX_TOKENS`, which says why).
+# only (`pagedserve.worker.compile.gpu_compile.PROGRAMMATIC_MAX_TOKENS`, which says why).
 DEPENDENT_MAX_ROWS = 16
 
 _NARROW = SkinnyGemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=6)

@@ -5,7 +5,7 @@ split count, another tile configuration, another integer specialisation of the b
 and `torch.compile` compiles on the first call. Left to the first requests, that work lands inside
 the first timed steps: a fresh machine ran its first benchmark at half the speed of a warm one.
 
-What. `prepare_runner` runs, with the time of each in the log:
+What. `build_step_forward` runs, with the time of each in the log, before the runner exists:
 
 1. compile the GPU forward (`gpu_compile`), when the plan says so;
 2. run the attention backend (and the cache write) over a sweep of synthetic batches
@@ -14,7 +14,9 @@ What. `prepare_runner` runs, with the time of each in the log:
    the backend (its attention is answered by zeros); with one, after the compile, as it was;
 3. capture the full decode graphs, then the full mixed-step graphs (`cudagraph_mode="full"`),
    then the piecewise graphs (their capture runs the compiled forward once per graph, which
-   compiles anything the sweep missed).
+   compiles anything the sweep missed);
+
+and returns them as the runner's `StepForward`, with what each phase cost (`StartupTimes`).
 """
 
 from __future__ import annotations
@@ -22,69 +24,59 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
-from pagedserve.worker.attention_sweep import (
-    AttentionWarmup,
-    SweepInBackground,
-    attention_warmup_batches,
-    warm_up_attention,
-)
-from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs, default_graph_sizes
-from pagedserve.worker.full_cuda_graphs import (
+from pagedserve.worker.compile.gpu_compile import GpuCompiledForward
+from pagedserve.worker.graphs.cuda_graphs import PiecewiseCudaGraphs
+from pagedserve.worker.graphs.full_cuda_graphs import (
+    Forward,
     FullDecodeGraphs,
     attention_layer_shapes,
     forward_graph_key,
     seq_len_buckets,
 )
-from pagedserve.worker.full_mixed_graphs import FullMixedGraphs, mixed_graph_sizes
-from pagedserve.worker.gpu_compile import GpuCompiledForward
-from pagedserve.worker.graph_modes import GraphPlan
+from pagedserve.worker.graphs.full_mixed_graphs import FullMixedGraphs, mixed_graph_sizes
+from pagedserve.worker.graphs.graph_modes import GraphPlan, StepLimits
+from pagedserve.worker.kv_caches import KVCaches
+from pagedserve.worker.startup.attention_sweep import (
+    AttentionWarmup,
+    SweepInBackground,
+    attention_warmup_batches,
+    warm_up_attention,
+)
+from pagedserve.worker.startup.device_model import DeviceModel
 from pagedserve.worker.startup_times import StartupTimes
-
-if TYPE_CHECKING:  # annotations only; the runner depends on nothing here
-    from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.step_forward import StepForward
 
 logger = logging.getLogger(__name__)
 
 
-def prepare_runner(
-    runner: ModelRunner,
+def build_step_forward(
+    dm: DeviceModel,
+    kv: KVCaches,
     plan: GraphPlan,
+    limits: StepLimits,
     *,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_model_len: int,
-    cuda_graph_max_tokens: int,
     attention_warmup_threads: int = 1,  # `attention_sweep.attention_warmup_threads`
-) -> StartupTimes:
-    """Compile, warm up and capture what `plan` asks for on `runner` (module docstring). Call once,
-    after the KV cache exists and before the engine takes requests. Mutates the runner (its
-    `compiled`, `full_graphs` and `cuda_graphs`); slow."""
+) -> tuple[StepForward, StartupTimes]:
+    """Compile, warm up and capture what `plan` asks for over `kv` (module docstring). Call once,
+    after the KV cache exists and before the engine takes requests; hand the result to the
+    runner. Runs the attention backend on `kv` but leaves its contents alone; slow."""
     compile_s = kernels_s = beside_s = capture_s = 0.0
-    compiled = None
-    if plan.compile:
-        # Compiles at `warm_up`; set first, since the full graphs below replay it.
-        compiled = GpuCompiledForward(
-            runner.model, programmatic_launch=plan.programmatic_launch, scope=plan.compile_scope
-        )
-        runner.compiled = compiled
-    # Before the sweep: which full graphs will be captured decides which plans it must compile.
-    full = (
-        _full_decode_graphs(
-            runner,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            cuda_graph_max_tokens=cuda_graph_max_tokens,
-        )
-        if plan.full_decode
+    model = dm.loaded.model
+    device = kv.layers[0].device
+    # Compiles at `warm_up`; made first, since every graph below is captured from it.
+    compiled = (
+        GpuCompiledForward(model, programmatic_launch=plan.programmatic_launch, scope=plan.compile_scope)
+        if plan.compile
         else None
     )
+    # Before the sweep: which full graphs will be captured decides which plans it must compile.
+    full = _full_decode_graphs(dm, kv, compiled, limits) if plan.full_decode else None
     batches = (
         attention_warmup_batches(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            max_model_len=limits.max_model_len,
             decode_graphs=full.graphs if full is not None else (),
         )
         if plan.warm_up_kernels
@@ -92,28 +84,28 @@ def prepare_runner(
     )
     sweep = None
     if batches:
-        scales = None if runner.kv_scales is None else runner.kv_scales[0]
+        scales = None if kv.scales is None else kv.scales[0]
 
         def run_sweep() -> AttentionWarmup:
             return warm_up_attention(
-                runner.backend,
-                runner.cache_ops,
-                runner.kv_caches[0],
-                runner.spec,
+                dm.backend,
+                dm.cache_ops,
+                kv.layers[0],
+                dm.loaded.spec,
                 batches,
                 scales,
-                new_kv_reads=runner.new_kv_reads,
+                new_kv_reads=dm.new_kv_reads,
                 # The runner's block table: its row stride is a kernel argument Triton specialises on.
-                block_table_width=runner.batch.block_table.np.shape[1],
+                block_table_width=_blocks_per_request(kv, limits),
                 threads=attention_warmup_threads,
             )
 
-        sweep = SweepInBackground(run_sweep, runner.device)
+        sweep = SweepInBackground(run_sweep, device)
         if attention_warmup_threads > 1 and compiled is not None:
             sweep.start()
     if compiled is not None:
         try:
-            compile_s = compiled.warm_up(runner.kv_caches, runner.backend, runner.cache_ops)
+            compile_s = compiled.warm_up(kv.layers, dm.backend, dm.cache_ops)
         except BaseException:
             if sweep is not None:
                 with contextlib.suppress(Exception):  # the compile's failure is the one to report
@@ -123,17 +115,10 @@ def prepare_runner(
     if sweep is not None:
         swept, kernels_s, beside_s = sweep.finish()
         _log_sweep(swept, len(batches), kernels_s, beside_s, attention_warmup_threads)
+    mixed = piecewise = None
     if plan.full_decode or plan.piecewise:
         start = time.perf_counter()
-        _capture_graphs(
-            runner,
-            plan,
-            full,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            cuda_graph_max_tokens=cuda_graph_max_tokens,
-        )
+        mixed, piecewise = _capture_graphs(dm, kv, plan, full, compiled, limits)
         capture_s = time.perf_counter() - start
     logger.info(
         "ready to serve (%s): compile %.1f s, attention kernels %.1f s%s, graph capture %.1f s",
@@ -143,7 +128,7 @@ def prepare_runner(
         f" (+{beside_s:.1f} s beside the compile)" if beside_s else "",
         capture_s,
     )
-    return StartupTimes(
+    times = StartupTimes(
         compile_s,
         kernels_s,
         capture_s,
@@ -152,6 +137,13 @@ def prepare_runner(
         num_warmup_calls=0 if swept is None else swept.num_launched,
         kernels_beside_compile_s=beside_s,
     )
+    paths = StepForward(model, compiled=compiled, full_decode=full, full_mixed=mixed, piecewise=piecewise)
+    return paths, times
+
+
+def _blocks_per_request(kv: KVCaches, limits: StepLimits) -> int:
+    """The width of the runner's block table (`InputBatch`): the blocks of the longest sequence."""
+    return -(-limits.max_model_len // kv.block_size)
 
 
 def _log_sweep(
@@ -180,71 +172,62 @@ def _log_sweep(
 
 
 def _full_decode_graphs(
-    runner: ModelRunner, *, max_num_seqs: int, max_model_len: int, cuda_graph_max_tokens: int
+    dm: DeviceModel, kv: KVCaches, compiled: GpuCompiledForward | None, limits: StepLimits
 ) -> FullDecodeGraphs:
-    """The full decode graphs `runner` will replay, not yet captured: one per padded size of the
+    """The full decode graphs the runner will replay, not yet captured: one per padded size of the
     request ladder and per distinct plan of the backend over the sequence-length buckets, run
     from the compiled forward where there is one."""
+    device = kv.layers[0].device
     layers = attention_layer_shapes(
-        runner.spec,
-        block_size=runner.block_size,
-        kv_cache_dtype=runner.kv_caches[0].dtype,
-        device=runner.device,
+        dm.loaded.spec, block_size=kv.block_size, kv_cache_dtype=kv.layers[0].dtype, device=device
     )
     return FullDecodeGraphs(
-        runner.compiled if runner.compiled is not None else runner.model,
-        runner.device,
-        default_graph_sizes(max_num_seqs, cuda_graph_max_tokens),
-        max_blocks_per_req=runner.batch.block_table.np.shape[1],
-        max_seq_len=max_model_len,
-        buckets=seq_len_buckets(max_model_len, runner.block_size),
-        graph_key=forward_graph_key(runner.backend, layers),
-        kv_scales=runner.kv_scales,
+        compiled if compiled is not None else dm.loaded.model,
+        device,
+        limits.request_ladder,
+        max_blocks_per_req=_blocks_per_request(kv, limits),
+        max_seq_len=limits.max_model_len,
+        buckets=seq_len_buckets(limits.max_model_len, kv.block_size),
+        graph_key=forward_graph_key(dm.backend, layers),
+        kv_scales=kv.scales,
     )
 
 
 def _capture_graphs(
-    runner: ModelRunner,
+    dm: DeviceModel,
+    kv: KVCaches,
     plan: GraphPlan,
     full: FullDecodeGraphs | None,  # exactly when plan.full_decode
-    *,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_model_len: int,
-    cuda_graph_max_tokens: int,
-) -> None:
+    compiled: GpuCompiledForward | None,
+    limits: StepLimits,
+) -> tuple[FullMixedGraphs | None, PiecewiseCudaGraphs | None]:
     """Capture `full`, then the mixed-step and piecewise graphs as `plan` asks, from the compiled
-    forward where there is one. Mutates the runner (`full_graphs`, `mixed_graphs`,
-    `cuda_graphs`)."""
-    caches, backend, cache_ops = runner.kv_caches, runner.backend, runner.cache_ops
-    forward = runner.compiled if runner.compiled is not None else runner.model
+    forward where there is one; returns the last two (None: not captured). Slow."""
+    caches, backend, cache_ops = kv.layers, dm.backend, dm.cache_ops
+    model, device = dm.loaded.model, caches[0].device
+    forward: Forward = compiled if compiled is not None else model
     if full is not None:
         full.capture(caches, backend, cache_ops)
-        runner.full_graphs = full
-    mixed_sizes = mixed_graph_sizes(default_graph_sizes(max_num_batched_tokens, cuda_graph_max_tokens))
+    mixed = None
+    mixed_sizes = mixed_graph_sizes(limits.token_ladder)
     if plan.full_mixed and mixed_sizes:
         layers = attention_layer_shapes(
-            runner.spec, block_size=runner.block_size, kv_cache_dtype=caches[0].dtype, device=runner.device
+            dm.loaded.spec, block_size=kv.block_size, kv_cache_dtype=caches[0].dtype, device=device
         )
         mixed = FullMixedGraphs(
             forward,
-            runner.device,
+            device,
             mixed_sizes,
-            max_num_seqs=max_num_seqs,
-            max_blocks_per_req=runner.batch.block_table.np.shape[1],
-            max_seq_len=max_model_len,
+            max_num_seqs=limits.max_num_seqs,
+            max_blocks_per_req=_blocks_per_request(kv, limits),
+            max_seq_len=limits.max_model_len,
             graph_key=forward_graph_key(backend, layers),
-            prompt_steps_elsewhere=runner.new_kv_reads,
-            kv_scales=runner.kv_scales,
+            prompt_steps_elsewhere=dm.new_kv_reads,
+            kv_scales=kv.scales,
         )
         mixed.capture(caches, backend, cache_ops)
-        runner.mixed_graphs = mixed
+    piecewise = None
     if plan.piecewise:
-        graphs = PiecewiseCudaGraphs(
-            runner.model,
-            runner.device,
-            default_graph_sizes(max_num_batched_tokens, cuda_graph_max_tokens),
-            forward=forward,
-        )
-        graphs.capture(caches, backend, cache_ops)
-        runner.cuda_graphs = graphs
+        piecewise = PiecewiseCudaGraphs(model, device, limits.token_ladder, forward=forward)
+        piecewise.capture(caches, backend, cache_ops)
+    return mixed, piecewise

@@ -43,7 +43,7 @@ FORMAT_VERSION = 1
 SUBDIR = "aot"
 # The package's folder, found from this file: importing `pagedserve` itself here would make the
 # package and its engine modules import each other.
-_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+_PACKAGE_DIR = Path(__file__).resolve().parents[2]
 # Sources every traced forward goes through besides the model's own module classes.
 _TRACED_SOURCES = (
     _PACKAGE_DIR / "attention" / "layer.py",

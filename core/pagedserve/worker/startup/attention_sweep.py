@@ -26,8 +26,8 @@ In parallel. Each of those calls compiles its new variants, one after another on
 an H200, 27 variants of an 8B engine took 22 s, a third of its start-up. Triton and NVRTC compile
 in native code that releases Python's lock, so a backend that takes calls of different batches
 from several threads at once (`AttentionBackend.concurrent_batches`, plugin API 1.11) gets them on
-a pool of threads (`attention_warmup_threads`), and `prepare_runner` runs the whole sweep beside
-the forward's compilation (`SweepInBackground`), which never calls the backend.
+a pool of threads (`attention_warmup_threads`), and `warmup.build_step_forward` runs the whole
+sweep beside the forward's compilation (`SweepInBackground`), which never calls the backend.
 
 The sweep's metadata sits in memory as a served step's does (`warmup_metadata`): block-table rows
 of the runner's width (its row stride is a kernel argument Triton specialises on) and
@@ -52,8 +52,8 @@ from tqdm import tqdm
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cuda_graphs import default_graph_sizes
-from pagedserve.worker.full_cuda_graphs import PADDING_SLOT
+from pagedserve.worker.graphs.cuda_graphs import default_graph_sizes
+from pagedserve.worker.graphs.full_cuda_graphs import PADDING_SLOT
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -48,8 +48,8 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.models.spec import PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cpu_compile import zero_attention
-from pagedserve.worker.saved_compiles import compile_cache_root
+from pagedserve.worker.compile.cpu_compile import zero_attention
+from pagedserve.worker.compile.saved_compiles import compile_cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,9 @@ class GpuCompiledForward:
 
     Call it inside an open forward context, exactly like the model."""
 
+    # Every step runs compiled (`graphs.step_path`): the graph is dynamic in the token count.
+    max_tokens: ClassVar[int | None] = None
+
     def __init__(
         self,
         model: PagedCausalLM,
@@ -159,11 +162,6 @@ class GpuCompiledForward:
         graph for >= 2; with programmatic launches both for short steps and one dynamic graph
         for the longer ones. Pure."""
         return WARM_UP_SIZES + ((PROGRAMMATIC_MAX_TOKENS + 1,) if self.programmatic else ())
-
-    @staticmethod
-    def fits(num_tokens: int) -> bool:
-        """Every step runs compiled (the graph is dynamic in the token count). Pure."""
-        return num_tokens >= 1
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[num_tokens] ids and positions -> [num_tokens, hidden_size]. Mutates the KV caches of

@@ -1,4 +1,4 @@
-"""Which CUDA graphs and compilation an engine gets (`cudagraph_mode`), and which path a step takes.
+"""Which CUDA graphs and compilation an engine gets (`cudagraph_mode`), and the step limits they cover.
 
 The modes follow vLLM's names:
 
@@ -19,28 +19,79 @@ Full graphs need an attention backend and cache ops that promise to be capturabl
 full mode falls back (`full` and `full_and_piecewise` to `piecewise`, `full_decode_only` to
 `none`) and the log says why. Mixed-step graphs also need
 `AttentionBackend.supports_full_cuda_graph_mixed`; without it `full` is `full_and_piecewise`.
-Everything here is pure: the engine set-up and the model runner call it.
+The mode is parsed once, when the engine's config is resolved (`config.forward.CudaGraphMode`);
+`plan_graphs` takes that config and what the device, model and backend allow (`GraphTarget`).
+Everything here is pure: the runner's start-up calls it. Which path one step then takes is
+`step_path.step_path`'s decision.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from pagedserve.config import ForwardConfig, SchedulerConfig
+from pagedserve.config.forward import CudaGraphMode
 from pagedserve.models.spec import ModelSpec
-from pagedserve.worker.cuda_graphs import padded_size
+from pagedserve.platforms.api import AttentionBackend, CacheOps
+from pagedserve.worker.graphs.cuda_graphs import default_graph_sizes
 
 
-class CudaGraphMode(enum.Enum):
-    NONE = "none"
-    PIECEWISE = "piecewise"
-    FULL_DECODE_ONLY = "full_decode_only"
-    FULL_AND_PIECEWISE = "full_and_piecewise"
-    FULL = "full"
+@dataclass(frozen=True, slots=True)
+class GraphTarget:
+    """What the device, the model and its attention backend allow of the graphs and compilation
+    `ForwardConfig` asks for: the part of `plan_graphs`' input that is not an option."""
+
+    device: torch.device
+    native_model: bool  # a native implementation (capture-safe, traceable), not the transformers fallback
+    backend_supports_full: bool  # `AttentionBackend.supports_full_cuda_graph`
+    cache_ops_skip_padding: bool  # `CacheOps.skips_negative_slots`
+    backend_supports_full_mixed: bool = False  # `AttentionBackend.supports_full_cuda_graph_mixed`
+
+    @classmethod
+    def of(
+        cls, device: torch.device, spec: ModelSpec, backend: AttentionBackend, cache_ops: CacheOps
+    ) -> GraphTarget:
+        """The target of one device's loaded model and chosen backend. Pure."""
+        return cls(
+            device,
+            native_model=spec.implementation == "native",
+            backend_supports_full=backend.supports_full_cuda_graph,
+            cache_ops_skip_padding=cache_ops.skips_negative_slots,
+            backend_supports_full_mixed=backend.supports_full_cuda_graph_mixed,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """The largest steps the engine schedules and replays as graphs: the warm-up's sweep and every
+    graph ladder are cut from these."""
+
+    max_num_seqs: int  # most requests in one step
+    max_num_batched_tokens: int  # most tokens in one step
+    max_model_len: int  # longest sequence
+    cuda_graph_max_tokens: int  # largest step replayed as CUDA graphs
+
+    @classmethod
+    def of(cls, scheduler: SchedulerConfig, forward: ForwardConfig) -> StepLimits:
+        return cls(
+            scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens,
+            scheduler.max_model_len,
+            forward.cuda_graph_max_tokens,
+        )
+
+    @property
+    def request_ladder(self) -> tuple[int, ...]:
+        """The padded request counts of the full decode graphs, ascending. Pure."""
+        return default_graph_sizes(self.max_num_seqs, self.cuda_graph_max_tokens)
+
+    @property
+    def token_ladder(self) -> tuple[int, ...]:
+        """The padded token counts of the piecewise (and mixed-step) graphs, ascending. Pure."""
+        return default_graph_sizes(self.max_num_batched_tokens, self.cuda_graph_max_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +114,11 @@ class GraphPlan:
     # every layer, or the whole forward
     compile_scope: Literal["layer", "model"] = "layer"
 
+    @property
+    def captures(self) -> bool:
+        """Whether any graph is captured at start. Pure."""
+        return self.full_decode or self.full_mixed or self.piecewise
+
     def describe(self) -> str:
         """One line for the log. Pure."""
         wanted = {"full decode": self.full_decode, "full mixed": self.full_mixed, "piecewise": self.piecewise}
@@ -75,59 +131,44 @@ class GraphPlan:
         return text + ("" if not self.notes else " (" + "; ".join(self.notes) + ")")
 
 
-def plan_graphs(
-    mode: str,
-    *,
-    enforce_eager: bool,
-    gpu_compile: bool,
-    device: torch.device,
-    programmatic_launch: bool = False,
-    spec: ModelSpec,
-    backend_supports_full: bool,
-    cache_ops_skip_padding: bool,
-    backend_supports_full_mixed: bool = False,
-    compile_scope: Literal["layer", "model"] = "layer",
-) -> GraphPlan:
-    """Turn the engine options into what is built. Raises ValueError for an unknown mode. Pure."""
-    try:
-        wanted = CudaGraphMode(mode)
-    except ValueError:
-        names = ", ".join(m.value for m in CudaGraphMode)
-        raise ValueError(f"cudagraph_mode={mode!r} is not one of {names}") from None
-    if enforce_eager:
+def plan_graphs(forward: ForwardConfig, target: GraphTarget) -> GraphPlan:
+    """What the forward options ask for, as far as `target` allows it. Pure."""
+    if forward.enforce_eager:
         why = "enforce_eager=True turns off CUDA graphs, compilation and the kernel warm-up"
         return GraphPlan(False, False, False, (why,), warm_up_kernels=False)
+    device = target.device
     if device.type != "cuda":
         return GraphPlan(
             False, False, False, (f"the device is {device.type}, not CUDA",), warm_up_kernels=False
         )
-    if spec.implementation != "native":
+    if not target.native_model:
         # transformers models may sync with the host or branch on tensor values inside their
         # forward; a capture would fail or, worse, freeze one branch. Native models do neither.
         why = "the model runs through the transformers fallback, which is neither capture-safe nor traceable"
         return GraphPlan(False, False, False, (why,))
+    mode = forward.cudagraph_mode
+    # Under tensor parallelism too: the all-reduce is an opaque operator (`distributed.all_reduce`).
+    gpu_compile = forward.gpu_compile
     notes: list[str] = []
     if not gpu_compile:
         notes.append("gpu_compile=False")
-    piecewise = wanted in (CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE, CudaGraphMode.FULL)
-    full = wanted in (CudaGraphMode.FULL_DECODE_ONLY, CudaGraphMode.FULL_AND_PIECEWISE, CudaGraphMode.FULL)
-    mixed = wanted is CudaGraphMode.FULL
-    if full and not (backend_supports_full and cache_ops_skip_padding):
+    piecewise, full, mixed = mode.piecewise, mode.full_decode, mode.full_mixed
+    if full and not (target.backend_supports_full and target.cache_ops_skip_padding):
         missing = []
-        if not backend_supports_full:
+        if not target.backend_supports_full:
             missing.append("the attention backend does not declare supports_full_cuda_graph")
-        if not cache_ops_skip_padding:
+        if not target.cache_ops_skip_padding:
             missing.append("the cache ops do not declare skips_negative_slots")
         fallback = "piecewise graphs only" if piecewise else "no graphs"
-        notes.append(f"cudagraph_mode={wanted.value}: {' and '.join(missing)}, so {fallback}")
+        notes.append(f"cudagraph_mode={mode.value}: {' and '.join(missing)}, so {fallback}")
         full = mixed = False
-    if mixed and not backend_supports_full_mixed:
+    if mixed and not target.backend_supports_full_mixed:
         why = "the attention backend does not declare supports_full_cuda_graph_mixed"
         notes.append(f"cudagraph_mode=full: {why}, so mixed steps replay piecewise graphs")
         mixed = False
-    if wanted is CudaGraphMode.NONE:
+    if mode is CudaGraphMode.NONE:
         notes.append("cudagraph_mode=none")
-    programmatic = programmatic_launch and gpu_compile
+    programmatic = forward.programmatic_launch and gpu_compile
     unavailable = no_programmatic_launch(device) if programmatic else None
     if unavailable is not None:
         notes.append(f"programmatic_launch: {unavailable}")
@@ -139,7 +180,7 @@ def plan_graphs(
         tuple(notes),
         programmatic_launch=programmatic,
         full_mixed=mixed,
-        compile_scope=compile_scope,
+        compile_scope=forward.gpu_compile_scope,
     )
 
 
@@ -152,26 +193,3 @@ def no_programmatic_launch(device: torch.device) -> str | None:
     if major < 9:
         return f"sm_{major}{minor} has no programmatic dependent launch (sm_90+)"
     return None
-
-
-StepPath = Literal["full", "piecewise", "eager"]
-
-
-def step_path(
-    num_tokens: int,
-    num_reqs: int,
-    max_query_len: int,
-    *,
-    full_sizes: Sequence[int],  # ascending request counts with a full graph; empty: none
-    piecewise_sizes: Sequence[int],  # ascending token counts with piecewise graphs; empty: none
-) -> StepPath:
-    """Which forward one step runs. A decode batch (every request one new token) replays the full
-    graph of the smallest captured size that holds it; any other step, or a decode batch larger
-    than every full graph, replays piecewise graphs when its token count fits their ladder, and
-    otherwise runs the forward directly. Pure."""
-    decode = max_query_len == 1 and num_tokens == num_reqs
-    if decode and full_sizes and padded_size(full_sizes, num_reqs) is not None:
-        return "full"
-    if piecewise_sizes and padded_size(piecewise_sizes, num_tokens) is not None:
-        return "piecewise"
-    return "eager"

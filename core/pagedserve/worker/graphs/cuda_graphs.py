@@ -213,7 +213,7 @@ class PiecewiseCudaGraphs:
     """Captured forwards of one model for a ladder of padded token counts, and their replay.
 
     Built once at engine start, after the KV cache is allocated; `run` replaces the eager model
-    call of any step whose token count fits the ladder (`fits`)."""
+    call of any step whose token count fits the ladder (`step_path`: "piecewise")."""
 
     def __init__(
         self,
@@ -252,9 +252,6 @@ class PiecewiseCudaGraphs:
     def graphs_per_size(self) -> dict[int, int]:
         """padded num_tokens -> number of graphs captured for it. Does not mutate."""
         return {size: len(g.graphs) for size, g in sorted(self._by_size.items())}
-
-    def fits(self, num_tokens: int) -> bool:
-        return padded_size(self.sizes, num_tokens) is not None
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor], backend: AttentionBackend, cache_ops: CacheOps) -> None:
@@ -334,7 +331,7 @@ class PiecewiseCudaGraphs:
 
         The result is a view of graph memory, valid until the next `run`. Mutates the KV caches
         (through attention), the static buffers and the graphs' memory. Raises ValueError if the
-        step does not `fit`."""
+        step is larger than every size."""
         num_tokens = input_ids.shape[0]
         size = padded_size(self.sizes, num_tokens)
         if size is None:

@@ -34,21 +34,15 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from pagedserve.attention.forward_context import ForwardContext
 from pagedserve.platforms.api import AttentionBackend, CacheOps, KVCacheScales
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cuda_graphs import padded_size
-from pagedserve.worker.full_cuda_graphs import (
-    Forward,
-    GraphBuffers,
-    GraphKey,
-    capture_whole_forward,
-    capturing,
-)
+from pagedserve.worker.graphs.cuda_graphs import padded_size
+from pagedserve.worker.graphs.full_cuda_graphs import Forward, GraphBuffers, capture_whole_forward, capturing
+from pagedserve.worker.graphs.step_path import GraphKey, MixedGraphCover, PathPlan, step_path
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +100,16 @@ class FullMixedGraphs:
         self.max_num_seqs = max_num_seqs
         self.max_seq_len = max_seq_len
         self.kv_scales = kv_scales
-        self.prompt_steps_elsewhere = prompt_steps_elsewhere
-        self._graph_key = graph_key
         self.buffers = GraphBuffers(
             self.sizes[-1], self.num_reqs_of(self.sizes[-1]), max_blocks_per_req, device
         )
         # The plan every capture records, asked once: a step replays only a graph planned alike.
-        self._keys: dict[int, Hashable] = {s: graph_key(self._capture_metadata(s)) for s in self.sizes}
+        keys: dict[int, Hashable] = {s: graph_key(self._capture_metadata(s)) for s in self.sizes}
+        # The steps these graphs replay, for `step_path`; alone, for checking a step handed to `run`.
+        self.cover = MixedGraphCover(
+            self.sizes, max_num_seqs, max_seq_len, prompt_steps_elsewhere, graph_key, keys
+        )
+        self._alone = PathPlan(full_mixed=self.cover)
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, _Graph] = {}  # padded num_tokens -> graph
         self.num_replays = 0  # steps served since capture (for tests and logs)
@@ -133,17 +130,9 @@ class FullMixedGraphs:
         return len(self._graphs)
 
     def covers(self, metadata: AttentionMetadata) -> bool:
-        """Whether this step replays a mixed-step graph (module docstring). Host-only: reads the
-        metadata's host fields and asks the backend's plan."""
-        tokens, reqs = metadata.num_actual_tokens, metadata.num_reqs
-        if metadata.max_query_len == 1 and tokens == reqs:
-            return False  # a decode batch
-        size = padded_size(self.sizes, tokens)
-        if size is None or reqs > self.num_reqs_of(size) or metadata.max_seq_len > self.max_seq_len:
-            return False
-        if self.prompt_steps_elsewhere and _shortest_query(metadata) > 1:
-            return False
-        return self._graph_key(metadata) == self._keys[size]
+        """Whether this step replays a mixed-step graph (module docstring; `step_path`'s rule).
+        Host-only: reads the metadata's host fields and asks the backend's plan."""
+        return step_path(metadata, self._alone) == "full_mixed"
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor], backend: AttentionBackend, cache_ops: CacheOps) -> None:
@@ -213,9 +202,3 @@ class FullMixedGraphs:
         self.num_replays += 1
         self.replays[size] += 1
         return captured.hidden[: metadata.num_actual_tokens]
-
-
-def _shortest_query(metadata: AttentionMetadata) -> int:
-    """The shortest query of the step, from the host twin of `query_start_loc`. Pure."""
-    starts = metadata.query_start_loc_cpu.numpy()
-    return int(np.diff(starts[: metadata.num_reqs + 1]).min())

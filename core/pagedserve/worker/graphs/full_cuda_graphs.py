@@ -53,8 +53,8 @@ from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape, CacheOps, KVCacheScales
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.cuda_graphs import padded_size
-from pagedserve.worker.graph_modes import step_path
+from pagedserve.worker.graphs.cuda_graphs import padded_size
+from pagedserve.worker.graphs.step_path import DecodeGraphCover, GraphKey, PathPlan, step_path
 
 if TYPE_CHECKING:  # torch imports it at runtime only lazily (an import cycle otherwise)
     from torch.cuda import _POOL_HANDLE
@@ -64,7 +64,6 @@ logger = logging.getLogger(__name__)
 PADDING_SLOT = -1  # slot_mapping value of a padding token: the cache ops write nothing for it
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, positions) -> hidden
-GraphKey = Callable[[AttentionMetadata], Hashable]  # capture metadata -> the plan of the whole forward
 
 # The smallest sequence-length bucket: below a few hundred keys the split-KV plans stop changing
 # much (the Triton backend needs 64 keys per split), and every bucket costs capture time.
@@ -448,6 +447,9 @@ class FullDecodeGraphs:
         self.index = DecodeGraphIndex(
             self.sizes, buckets if buckets is not None else (max_seq_len,), key_of, max_model_len=max_seq_len
         )
+        # The steps these graphs replay, for `step_path`; alone, for checking a step handed to `run`.
+        self.cover = DecodeGraphCover(self.sizes, self.index.buckets[-1])
+        self._alone = PathPlan(full_decode=self.cover)
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (padded num_reqs, capture bucket) -> graph
         self.num_replays = 0  # steps served since capture (for tests and logs)
@@ -467,16 +469,9 @@ class FullDecodeGraphs:
         return len(self._graphs)
 
     def covers(self, metadata: AttentionMetadata) -> bool:
-        """Whether this step replays a full graph: a decode batch no larger than the largest size
-        (`graph_modes.step_path`) whose sequences fit the last bucket. Pure."""
-        path = step_path(
-            metadata.num_actual_tokens,
-            metadata.num_reqs,
-            metadata.max_query_len,
-            full_sizes=self.sizes,
-            piecewise_sizes=(),
-        )
-        return path == "full" and metadata.max_seq_len <= self.index.buckets[-1]
+        """Whether this step replays a full graph (`step_path`'s rule: a decode batch no larger
+        than the largest size whose sequences fit the last bucket). Pure."""
+        return step_path(metadata, self._alone) == "full_decode"
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor], backend: AttentionBackend, cache_ops: CacheOps) -> None:

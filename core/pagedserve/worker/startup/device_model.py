@@ -1,25 +1,21 @@
-"""Building one device's model runner from the engine's resolved configs: its model (one rank's
-shard under tensor parallelism), attention backend, KV-cache size, swap pool, CUDA graphs or
-compiled forward.
+"""Loading one device's model: its weights (one rank's shard under tensor parallelism), its layers
+routed onto the platform's kernels, and the attention backend chosen for it.
 
 The in-process engine calls these once; under tensor parallelism every rank's worker process calls
-the same functions, so a rank is set up exactly as a single device would be. Each function takes
-the configs of the concerns it reads (`pagedserve.config`), already resolved: what is decided here
-depends on the device, the loaded model or its attention backend, never on how the options were
-given.
+the same functions. Each takes the configs of the concerns it reads (`pagedserve.config`), already
+resolved.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from pagedserve.config import CacheConfig, ForwardConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, ForwardConfig, ModelConfig
 from pagedserve.distributed.group import TensorParallelGroup
 from pagedserve.models.decoder import DecoderForCausalLM
 from pagedserve.models.loader import LoadedModel, load_model
@@ -28,19 +24,11 @@ from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.moe.layer import route_moe_layers
 from pagedserve.platforms.api import AttentionBackend, CacheOps, UnsupportedCase
 from pagedserve.platforms.errors import PlatformError
-from pagedserve.platforms.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype
+from pagedserve.platforms.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
-from pagedserve.quantization.kv_scales import kv_scales_for_cache
-from pagedserve.worker.attention_sweep import attention_warmup_threads
-from pagedserve.worker.cpu_compile import compile_reason
-from pagedserve.worker.gpu_compile import PROGRAMMATIC_MAX_TOKENS, configure_compile_caches
-from pagedserve.worker.graph_modes import no_programmatic_launch, plan_graphs
-from pagedserve.worker.kv_sizing import kv_block_bytes, num_kv_blocks_for
-from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.profile import profile_activation_bytes
-from pagedserve.worker.saved_compiles import saved_compiles_dir
-from pagedserve.worker.warmup import prepare_runner
+from pagedserve.worker.compile.gpu_compile import PROGRAMMATIC_MAX_TOKENS, configure_compile_caches
+from pagedserve.worker.graphs.graph_modes import no_programmatic_launch
 
 logger = logging.getLogger(__name__)
 
@@ -232,127 +220,3 @@ def _route_int_weight_layers(model: PagedCausalLM, platform: LoadedPlatform) -> 
         logger.info("integer-weight layers: %d on %s", routed, kernel.name)
     if left:
         logger.info("integer-weight layers: %d on the core's dequantize-then-multiply formulation", left)
-
-
-def fit_kv_blocks(
-    dm: DeviceModel, cache: CacheConfig, scheduler: SchedulerConfig, device: torch.device
-) -> int:
-    """How many KV blocks this device holds: `num_kv_blocks` when it was given, else what fits in
-    its memory by `cache`'s rules (on a GPU after profiling the largest step). The engine agrees
-    on one size for every device (`CacheConfig.agreed_blocks`)."""
-    if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks  # asked for exactly: nothing to measure
-    budget = scheduler.max_num_batched_tokens
-    return num_kv_blocks_for(
-        dm.loaded.spec,
-        cache,
-        device=device,
-        profile_activation_bytes=lambda: profile_activation_bytes(
-            dm.loaded.model,
-            dm.backend,
-            dm.cache_ops,
-            num_tokens=budget,
-            num_reqs=min(scheduler.max_num_seqs, max(1, budget // 256)),
-            block_size=cache.block_size,
-            device=device,
-        ),
-        kv_cache_dtype=dm.kv_cache_dtype,
-    )
-
-
-def swap_space_blocks(dm: DeviceModel, cache: CacheConfig) -> int:
-    """Blocks of this device's CPU swap pool (`swap_space_gib`; per rank under tensor parallelism)."""
-    return cache.swap_blocks(kv_block_bytes(dm.loaded.spec, cache.block_size, dm.kv_cache_dtype))
-
-
-def build_runner(
-    dm: DeviceModel,
-    device: torch.device,
-    *,
-    cache: CacheConfig,
-    scheduler: SchedulerConfig,
-    forward: ForwardConfig,
-    seed: int,
-    num_kv_blocks: int,
-    eos_token_ids: frozenset[int],
-    tensor_parallel: bool = False,
-) -> ModelRunner:
-    """The model runner of this device: KV cache, swap pool, and CUDA graphs or a compiled forward
-    where they apply. `seed`: the sampler's, for unseeded requests (`ModelConfig.seed`). Slow
-    (allocates the cache, captures graphs)."""
-    spec = dm.loaded.spec
-    runner = ModelRunner(
-        dm.loaded.model,
-        dm.backend,
-        dm.cache_ops,
-        num_kv_blocks=num_kv_blocks,
-        block_size=cache.block_size,
-        max_num_reqs=scheduler.max_num_seqs,
-        max_model_len=scheduler.max_model_len,
-        eos_token_ids=eos_token_ids,
-        device=device,
-        kv_cache_dtype=dm.kv_cache_dtype,
-        kv_scales=kv_scales_for_cache(dm.loaded.model, spec.num_layers, is_fp8(dm.kv_cache_dtype)),
-        seed=seed,
-        new_kv_reads=dm.new_kv_reads,
-    )
-    swap_blocks = swap_space_blocks(dm, cache)
-    if swap_blocks:
-        runner.allocate_swap_space(swap_blocks)
-    _prepare_graphs(runner, dm, forward, scheduler, device)
-    _compile_cpu_forward(runner, spec, forward, device, tensor_parallel)
-    return runner
-
-
-def _prepare_graphs(
-    runner: ModelRunner,
-    dm: DeviceModel,
-    forward: ForwardConfig,
-    scheduler: SchedulerConfig,
-    device: torch.device,
-) -> None:
-    """Capture the CUDA graphs (and compile the GPU forward) that `forward` asks for and the device
-    and backend support; on other devices, log why there are none."""
-    graph_plan = plan_graphs(
-        forward.cudagraph_mode,
-        enforce_eager=forward.enforce_eager,
-        # Under tensor parallelism too: the all-reduce is an opaque operator (`distributed.all_reduce`).
-        gpu_compile=forward.gpu_compile,
-        device=device,
-        programmatic_launch=forward.programmatic_launch,
-        spec=dm.loaded.spec,
-        backend_supports_full=dm.backend.supports_full_cuda_graph,
-        cache_ops_skip_padding=dm.cache_ops.skips_negative_slots,
-        backend_supports_full_mixed=dm.backend.supports_full_cuda_graph_mixed,
-        compile_scope=forward.gpu_compile_scope,
-    )
-    if device.type == "cuda":
-        runner.startup_times = prepare_runner(
-            runner,
-            graph_plan,
-            max_num_seqs=scheduler.max_num_seqs,
-            max_num_batched_tokens=scheduler.max_num_batched_tokens,
-            max_model_len=scheduler.max_model_len,
-            cuda_graph_max_tokens=forward.cuda_graph_max_tokens,
-            attention_warmup_threads=attention_warmup_threads(
-                forward.attention_warmup_threads, dm.backend, os.cpu_count()
-            ),
-        )
-    else:
-        logger.info("no CUDA graphs: %s", graph_plan.describe())
-
-
-def _compile_cpu_forward(
-    runner: ModelRunner, spec: ModelSpec, forward: ForwardConfig, device: torch.device, tensor_parallel: bool
-) -> None:
-    """Compile the runner's CPU forward where it applies; warn when `cpu_compile=True` was asked
-    for but cannot apply, so the setting is not silently ignored."""
-    not_compiled_why = compile_reason(device, spec, forward.cpu_compile, forward.enforce_eager)
-    if not_compiled_why is None and tensor_parallel:
-        # The CPU compilation (`cpu_compile`) swaps attention for its own hook and drops guards;
-        # it has not been checked with the all-reduce operator inside, so ranks stay eager.
-        not_compiled_why = "tensor_parallel_size > 1 runs eagerly on CPUs"
-    if not_compiled_why is None:
-        runner.compile_forward(saved_compiles_dir() if forward.compile_cache else None)
-    elif forward.cpu_compile:
-        logger.warning("cpu_compile=True has no effect: %s", not_compiled_why)

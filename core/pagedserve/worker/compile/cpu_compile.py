@@ -25,7 +25,7 @@ traced for another model of the process never runs for this one.
 Saved graphs (`compile_cache=True`, opt-in). Even with inductor's cache warm, a start re-runs
 dynamo's tracing, which is most of its compile time. So each size class's graph is compiled ahead
 of time (`aot_compile`) and saved whole under the compile cache root
-(`pagedserve.worker.saved_compiles`); a later start with the same model, code and torch loads it
+(`pagedserve.worker.compile.saved_compiles`); a later start with the same model, code and torch loads it
 instead: a 32-layer model's start took 11-14 s instead of 24-27 s (docs/benchmarks.md, CPU). The
 engine picks the graph by step size itself (`size_class`); each graph's guards (torch's, module
 guards included) are checked at warm-up and at the first step of each token count.
@@ -39,7 +39,7 @@ import types
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -48,7 +48,7 @@ from pagedserve.models.packed_int4 import MAX_PACKED_ROWS
 from pagedserve.models.spec import ModelSpec, PagedCausalLM
 from pagedserve.platforms.api import AttentionBackend, CacheOps
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.worker.saved_compiles import CompiledFn, GraphOrigin, graph_key, load_or_compile
+from pagedserve.worker.compile.saved_compiles import CompiledFn, GraphOrigin, graph_key, load_or_compile
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,9 @@ class CompiledForward:
 
     Call it inside an open forward context, exactly like the model. Holds the compiled callable;
     inductor's code and on-disk cache are torch's."""
+
+    # The largest step it runs (`graphs.step_path`): longer steps run the model eagerly.
+    max_tokens: ClassVar[int | None] = MAX_COMPILED_TOKENS
 
     def __init__(self, model: PagedCausalLM, saved_dir: Path | None = None) -> None:
         """`saved_dir`: the folder of saved graphs (`saved_compiles`), each size class's graph
@@ -146,11 +149,6 @@ class CompiledForward:
         with torch._dynamo.config.patch(specialize_float=True):
             compiler = torch.compile(type(self.model).forward, fullgraph=True, dynamic=True)
             return compiler.aot_compile(((self.model, ids, ids.clone()), {}))  # type: ignore[attr-defined]
-
-    @staticmethod
-    def fits(num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` tokens runs compiled. Pure."""
-        return num_tokens <= MAX_COMPILED_TOKENS
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[num_tokens] ids and positions -> [num_tokens, hidden_size]. Mutates the KV caches of

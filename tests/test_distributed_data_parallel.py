@@ -27,10 +27,10 @@ from pagedserve import LLM, PoolingParams, SamplingParams
 from pagedserve.bench.datasets import random_requests
 from pagedserve.bench.throughput import StepRecord, run_throughput
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.balancer import LoadBalancer
-from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine, ReplicaFailedError
-from pagedserve.data_parallel.placement import gpu_groups, plan_replicas
 from pagedserve.outputs import RequestOutput
+from pagedserve.processes.data_parallel.balancer import LoadBalancer
+from pagedserve.processes.data_parallel.offline_engine import DataParallelLLMEngine, ReplicaFailedError
+from pagedserve.processes.data_parallel.placement import gpu_groups, plan_replicas
 from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedserve.types import RequestId
 

@@ -20,8 +20,8 @@ from test_distributed_engine import GREEDY, PROMPTS
 from test_distributed_gpu import CONFIGS
 
 from pagedserve import LLM
-from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
-from pagedserve.data_parallel.placement import visible_gpus
+from pagedserve.processes.data_parallel.offline_engine import DataParallelLLMEngine
+from pagedserve.processes.data_parallel.placement import visible_gpus
 
 pytestmark = [
     pytest.mark.gpu,

@@ -23,13 +23,13 @@ from transformers import PreTrainedTokenizerFast
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine, ReplicaFailedError
 from pagedserve.outputs import RequestOutput
+from pagedserve.processes.data_parallel.offline_engine import DataParallelLLMEngine, ReplicaFailedError
 from pagedserve.server.async_engine import AsyncLLMEngine
 
 ray = pytest.importorskip("ray")
 
-from pagedserve.data_parallel.ray_replicas import (  # noqa: E402  - needs ray
+from pagedserve.processes.data_parallel.ray_replicas import (  # noqa: E402  - needs ray
     RayReplica,
     death_cause,
     replica_bundle,

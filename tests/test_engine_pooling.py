@@ -210,7 +210,7 @@ def test_tensor_parallel_pooling_equals_transformers(checkpoint: Path, hidden: l
 def test_data_parallel_pooling_equals_one_engine(checkpoint: Path, hidden: list[torch.Tensor]) -> None:
     """Two replicas (engine-core processes) give the vectors one engine gives, in input order, with
     generation beside them; both replicas get work; an aborted pooling request leaves nothing."""
-    from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
+    from pagedserve.processes.data_parallel.offline_engine import DataParallelLLMEngine
 
     params = PoolingParams(pooling_type="MEAN")
     one = _llm(checkpoint).embed(PROMPTS, params, use_tqdm=False)

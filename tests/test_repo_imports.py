@@ -141,8 +141,10 @@ def test_tensor_parallel_layout_imports_no_model() -> None:
 
 
 # EngineArgs is read where it is defined and resolved (`config`), where an engine is built from it
-# (the engine's set-up, and `LLMEngine`, which hands it there), and by the front ends above the
-# engine, which carry it to the engine cores they start.
+# (the engine's set-up, and `LLMEngine`, which hands it there), by the processes above the engine
+# core that carry it to the cores they start (engine-core processes, data-parallel replicas, API
+# servers; never the tensor-parallel ranks, which receive the resolved config), and by the front
+# ends above them.
 _READERS_OF_ENGINE_ARGS = (
     "pagedserve.config",
     "pagedserve.engine.setup",
@@ -150,7 +152,9 @@ _READERS_OF_ENGINE_ARGS = (
     "pagedserve.entrypoints",
     "pagedserve.cli",
     "pagedserve.server",
-    "pagedserve.data_parallel",
+    "pagedserve.processes.data_parallel",
+    "pagedserve.processes.engine_core",
+    "pagedserve.processes.api_servers",
     "pagedserve.bench",
 )
 

@@ -19,7 +19,7 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.data_parallel.offline_engine import OfflineEngine
+    from pagedserve.processes.data_parallel.offline_engine import OfflineEngine
 
 
 @dataclass(frozen=True, slots=True)

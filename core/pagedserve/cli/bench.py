@@ -15,7 +15,7 @@ from pagedserve.bench.datasets import BenchRequest, fit_vocab, load_workload, ra
 from pagedserve.cli.engine_options import add_engine_options, engine_args_from
 
 if TYPE_CHECKING:
-    from pagedserve.data_parallel.offline_engine import OfflineEngine
+    from pagedserve.processes.data_parallel.offline_engine import OfflineEngine
 
 
 def _rate(text: str) -> float:
@@ -171,7 +171,7 @@ def _startup(engine: OfflineEngine, build_s: float) -> dict[str, float]:
 
 def run_throughput_cmd(args: argparse.Namespace) -> int:
     from pagedserve.bench.throughput import format_throughput, run_throughput
-    from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine, build_offline_engine
+    from pagedserve.processes.data_parallel.offline_engine import DataParallelLLMEngine, build_offline_engine
 
     engine_args = engine_args_from(args, args.model)
     engine: OfflineEngine | None = None

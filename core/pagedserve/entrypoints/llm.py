@@ -6,7 +6,7 @@ outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
 vectors = llm.embed(["Hello, my name is"])  # outputs.embedding: the last token's, normalized
 
 With `data_parallel_size=N > 1` the engine is N engine-core processes, each on its own GPU (see
-`pagedserve.data_parallel`); a script that builds one must do so under `if __name__ ==
+`pagedserve.processes.data_parallel`); a script that builds one must do so under `if __name__ ==
 "__main__":`, since the processes are spawned.
 """
 
@@ -33,7 +33,7 @@ from pagedserve.pooling_params import PoolingParams, PoolingTask
 from pagedserve.sampling.sampling_params import SAMPLING_PARAMS, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
+    from pagedserve.processes.data_parallel.offline_engine import DataParallelLLMEngine
 
 PromptInput = str | Sequence[int]
 Message = dict[str, Any]  # {"role": ..., "content": ...}
@@ -51,7 +51,7 @@ class LLM:
         if args.data_parallel_size == 1:
             self.engine = LLMEngine(args)
         else:  # one engine-core process per replica
-            from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
+            from pagedserve.processes.data_parallel.offline_engine import DataParallelLLMEngine
 
             self.engine = DataParallelLLMEngine(args)
         self._ids = itertools.count()

@@ -26,23 +26,23 @@ import zmq
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.balancer import LoadBalancer
-from pagedserve.data_parallel.launch import front_end_tokenizer, open_replicas
-from pagedserve.data_parallel.replica_handle import (
-    ReplicaGroup,
-    ReplicaHandle,
-    request_shutdown,
-    stop_replicas,
-)
 from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.output_processor import OutputProcessor, take_pooled
 from pagedserve.engine.protocol import POOLING_ROW, EngineCoreRequest
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
+from pagedserve.processes.data_parallel.balancer import LoadBalancer
+from pagedserve.processes.data_parallel.launch import front_end_tokenizer, open_replicas
+from pagedserve.processes.data_parallel.replica_handle import (
+    ReplicaGroup,
+    ReplicaHandle,
+    request_shutdown,
+    stop_replicas,
+)
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.server import serialization as wire
-from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.types import RequestId
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from pagedserve.server import serialization as wire
+from pagedserve.processes.engine_core import serialization as wire
 
 logger = logging.getLogger(__name__)
 

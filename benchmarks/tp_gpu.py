@@ -43,9 +43,9 @@ from pagedserve.bench.datasets import BenchRequest, fit_vocab, load_workload
 from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.executor.base import ParallelExecutor
-from pagedserve.executor.launch import worker_environment
-from pagedserve.executor.worker import host_profile_text
+from pagedserve.processes.tensor_parallel.base import ParallelExecutor
+from pagedserve.processes.tensor_parallel.launch import worker_environment
+from pagedserve.processes.tensor_parallel.worker import host_profile_text
 from pagedserve.sampling.grammar_mask import GrammarBitmaskFn
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import SchedulerOutput
@@ -269,7 +269,7 @@ def _bandwidth_rank(rank: int, world: int, port: int, mib: int, result: Any) -> 
 
 def nccl_bandwidth(world: int, mib: int) -> dict[str, Any]:
     """nccl-tests' all-reduce bus bandwidth between `world` local GPUs, from torch.distributed."""
-    from pagedserve.executor.multiproc import free_port
+    from pagedserve.processes.tensor_parallel.multiproc import free_port
 
     ctx = mp.get_context("spawn")
     result = ctx.SimpleQueue()

@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.distributed.all_reduce import GroupAllReduce, PeerMemoryLimits, default_limits, installed
 from pagedserve.distributed.group import destroy_process_group, init_process_group
-from pagedserve.executor.multiproc import free_port
+from pagedserve.processes.tensor_parallel.multiproc import free_port
 
 
 def test_paths_by_size_dtype_and_layout() -> None:

@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 
 from pagedserve.distributed.all_reduce import PeerMemoryLimits, installed
 from pagedserve.distributed.group import TensorParallelGroup, destroy_process_group, init_process_group
-from pagedserve.executor.launch import NCCL_DEFAULTS, NO_MULTICAST
-from pagedserve.executor.multiproc import free_port
+from pagedserve.processes.tensor_parallel.launch import NCCL_DEFAULTS, NO_MULTICAST
+from pagedserve.processes.tensor_parallel.multiproc import free_port
 
 pytestmark = [
     pytest.mark.gpu,

@@ -27,10 +27,11 @@ from pagedserve import LLM, PoolingParams, SamplingParams
 from pagedserve.bench.datasets import random_requests
 from pagedserve.bench.throughput import StepRecord, run_throughput
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.balancer import LoadBalancer
-from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine, ReplicaFailedError
-from pagedserve.data_parallel.placement import gpu_groups, plan_replicas
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
+from pagedserve.processes.data_parallel.balancer import LoadBalancer
+from pagedserve.processes.data_parallel.offline_client import DataParallelCores, ReplicaFailedError
+from pagedserve.processes.data_parallel.placement import gpu_groups, plan_replicas
 from pagedserve.server.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedserve.types import RequestId
 
@@ -59,13 +60,17 @@ def test_offline_dp2_equals_one_engine(tmp_path: Path) -> None:
     seeded = one.generate(seeded_prompts, seeded_params, use_tqdm=False)
     llm = LLM(path, skip_tokenizer_init=True, data_parallel_size=2, **ENGINE)
     engine = llm.engine
-    assert isinstance(engine, DataParallelLLMEngine) and llm.platform == "cpu_reference"
-    pids = [pid for pid in engine.replica_pids if pid is not None]
+    # One front end whatever the replica count: the same LLMEngine, over the replicas' client.
+    assert type(engine) is LLMEngine and isinstance(engine.client, DataParallelCores)
+    assert llm.platform == "cpu_reference"
+    with pytest.raises(AttributeError, match="data_parallel_size=2 each replica's runs in its own process"):
+        _ = engine.core
+    pids = [pid for pid in engine.client.replica_pids if pid is not None]
     try:
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.prompt_token_ids for o in got] == PROMPTS  # input order
         assert _tokens(got) == _tokens(greedy)
-        assert all(n > 0 for n in engine.balancer.placed), engine.balancer.placed
+        assert all(n > 0 for n in engine.client.balancer.placed), engine.client.balancer.placed
         # The same batch is placed the same way: the second pass hits each replica's cache,
         # until the cache is reset on every replica.
         assert sum(o.num_cached_tokens for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)) > 0

@@ -20,8 +20,8 @@ from test_distributed_engine import GREEDY, PROMPTS
 from test_distributed_gpu import CONFIGS
 
 from pagedserve import LLM
-from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
-from pagedserve.data_parallel.placement import visible_gpus
+from pagedserve.processes.data_parallel.offline_client import DataParallelCores
+from pagedserve.processes.data_parallel.placement import visible_gpus
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,12 +68,12 @@ def test_dp2_equals_one_engine_on_gpus(checkpoint: Path, expected: list[list[int
     llm = LLM(str(checkpoint), data_parallel_size=2, tensor_parallel_size=tp, **ENGINE)
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == before  # set for the replicas' start only
     engine = llm.engine
-    assert isinstance(engine, DataParallelLLMEngine)
+    assert isinstance(engine.client, DataParallelCores)
     try:
-        pids = [pid for pid in engine.replica_pids if pid is not None]
+        pids = [pid for pid in engine.client.replica_pids if pid is not None]
         assert [_replica_gpus(pid) for pid in pids] == [",".join(gpus[i * tp : (i + 1) * tp]) for i in (0, 1)]
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == expected
-        assert all(n > 0 for n in engine.balancer.placed)
+        assert all(n > 0 for n in engine.client.balancer.placed)
     finally:
         engine.shutdown()

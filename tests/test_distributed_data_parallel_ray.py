@@ -23,13 +23,13 @@ from transformers import PreTrainedTokenizerFast
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine, ReplicaFailedError
 from pagedserve.outputs import RequestOutput
+from pagedserve.processes.data_parallel.offline_client import DataParallelCores, ReplicaFailedError
 from pagedserve.server.async_engine import AsyncLLMEngine
 
 ray = pytest.importorskip("ray")
 
-from pagedserve.data_parallel.ray_replicas import (  # noqa: E402  - needs ray
+from pagedserve.processes.data_parallel.ray_replicas import (  # noqa: E402  - needs ray
     RayReplica,
     death_cause,
     replica_bundle,
@@ -107,15 +107,15 @@ def test_offline_dp2_over_ray_equals_one_engine_and_fails_naming_a_killed_replic
 ) -> None:
     llm = LLM(model, **RAY, **ENGINE)
     engine = llm.engine
-    assert isinstance(engine, DataParallelLLMEngine) and llm.platform == "cpu_reference"
-    assert all(isinstance(r.handle, RayReplica) for r in engine._replicas)
-    pids = [pid for pid in engine.replica_pids if pid is not None]
+    assert isinstance(engine.client, DataParallelCores) and llm.platform == "cpu_reference"
+    assert all(isinstance(r.handle, RayReplica) for r in engine.client._replicas)
+    pids = [pid for pid in engine.client.replica_pids if pid is not None]
     assert len(pids) == 2 and os.getpid() not in pids
     try:
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.prompt_token_ids for o in got] == ID_PROMPTS  # input order
         assert _tokens(got) == _tokens(expected) and len(set(map(tuple, _tokens(got)))) > 1
-        assert all(n > 0 for n in engine.balancer.placed), engine.balancer.placed
+        assert all(n > 0 for n in engine.client.balancer.placed), engine.client.balancer.placed
         # The same batch lands the same way: the second pass hits each replica's prefix cache.
         assert sum(o.num_cached_tokens for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)) > 0
         assert llm.reset_prefix_cache() > 0

@@ -18,8 +18,8 @@ from models_harness import random_prompts, save_checkpoint, tiny_hf_model
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.executor.base import RankFailedError
-from pagedserve.executor.multiproc import MultiprocExecutor
+from pagedserve.processes.tensor_parallel.base import RankFailedError
+from pagedserve.processes.tensor_parallel.multiproc import MultiprocExecutor
 
 VOCAB = 101  # not a multiple of 2 or 4: the last rank's vocabulary shard is padded
 MAX_NEW = 10

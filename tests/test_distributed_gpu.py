@@ -20,7 +20,7 @@ from test_distributed_engine import GREEDY, PRESSURE, PROMPTS, VOCAB
 from transformers import LlamaConfig, Qwen3Config
 
 from pagedserve import LLM
-from pagedserve.executor.base import ParallelExecutor
+from pagedserve.processes.tensor_parallel.base import ParallelExecutor
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,7 +11,7 @@ from models_harness import random_prompts, save_checkpoint, tiny_hf_model
 from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.executor.multiproc import MultiprocExecutor
+from pagedserve.processes.tensor_parallel.multiproc import MultiprocExecutor
 
 VOCAB = 101
 SMALL: dict[str, object] = dict(

@@ -15,11 +15,11 @@ from models_harness import random_prompts, save_checkpoint, tiny_hf_model
 from transformers import LlamaConfig
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.executor.base import RankFailedError
+from pagedserve.processes.tensor_parallel.base import RankFailedError
 
 ray = pytest.importorskip("ray")
 
-from pagedserve.executor.ray_executor import RayExecutor  # noqa: E402  - needs ray
+from pagedserve.processes.tensor_parallel.ray_executor import RayExecutor  # noqa: E402  - needs ray
 
 VOCAB = 101
 PROMPTS = random_prompts(VOCAB, [5, 17, 30], seed=3)

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pagedserve.executor import multiproc
-from pagedserve.executor.multiproc import MultiprocExecutor
+from pagedserve.processes.tensor_parallel import multiproc
+from pagedserve.processes.tensor_parallel.multiproc import MultiprocExecutor
 
 
 class _Rank:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pickle
 
-from pagedserve.executor.multiproc import dumps_call
+from pagedserve.processes.tensor_parallel.multiproc import dumps_call
 from pagedserve.scheduler.output import CachedRequestData
 
 

@@ -12,7 +12,7 @@ import torch
 from server_support import build_tiny_model
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.executor.multiproc import MultiprocExecutor
+from pagedserve.processes.tensor_parallel.multiproc import MultiprocExecutor
 from pagedserve.sampling.grammar_mask import PrecomputedBitmask
 from pagedserve.structured.params import StructuredOutputsParams
 

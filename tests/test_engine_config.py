@@ -16,7 +16,7 @@ from config_support import CPU, GPU, resolved
 from pagedserve import LLM
 from pagedserve.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from pagedserve.config.engine_config import resolve_dtype
-from pagedserve.executor.base import WorkerReport
+from pagedserve.processes.tensor_parallel.base import WorkerReport
 
 GIB = 2**30
 
@@ -62,7 +62,7 @@ def test_a_budget_below_max_num_seqs_is_refused_by_name() -> None:
 
 
 def test_the_budget_is_refused_before_any_rank_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedserve.executor.launch as launch
+    import pagedserve.processes.tensor_parallel.launch as launch
 
     def no_ranks(*args: object) -> None:
         raise AssertionError("a rank was started for an engine whose options cannot hold")
@@ -161,7 +161,7 @@ def test_the_swap_pool_holds_swap_space_gib_in_blocks() -> None:
 # ----------------------------------------------------------------------------- import weight
 def test_the_options_import_without_torch() -> None:
     """`pagedserve serve` builds its flags from `EngineArgs` and starts its engine core before
-    the API process imports torch (`server.early_core`): the config face must stay light."""
+    the API process imports torch (`processes.engine_core.early_core`): the config face must stay light."""
     script = "import sys, pagedserve.cli.serve, pagedserve.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

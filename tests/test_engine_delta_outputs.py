@@ -18,10 +18,10 @@ from pagedserve.config import EngineArgs
 from pagedserve.engine.output_processor import OutputProcessor, merge_deltas
 from pagedserve.engine.protocol import EngineCoreOutput
 from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.serialization import CoreStats
 from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.server import serialization as wire
 from pagedserve.server.async_engine import AsyncLLMEngine
-from pagedserve.server.serialization import CoreStats
 from pagedserve.types import RequestId
 
 

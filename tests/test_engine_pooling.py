@@ -210,13 +210,13 @@ def test_tensor_parallel_pooling_equals_transformers(checkpoint: Path, hidden: l
 def test_data_parallel_pooling_equals_one_engine(checkpoint: Path, hidden: list[torch.Tensor]) -> None:
     """Two replicas (engine-core processes) give the vectors one engine gives, in input order, with
     generation beside them; both replicas get work; an aborted pooling request leaves nothing."""
-    from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
+    from pagedserve.processes.data_parallel.offline_client import DataParallelCores
 
     params = PoolingParams(pooling_type="MEAN")
     one = _llm(checkpoint).embed(PROMPTS, params, use_tqdm=False)
     llm = _llm(checkpoint, data_parallel_size=2, platform="cpu_reference")
     engine = llm.engine
-    assert isinstance(engine, DataParallelLLMEngine)
+    assert isinstance(engine.client, DataParallelCores)
     try:
         got = llm.embed(PROMPTS, params, use_tqdm=False)
         _check(got, hidden, params)
@@ -224,7 +224,7 @@ def test_data_parallel_pooling_equals_one_engine(checkpoint: Path, hidden: list[
             torch.testing.assert_close(
                 torch.tensor(mine.outputs.embedding), torch.tensor(theirs.outputs.embedding)
             )
-        assert all(n > 0 for n in engine.balancer.placed), engine.balancer.placed
+        assert all(n > 0 for n in engine.client.balancer.placed), engine.client.balancer.placed
         _check(llm.embed(PROMPTS, use_tqdm=False), hidden, PoolingParams())
 
         # Generation and pooling side by side on the replicas, then an abort of a pooling request.

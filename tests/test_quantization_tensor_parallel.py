@@ -33,9 +33,9 @@ from quantization_support import (
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.distributed.group import TensorParallelGroup
-from pagedserve.executor.base import RankFailedError
-from pagedserve.executor.multiproc import MultiprocExecutor
 from pagedserve.models.loader import load_model
+from pagedserve.processes.tensor_parallel.base import RankFailedError
+from pagedserve.processes.tensor_parallel.multiproc import MultiprocExecutor
 from pagedserve.quantization.checkpoint_config import IntWeightScheme
 from pagedserve.quantization.fp8_linear import Fp8CheckpointLinear
 from pagedserve.quantization.int_linear import IntWeightLinear

@@ -6,6 +6,7 @@ be read, or moved, apart."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,6 +25,7 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+@functools.cache  # the tree does not change during a test run; read it once
 def _import_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
@@ -141,16 +143,22 @@ def test_tensor_parallel_layout_imports_no_model() -> None:
 
 
 # EngineArgs is read where it is defined and resolved (`config`), where an engine is built from it
-# (the engine's set-up, and `LLMEngine`, which hands it there), and by the front ends above the
-# engine, which carry it to the engine cores they start.
+# (the engine's set-up, and `LLMEngine`, which hands it there), by the processes above the engine
+# core that carry it to the cores they start (engine-core processes, data-parallel replicas, API
+# servers; never the tensor-parallel ranks, which receive the resolved config), and by the front
+# ends above them.
 _READERS_OF_ENGINE_ARGS = (
     "pagedserve.config",
     "pagedserve.engine.setup",
     "pagedserve.engine.llm_engine",
+    "pagedserve.engine.arg_utils",  # vLLM's import path for EngineArgs
+    "pagedserve.engine.async_llm_engine",  # which hands it to LLMEngine
     "pagedserve.entrypoints",
     "pagedserve.cli",
     "pagedserve.server",
-    "pagedserve.data_parallel",
+    "pagedserve.processes.data_parallel",
+    "pagedserve.processes.engine_core",
+    "pagedserve.processes.api_servers",
     "pagedserve.bench",
 )
 
@@ -181,3 +189,98 @@ def test_below_the_engine_nothing_reads_engine_args() -> None:
     below = [name for name in readers if not name.startswith(_READERS_OF_ENGINE_ARGS)]
     assert not below, f"modules below the engine read EngineArgs (give them the config they need): {below}"
     assert "pagedserve.engine.setup" in readers  # the check sees an import where there is one
+
+
+def _importers_of(graph: dict[str, set[str]], target: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    """Modules outside `allowed` (package prefixes) that import `target` or a module under it,
+    with what they import of it. Pure."""
+    out = {}
+    for name, targets in graph.items():
+        if name.startswith(allowed):
+            continue
+        hits = sorted(t for t in targets if t == target or t.startswith(f"{target}."))
+        if hits:
+            out[name] = hits
+    return out
+
+
+def _benchmark_imports() -> dict[str, set[str]]:
+    """What each script under benchmarks/ imports of pagedserve (module names as written)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[f"benchmarks/{path.relative_to(ROOT / 'benchmarks')}"] = found
+    return graph
+
+
+_HTTP_SERVER_USERS = ("pagedserve.server", "pagedserve.cli")
+
+
+def test_only_the_command_line_imports_the_http_server() -> None:
+    """The HTTP server sits at the top, beside the command line that starts it: the processes, the
+    offline engine, the benchmarks below them need nothing of it (its engine-core transport lives in
+    `pagedserve.processes.engine_core`)."""
+    found = _importers_of(_import_graph(), "pagedserve.server", _HTTP_SERVER_USERS)
+    found.update(_importers_of(_benchmark_imports(), "pagedserve.server", _HTTP_SERVER_USERS))
+    assert not found, f"modules below the server import it (move what they need down): {found}"
+
+
+def test_the_server_import_check_finds_an_importer() -> None:
+    graph = {
+        "pagedserve.bench.throughput": {"pagedserve.server.serialization", "pagedserve.engine"},
+        "pagedserve.cli.serve": {"pagedserve.server.api_server"},
+        "pagedserve.server.chat": {"pagedserve.server.errors"},
+        "pagedserve.serverless": {"pagedserve.serverless_helpers"},  # a prefix, not the package
+    }
+    assert _importers_of(graph, "pagedserve.server", _HTTP_SERVER_USERS) == {
+        "pagedserve.bench.throughput": ["pagedserve.server.serialization"]
+    }
+
+
+def _reaches(graph: dict[str, set[str]], floor: str, above: tuple[str, ...]) -> dict[str, list[str]]:
+    """Modules under `floor` and what each imports from the packages in `above`. Pure."""
+    out = {}
+    for name, targets in graph.items():
+        if name == floor or name.startswith(f"{floor}."):
+            hits = sorted(t for t in targets if any(t == a or t.startswith(f"{a}.") for a in above))
+            if hits:
+                out[name] = hits
+    return out
+
+
+_ABOVE_THE_PROCESSES = ("pagedserve.server", "pagedserve.entrypoints", "pagedserve.cli")
+
+
+def test_the_processes_import_nothing_of_the_front_ends_above_them() -> None:
+    found = _reaches(_import_graph(), "pagedserve.processes", _ABOVE_THE_PROCESSES)
+    assert not found, f"pagedserve.processes reaches up into a front end (move the piece down): {found}"
+
+
+def test_the_process_check_finds_an_import_from_above() -> None:
+    graph = {
+        "pagedserve.processes.data_parallel.launch": {"pagedserve.server.early_core", "pagedserve.config"},
+        "pagedserve.processes.api_servers": {"pagedserve.entrypoints.llm"},
+        "pagedserve.server.async_engine": {"pagedserve.server.metrics"},
+    }
+    assert _reaches(graph, "pagedserve.processes", _ABOVE_THE_PROCESSES) == {
+        "pagedserve.processes.data_parallel.launch": ["pagedserve.server.early_core"],
+        "pagedserve.processes.api_servers": ["pagedserve.entrypoints.llm"],
+    }
+
+
+def test_the_tensor_parallel_ranks_sit_below_the_engine_core() -> None:
+    """The engine core drives the ranks each step; the ranks know the worker, never the engine or
+    the processes (engine cores, replicas) started above it."""
+    above = ("pagedserve.engine", "pagedserve.processes.engine_core", "pagedserve.processes.data_parallel")
+    found = _reaches(_import_graph(), "pagedserve.processes.tensor_parallel", above)
+    assert not found, f"the tensor-parallel ranks reach up (give them the config they need): {found}"
+    assert _reaches(
+        {"pagedserve.processes.tensor_parallel.worker": {"pagedserve.engine.core"}},
+        "pagedserve.processes.tensor_parallel",
+        above,
+    )

@@ -27,9 +27,9 @@ from pagedserve import LLM
 from pagedserve.config import EngineArgs
 from pagedserve.engine.input_processor import InputProcessor, ParamError, bad_words_token_ids
 from pagedserve.engine.protocol import EngineCoreRequest
+from pagedserve.processes.engine_core import serialization as wire
 from pagedserve.sampling.rows import SamplingRequest, SamplingRows, TokenHistories, build_sampling_metadata
 from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.server import serialization as wire
 from pagedserve.server.async_engine import AsyncLLMEngine
 from pagedserve.server.openai_protocol import (
     ChatCompletionRequest,

@@ -18,7 +18,7 @@ import pytest
 from server_support import build_tiny_model, pid_alive, start_server
 
 from pagedserve.config import EngineArgs
-from pagedserve.server.api_servers import plan_api_servers
+from pagedserve.processes.api_servers import plan_api_servers
 
 
 def _args(**fields: object) -> EngineArgs:

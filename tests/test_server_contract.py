@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_support import ServerProcess, build_tiny_model, start_server
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from pagedserve.processes.engine_core.serialization import CoreStats
 from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.serialization import CoreStats
 
 MODEL_NAME = "tiny-contract"
 MAX_MODEL_LEN = 256

@@ -1,4 +1,4 @@
-"""The server's engine core started ahead of the API process's imports (`server.early_core`):
+"""The server's engine core started ahead of the API process's imports (`processes.engine_core.early_core`):
 the front end adopts the running core and generates with it; a core nobody adopts is stopped, its
 socket folder removed; and groups it cannot join refuse it by name."""
 
@@ -12,10 +12,10 @@ import pytest
 from server_support import build_tiny_model, pid_alive
 
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.launch import LocalReplicas, open_replicas
+from pagedserve.processes.data_parallel.launch import LocalReplicas, open_replicas
+from pagedserve.processes.engine_core.early_core import core_addresses, spawn_early_core
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server.async_engine import AsyncLLMEngine
-from pagedserve.server.early_core import core_addresses, spawn_early_core
 
 
 def _args(tmp_path: Path, **extra: object) -> EngineArgs:

@@ -320,8 +320,8 @@ def test_the_core_rejects_adapters_it_cannot_run(pooling: bool, needle: str) -> 
     API answers 400) instead of failing the step, and every request in it, in the model runner."""
     from pagedserve.engine.protocol import EngineCoreRequest
     from pagedserve.pooling_params import PoolingParams
-    from pagedserve.server import serialization as wire
-    from pagedserve.server.engine_proc import EngineCoreLoop
+    from pagedserve.processes.engine_core import serialization as wire
+    from pagedserve.processes.engine_core.engine_proc import EngineCoreLoop
     from pagedserve.types import RequestId
 
     outbox = _Outbox()

@@ -8,18 +8,18 @@ import asyncio
 
 import pytest
 
-from pagedserve.data_parallel.balancer import LoadBalancer
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineCoreOutput
 from pagedserve.outputs import RequestOutput
+from pagedserve.processes.data_parallel.balancer import LoadBalancer
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.serialization import CoreInfo, MessageType
 from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.server import serialization as wire
 from pagedserve.server.core_links import CoreLink
 from pagedserve.server.engine_errors import EngineDeadError, InvalidRequest
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.output_router import OutputRouter
 from pagedserve.server.request_table import RequestTable
-from pagedserve.server.serialization import CoreInfo, MessageType
 
 INFO = CoreInfo(
     max_model_len=64,

@@ -10,9 +10,9 @@ from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import Logprob
 from pagedserve.pooling_params import PoolingParams
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.serialization import CoreInfo, CoreStats, MessageType, WireError
 from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.server import serialization as wire
-from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType, WireError
 from pagedserve.types import RequestId
 
 

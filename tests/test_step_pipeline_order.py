@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from pagedserve.engine.step_pipeline import StepPipeline
-from pagedserve.executor.base import ParallelExecutor, PendingCall
+from pagedserve.processes.tensor_parallel.base import ParallelExecutor, PendingCall
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.async_output import ModelRunnerOutput

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 from pathlib import Path
 
@@ -42,6 +43,11 @@ def _exists(name: str, kind: str) -> bool:
         return name in inspect.signature(LLM.generate).parameters
     if kind == "class":
         return any(hasattr(importlib.import_module(module), name) for module in _CLASS_MODULES)
+    if kind == "module":  # vLLM's module path, with pagedserve in place of vllm
+        return importlib.util.find_spec(name.replace("vllm", "pagedserve", 1)) is not None
+    if kind == "engine method":  # Class.method, the class from pagedserve
+        cls_name, method = name.split(".")
+        return hasattr(getattr(importlib.import_module("pagedserve"), cls_name), method)
     if kind == "server field":
         return name in CompletionRequest.model_fields or name in ChatCompletionRequest.model_fields
     raise AssertionError(f"unknown kind {kind!r} in {DOC.name}")
@@ -56,6 +62,8 @@ def test_the_table_has_rows_of_every_kind() -> None:
         "class",
         "SamplingParams field",
         "server field",
+        "module",
+        "engine method",
     }
 
 

@@ -36,9 +36,9 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import EngineCoreOutput
 from pagedserve.models.loader import default_model_source, load_tokenizer
 from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.serialization import CoreStats
 from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.server import serialization as wire
-from pagedserve.server.serialization import CoreStats
 from pagedserve.types import RequestId
 
 VARIANTS = ("ids", "text", "logprobs")

@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 
 from pagedserve.distributed.all_reduce import PeerMemoryLimits, installed
 from pagedserve.distributed.group import destroy_process_group, init_process_group
-from pagedserve.executor.launch import worker_environment
-from pagedserve.executor.multiproc import free_port
+from pagedserve.processes.tensor_parallel.launch import worker_environment
+from pagedserve.processes.tensor_parallel.multiproc import free_port
 
 PATHS = ("nccl", "one_shot", "two_shot")
 DEFAULT_SIZES_KIB = (8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)

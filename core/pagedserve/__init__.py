@@ -1,6 +1,7 @@
 """pagedserve: a fast, hardware-portable LLM inference engine with platform plugins.
 
-`from pagedserve import LLM, SamplingParams` (vLLM's names; `PoolingParams` for `LLM.embed`).
+`from pagedserve import LLM, SamplingParams` (vLLM's names; `PoolingParams` for `LLM.embed`;
+`EngineArgs`, `LLMEngine` and `AsyncLLMEngine` for the engine level).
 The heavy imports (torch, transformers) happen on first use of these names, so `import
 pagedserve` stays cheap for tools that only read its plugin API.
 """
@@ -12,7 +13,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from pagedserve.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from pagedserve.engine.async_llm_engine import AsyncLLMEngine
+    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.entrypoints.llm import LLM
+    from pagedserve.inputs import TextPrompt, TokensPrompt
     from pagedserve.outputs import (
         CompletionOutput,
         EmbeddingRequestOutput,
@@ -24,6 +29,12 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "LLM": "pagedserve.entrypoints.llm",
+    "EngineArgs": "pagedserve.engine.arg_utils",
+    "AsyncEngineArgs": "pagedserve.engine.arg_utils",
+    "LLMEngine": "pagedserve.engine.llm_engine",
+    "AsyncLLMEngine": "pagedserve.engine.async_llm_engine",
+    "TextPrompt": "pagedserve.inputs",
+    "TokensPrompt": "pagedserve.inputs",
     "SamplingParams": "pagedserve.sampling.sampling_params",
     "RequestOutputKind": "pagedserve.sampling.sampling_params",
     "RequestOutput": "pagedserve.outputs",
@@ -35,13 +46,19 @@ _LAZY = {
 
 __all__ = [
     "LLM",
+    "AsyncEngineArgs",
+    "AsyncLLMEngine",
     "CompletionOutput",
     "EmbeddingRequestOutput",
+    "EngineArgs",
+    "LLMEngine",
     "PoolingParams",
     "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
 ]
 

@@ -8,18 +8,14 @@ own in their processes, so none waits for another and the timed loop ends when t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagedserve.bench.compile_watch import watch_triton_compiles
 from pagedserve.bench.datasets import BenchRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling.sampling_params import RequestOutputKind, SamplingParams
-
-if TYPE_CHECKING:
-    from pagedserve.data_parallel.offline_engine import OfflineEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +82,7 @@ def summarize_trace(trace: list[StepRecord]) -> dict[str, Any]:
 
 
 def run_throughput(
-    engine: OfflineEngine, requests: list[BenchRequest], trace: list[StepRecord] | None = None
+    engine: LLMEngine, requests: list[BenchRequest], trace: list[StepRecord] | None = None
 ) -> ThroughputResult:
     """Add every request, step until all finish, and time it; with `trace`, append one
     `StepRecord` per engine step to it (with data parallelism, per batch of replica reports,
@@ -97,16 +93,8 @@ def run_throughput(
     return replace(result, kernels_built=compiles.summary())
 
 
-def _scheduler_counts(engine: OfflineEngine) -> Callable[[], tuple[int, int]]:
-    """(running, waiting) requests of the engine, read after each step."""
-    if isinstance(engine, LLMEngine):
-        scheduler = engine.core.scheduler
-        return lambda: (len(scheduler.running), len(scheduler.waiting))
-    return engine.scheduler_counts
-
-
 def _timed_run(
-    engine: OfflineEngine, requests: list[BenchRequest], trace: list[StepRecord] | None
+    engine: LLMEngine, requests: list[BenchRequest], trace: list[StepRecord] | None
 ) -> ThroughputResult:
     produced: dict[str, int] = {}
     start = time.perf_counter()
@@ -119,7 +107,7 @@ def _timed_run(
             output_kind=RequestOutputKind.FINAL_ONLY,  # only finished requests are counted
         )
         engine.add_request(f"bench-{i}", req.prompt_ids, params)
-    counts = _scheduler_counts(engine)
+    counts = engine.scheduler_counts  # (running, waiting), read after each step
     while engine.has_unfinished_requests():
         for out in engine.step():
             if isinstance(out, RequestOutput) and out.finished:

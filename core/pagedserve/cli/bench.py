@@ -15,7 +15,7 @@ from pagedserve.bench.datasets import BenchRequest, fit_vocab, load_workload, ra
 from pagedserve.cli.engine_options import add_engine_options, engine_args_from
 
 if TYPE_CHECKING:
-    from pagedserve.data_parallel.offline_engine import OfflineEngine
+    from pagedserve.engine.llm_engine import LLMEngine
 
 
 def _rate(text: str) -> float:
@@ -147,14 +147,14 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0 if summary.failed == 0 else 1
 
 
-def _startup(engine: OfflineEngine, build_s: float) -> dict[str, float]:
+def _startup(engine: LLMEngine, build_s: float) -> dict[str, float]:
     """Seconds the engine took to start, with the warm-up phases the runner recorded (in this
     process only: replica and rank processes time their own start)."""
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.core_client import InProcessCore
     from pagedserve.worker.model_runner import ModelRunner
 
     out = {"total_s": build_s}
-    if not isinstance(engine, LLMEngine):
+    if not isinstance(engine.client, InProcessCore):
         return out
     runner = engine.core.runner  # worker processes time their own start under tensor parallelism
     times = runner.startup_times if isinstance(runner, ModelRunner) else None
@@ -171,16 +171,16 @@ def _startup(engine: OfflineEngine, build_s: float) -> dict[str, float]:
 
 def run_throughput_cmd(args: argparse.Namespace) -> int:
     from pagedserve.bench.throughput import format_throughput, run_throughput
-    from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine, build_offline_engine
+    from pagedserve.engine.llm_engine import LLMEngine
 
     engine_args = engine_args_from(args, args.model)
-    engine: OfflineEngine | None = None
+    engine: LLMEngine | None = None
     try:
         requests = load_workload(args.workload, args.num_prompts)
         if args.warmup_requests < 0:
             raise ValueError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
         start = time.perf_counter()
-        engine = build_offline_engine(engine_args)
+        engine = LLMEngine(engine_args)
         startup = _startup(engine, time.perf_counter() - start)
         requests = fit_vocab(requests, engine.vocab_size, wrap=args.wrap_token_ids)
         if args.warmup_requests:
@@ -190,7 +190,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         print(f"pagedserve bench throughput: {exc}", file=sys.stderr)
         return 2
     finally:
-        if isinstance(engine, DataParallelLLMEngine):
+        if engine is not None:
             engine.shutdown()
     print(format_throughput(result))
     if args.json_path:

@@ -6,7 +6,7 @@ the log line says which. SIGTERM or Ctrl-C stop accepting connections, let reque
 finish for up to `--shutdown-timeout` seconds, then answer the rest with OpenAI's 503 error (an
 error event and `data: [DONE]` on a stream), abort them and stop the engine core.
 `--api-server-count N` runs N such servers on the port, each over its share of the
-data-parallel replicas (`server.api_servers`). `--enable-lora --lora-modules name=path ...` serves
+data-parallel replicas (`processes.api_servers`). `--enable-lora --lora-modules name=path ...` serves
 PEFT adapters beside the model, each under its own model name (`server.lora_modules`); every
 adapter is read and checked in the engine core before the port opens.
 """
@@ -34,7 +34,7 @@ from pagedserve.server.tool_parsers import PARSERS
 if TYPE_CHECKING:
     import uvicorn
 
-    from pagedserve.server.api_servers import ApiServerPlan
+    from pagedserve.processes.api_servers import ApiServerPlan
 
 logger = logging.getLogger("pagedserve.serve")
 
@@ -193,8 +193,8 @@ def _run(main: Coroutine[Any, Any, int], loop: str) -> int:
 def _serve_many(
     args: argparse.Namespace, engine_args: EngineArgs, lora_modules: tuple[LoRAModule, ...]
 ) -> int:
-    """`--api-server-count N`: N API-server processes on one port (`server.api_servers`)."""
-    from pagedserve.server.api_servers import plan_api_servers, run_api_servers
+    """`--api-server-count N`: N API-server processes on one port (`processes.api_servers`)."""
+    from pagedserve.processes.api_servers import plan_api_servers, run_api_servers
 
     try:
         plans = plan_api_servers(engine_args, args.api_server_count)
@@ -220,7 +220,7 @@ def _serve_one(
     barrier: Barrier,
 ) -> int:
     """One API-server process of `--api-server-count` (spawned: a fresh interpreter)."""
-    from pagedserve.server.api_servers import enter_process
+    from pagedserve.processes.api_servers import enter_process
 
     enter_process(plan)
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [api server {plan.index}] %(message)s")
@@ -241,8 +241,8 @@ async def _serve(
     barrier: Barrier | None = None,  # the API-server processes start serving together
 ) -> int:
     # A one-replica server's engine core starts first: its imports and CUDA start overlap this
-    # process's (`server.early_core`).
-    from pagedserve.server.early_core import spawn_early_core
+    # process's (`processes.engine_core.early_core`).
+    from pagedserve.processes.engine_core.early_core import spawn_early_core
 
     early = None
     if engine_args.data_parallel_size == 1:

@@ -2,7 +2,7 @@
 the engine waits for them.
 
 Data parallelism is not here: its replicas are whole engine cores, each with its own configuration,
-started by the front ends above the engine (`pagedserve.data_parallel`).
+started by the front ends above the engine (`pagedserve.processes.data_parallel`).
 """
 
 from __future__ import annotations

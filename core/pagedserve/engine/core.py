@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from pagedserve.engine.step_pipeline import StepPipeline
-from pagedserve.executor.base import StepRunner
 from pagedserve.outputs import FinishReason
+from pagedserve.processes.tensor_parallel.base import StepRunner
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.admission import RequestRejected, check_admissible
 from pagedserve.scheduler.output import RequestUpdate

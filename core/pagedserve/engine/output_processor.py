@@ -118,6 +118,15 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def has_unfinished_requests(self) -> bool:
+        """Whether any tracked request has a sample not finished yet (aborted ones are gone)."""
+        return bool(self._requests)
+
+    def request_of(self, seq_id: RequestId) -> str | None:
+        """The request a tracked sequence id belongs to (None if unknown). Does not mutate."""
+        owner = self._owner.get(seq_id)
+        return owner[0].request_id if owner is not None else None
+
     def sequence_ids(self, request_id: str) -> list[RequestId]:
         """The core-side ids of a tracked request's samples (empty if unknown). Does not mutate."""
         state = self._requests.get(request_id)

@@ -25,7 +25,6 @@ from pagedserve.config import EngineArgs
 from pagedserve.config.engine_config import EngineConfig, resolve_engine_config
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.ngram_proposer import NgramProposer
-from pagedserve.executor.base import StepRunner, WorkerReport
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.models.loader import (
     LoadedModel,
@@ -38,6 +37,7 @@ from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
+from pagedserve.processes.tensor_parallel.base import StepRunner, WorkerReport
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.structured.backend import StructuredOutputBackend
 from pagedserve.structured.checks import backend_available
@@ -140,8 +140,8 @@ def _build_parallel_engine(
     """The scheduler here, the model in `tensor_parallel_size` worker processes (or Ray actors)."""
     from pagedserve.distributed.group import TensorParallelGroup
     from pagedserve.distributed.sharding import ShardLayout
-    from pagedserve.executor.launch import start_executor
     from pagedserve.models.decoder import head_size_of
+    from pagedserve.processes.tensor_parallel.launch import start_executor
 
     # Refuse a model that does not split before starting a process per rank to find out.
     world = config.parallel.tensor_parallel_size

@@ -22,8 +22,9 @@ the update; so are those of requests finished by the front end (stop strings) or
 between. Requests that step N+2 preempted still get step N+1's token.
 
 The runner is one device's `ModelRunner` or a tensor-parallel executor, whose ranks answer each
-launch with the previous step's output (`executor.base`): the same pipeline either way. Across
-processes the reordering matters most: the driver's reporting overlaps the ranks' launch.
+launch with the previous step's output (`processes.tensor_parallel.base`): the same pipeline
+either way. Across processes the reordering matters most: the driver's reporting overlaps the
+ranks' launch.
 
 Steps whose scheduling needs real tokens run synchronously: n-gram drafts are proposed from the
 latest tokens, so an engine with a proposer never schedules ahead (`needs_sync`).
@@ -35,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pagedserve.engine.ngram_proposer import NgramProposer
-from pagedserve.executor.base import PendingStep, StepRunner
+from pagedserve.processes.tensor_parallel.base import PendingStep, StepRunner
 from pagedserve.scheduler.output import RequestUpdate, SchedulerOutput
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.worker.async_output import ModelRunnerOutput

@@ -5,8 +5,9 @@ llm = LLM()  # the embedded SmolLM2-135M-Instruct on the best available platform
 outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
 vectors = llm.embed(["Hello, my name is"])  # outputs.embedding: the last token's, normalized
 
-With `data_parallel_size=N > 1` the engine is N engine-core processes, each on its own GPU (see
-`pagedserve.data_parallel`); a script that builds one must do so under `if __name__ ==
+`LLM` holds one engine front end (`LLMEngine`) whatever the replica count: with
+`data_parallel_size=N > 1` its cores are N engine-core processes, each on its own GPU (see
+`pagedserve.processes.data_parallel`); a script that builds one must do so under `if __name__ ==
 "__main__":`, since the processes are spawned.
 """
 
@@ -18,7 +19,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any, get_args
 
 import pydantic
 from tqdm.auto import tqdm
@@ -32,9 +33,6 @@ from pagedserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, Req
 from pagedserve.pooling_params import PoolingParams, PoolingTask
 from pagedserve.sampling.sampling_params import SAMPLING_PARAMS, RequestOutputKind, SamplingParams
 
-if TYPE_CHECKING:
-    from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
-
 PromptInput = str | Sequence[int]
 Message = dict[str, Any]  # {"role": ..., "content": ...}
 
@@ -47,23 +45,16 @@ class LLM:
             args = EngineArgs(model=model, **kwargs)
         except pydantic.ValidationError as exc:
             raise ValueError(_describe_validation_error(exc)) from None
-        self.engine: LLMEngine | DataParallelLLMEngine
-        if args.data_parallel_size == 1:
-            self.engine = LLMEngine(args)
-        else:  # one engine-core process per replica
-            from pagedserve.data_parallel.offline_engine import DataParallelLLMEngine
-
-            self.engine = DataParallelLLMEngine(args)
+        self.engine = LLMEngine(args)  # in-process for one replica, processes for several
         self._ids = itertools.count()
         self._default_params: SamplingParams | None = None
 
     @property
     def platform(self) -> str:
-        engine = self.engine
-        return engine.setup.platform.name if isinstance(engine, LLMEngine) else engine.platform_name
+        return self.engine.platform_name
 
     @property
-    def llm_engine(self) -> LLMEngine | DataParallelLLMEngine:
+    def llm_engine(self) -> LLMEngine:
         """The engine behind this `LLM` (vLLM's attribute name): `add_request`, `step`, ..."""
         return self.engine
 
@@ -293,12 +284,7 @@ class LLM:
                 final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                 lora = loras[index] if loras is not None else None
                 try:
-                    if lora is None:
-                        engine.add_request(request_id, prompt, final_only)
-                    elif isinstance(engine, LLMEngine):
-                        engine.add_request(request_id, prompt, final_only, lora_request=lora)
-                    else:  # EngineArgs refuses enable_lora with data_parallel_size > 1
-                        raise ValueError("lora_request needs data_parallel_size=1")
+                    engine.add_request(request_id, prompt, final_only, lora_request=lora)
                 except ValueError as exc:
                     raise ValueError(f"prompt {index}: {exc}") from None
                 order[request_id] = index

@@ -18,7 +18,7 @@ every request in flight gets `EngineDeadError`, new ones are refused with it, an
 turns false. Nothing waits on a dead process.
 
 With `data_parallel_size=N > 1` there are N cores (replicas, each on its own GPUs; see
-`pagedserve.data_parallel`): local processes, or Ray actors anywhere in a Ray cluster with
+`pagedserve.processes.data_parallel`): local processes, or Ray actors anywhere in a Ray cluster with
 `distributed_executor_backend="ray"` (then over TCP), each with its own pair of pipes and its own
 reader task. Each request goes to the replica with the least queued work, all its samples with it;
 the death of any replica makes the whole engine unhealthy, with an error naming the replica.
@@ -41,23 +41,23 @@ from typing import TypeVar
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.balancer import LoadBalancer
-from pagedserve.data_parallel.launch import front_end_tokenizer
 from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
 from pagedserve.engine.output_processor import OutputProcessor, merge_deltas
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
+from pagedserve.processes.data_parallel.balancer import LoadBalancer
+from pagedserve.processes.data_parallel.launch import front_end_tokenizer
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.early_core import EarlyCore
+from pagedserve.processes.engine_core.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.server import request_checks
-from pagedserve.server import serialization as wire
 from pagedserve.server.core_links import CoreLink, EngineCores
-from pagedserve.server.early_core import EarlyCore
 from pagedserve.server.engine_errors import EngineDeadError, InvalidRequest
 from pagedserve.server.metrics import ServerMetrics
 from pagedserve.server.output_router import OutputRouter
 from pagedserve.server.request_table import RequestTable
-from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.server.warm_start import warm_up_tokenizer
 from pagedserve.worker.startup.startup_heap import freeze_startup_heap
 

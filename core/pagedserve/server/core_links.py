@@ -2,7 +2,7 @@
 replica, and the two ZeroMQ pipes to each (`CoreLink`): starting them, waiting for every core's
 READY, and stopping them.
 
-A core runs in a local process or a Ray actor (`data_parallel.launch.open_replicas` decides
+A core runs in a local process or a Ray actor (`processes.data_parallel.launch.open_replicas` decides
 where); either way the front end sends on a PUSH socket and reads on a PULL socket, and watches
 the process through its sentinel fd (the engine registers the watch, since what a death means is
 its business).
@@ -18,17 +18,17 @@ import zmq
 import zmq.asyncio
 
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.launch import open_replicas
-from pagedserve.data_parallel.replica_handle import (
+from pagedserve.processes.data_parallel.launch import open_replicas
+from pagedserve.processes.data_parallel.replica_handle import (
     ReplicaGroup,
     ReplicaHandle,
     request_shutdown,
     stop_replicas,
 )
-from pagedserve.server import serialization as wire
-from pagedserve.server.early_core import EarlyCore
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.early_core import EarlyCore
+from pagedserve.processes.engine_core.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.server.engine_errors import EngineDeadError
-from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pagedserve.outputs import RequestOutput
-from pagedserve.server.serialization import CoreStats
+from pagedserve.processes.engine_core.serialization import CoreStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -16,11 +16,11 @@ import torch
 
 from pagedserve.engine.protocol import EngineCoreOutput
 from pagedserve.outputs import PoolingOutput, PoolingRequestOutput
-from pagedserve.server import serialization as wire
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.serialization import MessageType
 from pagedserve.server.core_links import CoreLink
 from pagedserve.server.engine_errors import InvalidRequest
 from pagedserve.server.request_table import RequestTable
-from pagedserve.server.serialization import MessageType
 
 
 class OutputRouter:

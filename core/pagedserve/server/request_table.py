@@ -15,17 +15,17 @@ from collections.abc import Sequence
 
 import zmq
 
-from pagedserve.data_parallel.balancer import LoadBalancer
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.protocol import POOLING_ROW, EngineCoreRequest
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
+from pagedserve.processes.data_parallel.balancer import LoadBalancer
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.serialization import CoreInfo, MessageType
 from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.server import serialization as wire
 from pagedserve.server.engine_errors import EngineDeadError, InvalidRequest
 from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.serialization import CoreInfo, MessageType
 from pagedserve.types import RequestId
 
 logger = logging.getLogger(__name__)

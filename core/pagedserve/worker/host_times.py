@@ -2,8 +2,8 @@
 and waiting for their outputs, with the launches grouped by the step's scheduled-token count. A
 launch that grows with the step's tokens while the host work does not is a launch that waits for
 the device (a full launch queue, a synchronising call); one that is long at every size is host
-work. Kept by tensor-parallel ranks (`executor.worker`); the benchmarks time a one-device runner
-with the same class."""
+work. Kept by tensor-parallel ranks (`processes.tensor_parallel.worker`); the benchmarks time a
+one-device runner with the same class."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [rank {rank}] %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    from pagedserve.executor.worker import TensorParallelWorker
+    from pagedserve.processes.tensor_parallel.worker import TensorParallelWorker
 
     try:
         config = pickle.loads(config_bytes)

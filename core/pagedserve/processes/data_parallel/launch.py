@@ -21,12 +21,12 @@ import zmq
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.placement import ReplicaPlan, plan_replicas
-from pagedserve.data_parallel.replica_handle import ReplicaGroup, ReplicaHandle
-from pagedserve.executor.multiproc import spawn_environment
 from pagedserve.models.loader import load_tokenizer, resolve_model_source
-from pagedserve.server.early_core import EarlyCore, core_addresses
-from pagedserve.server.engine_proc import CoreProcessRole, run_engine_core
+from pagedserve.processes.data_parallel.placement import ReplicaPlan, plan_replicas
+from pagedserve.processes.data_parallel.replica_handle import ReplicaGroup, ReplicaHandle
+from pagedserve.processes.engine_core.early_core import EarlyCore, core_addresses
+from pagedserve.processes.engine_core.engine_proc import CoreProcessRole, run_engine_core
+from pagedserve.processes.tensor_parallel.multiproc import spawn_environment
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +34,13 @@ logger = logging.getLogger(__name__)
 def open_replicas(args: EngineArgs, early: EarlyCore | None = None) -> ReplicaGroup:
     """The replicas `args` asks for: Ray actors anywhere in a Ray cluster with
     `distributed_executor_backend="ray"` and `data_parallel_size > 1`, else processes on this
-    host, the first of them `early` when it was started ahead (`server.early_core`; the group
+    host, the first of them `early` when it was started ahead (`processes.engine_core.early_core`; the group
     owns it from then on). Refuses (ValueError) before anything starts when they cannot all be
     placed."""
     if args.data_parallel_size > 1 and args.distributed_executor_backend == "ray":
         if early is not None:
             raise ValueError("an engine core started ahead cannot join a Ray data-parallel group")
-        from pagedserve.data_parallel.ray_replicas import RayReplicas
+        from pagedserve.processes.data_parallel.ray_replicas import RayReplicas
 
         return RayReplicas(args)
     return LocalReplicas(args, early)

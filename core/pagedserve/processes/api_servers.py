@@ -36,10 +36,10 @@ from multiprocessing.synchronize import Barrier
 from types import FrameType
 
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.placement import gpu_groups, visible_gpus
-from pagedserve.executor.launch import worker_environment
-from pagedserve.executor.multiproc import spawn_environment
 from pagedserve.platforms.registry import load_platforms
+from pagedserve.processes.data_parallel.placement import gpu_groups, visible_gpus
+from pagedserve.processes.tensor_parallel.launch import worker_environment
+from pagedserve.processes.tensor_parallel.multiproc import spawn_environment
 
 STOP_GRACE_S = 30.0  # beyond the server's own shutdown timeout, before a process is killed
 

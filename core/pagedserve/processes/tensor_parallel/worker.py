@@ -31,8 +31,8 @@ import torch
 from pagedserve.config.engine_config import EngineConfig
 from pagedserve.distributed.all_reduce import default_limits, installed
 from pagedserve.distributed.group import destroy_process_group, init_process_group
-from pagedserve.executor.base import WorkerReport
 from pagedserve.platforms.registry import load_platforms
+from pagedserve.processes.tensor_parallel.base import WorkerReport
 from pagedserve.sampling.grammar_mask import PrecomputedBitmask
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.async_output import PendingOutput

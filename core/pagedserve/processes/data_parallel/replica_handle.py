@@ -1,7 +1,7 @@
 """What a front end holds for each data-parallel replica, whatever runs it: a `ReplicaHandle` (a
 local process, or a Ray actor anywhere in a Ray cluster) and the `ReplicaGroup` that started it.
 
-The front ends (`offline_engine`, `server.async_engine`) talk to every replica the same way, over
+The front ends (`offline_client`, `server.async_engine`) talk to every replica the same way, over
 two ZeroMQ sockets they own, and only need to know of a replica whether it still runs, how it
 ended, which process it is, and how to stop it. Keeping that here means neither front end grows a
 branch per backend: `launch.open_replicas` picks the group.
@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from pagedserve.server import serialization as wire
+from pagedserve.processes.engine_core import serialization as wire
 
 logger = logging.getLogger(__name__)
 

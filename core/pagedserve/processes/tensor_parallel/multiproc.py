@@ -25,8 +25,13 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from pagedserve.config.engine_config import EngineConfig
-from pagedserve.executor.base import STEP_METHODS, ParallelExecutor, PendingCall, RankFailedError
-from pagedserve.executor.mp_worker import run_worker
+from pagedserve.processes.tensor_parallel.base import (
+    STEP_METHODS,
+    ParallelExecutor,
+    PendingCall,
+    RankFailedError,
+)
+from pagedserve.processes.tensor_parallel.mp_worker import run_worker
 from pagedserve.scheduler.output import CachedRequestData
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ How. The core dials the two IPC addresses of the replica layout (`core_addresses
 front end binds them later, when it adopts the running process (`launch.LocalReplicas`). ZeroMQ
 lets a socket connect before its peer binds and holds what is sent until it does, so the core's
 READY waits in its socket. A server with several data-parallel replicas in one API process starts
-them the ordinary way (`data_parallel.placement` pins GPUs first).
+them the ordinary way (`processes.data_parallel.placement` pins GPUs first).
 """
 
 from __future__ import annotations
@@ -74,6 +74,6 @@ def spawn_early_core(args_json: str, *, tensor_parallel_size: int) -> EarlyCore:
 
 def _run_core(args_json: str, input_addr: str, output_addr: str, parent_pid: int) -> None:
     """The spawned process's entry: what `launch.start_core_process` runs, imported here."""
-    from pagedserve.server.engine_proc import run_engine_core
+    from pagedserve.processes.engine_core.engine_proc import run_engine_core
 
     run_engine_core(args_json, input_addr, output_addr, parent_pid)

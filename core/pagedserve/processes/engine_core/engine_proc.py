@@ -7,7 +7,7 @@ second to check that the API process that started it is still alive (it exits if
 server never leaves an orphaned engine holding memory).
 
 The same loop serves the offline `LLM` with data parallelism: one such process per replica
-(`pagedserve.data_parallel`), its `CoreProcessRole` saying which replica it is and how to build it,
+(`pagedserve.processes.data_parallel`), its `CoreProcessRole` saying which replica it is and how to build it,
 or one Ray actor per replica (`serve_engine_core`, reached over TCP instead of IPC).
 """
 
@@ -26,9 +26,9 @@ from pagedserve.config import EngineArgs
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.protocol import EngineCoreRequest
 from pagedserve.lora.request import LoRARequest
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.scheduler.admission import RequestRejected
-from pagedserve.server import serialization as wire
-from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
 
 if TYPE_CHECKING:
     from pagedserve.lora.manager import LoRAManager

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagedserve.config import EngineArgs
-from pagedserve.executor.launch import worker_environment
 from pagedserve.platforms.registry import load_platforms
+from pagedserve.processes.tensor_parallel.launch import worker_environment
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,11 +27,11 @@ from typing import Any
 import zmq
 
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.replica_handle import ReplicaGroup, ReplicaHandle
-from pagedserve.executor.launch import worker_environment
-from pagedserve.executor.ray_executor import RAY_INSTALL, RankBundle, place_ranks_in
 from pagedserve.platforms.registry import load_platforms
-from pagedserve.server.engine_proc import CoreProcessRole, serve_engine_core
+from pagedserve.processes.data_parallel.replica_handle import ReplicaGroup, ReplicaHandle
+from pagedserve.processes.engine_core.engine_proc import CoreProcessRole, serve_engine_core
+from pagedserve.processes.tensor_parallel.launch import worker_environment
+from pagedserve.processes.tensor_parallel.ray_executor import RAY_INSTALL, RankBundle, place_ranks_in
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 from pagedserve.config.engine_config import EngineConfig
-from pagedserve.executor.base import ParallelExecutor, WorkerReport
 from pagedserve.platforms.loaded_platform import LoadedPlatform
+from pagedserve.processes.tensor_parallel.base import ParallelExecutor, WorkerReport
 
 # NVLink SHARP (multicast) collectives are left off unless the user chose otherwise: on hosts
 # whose fabric manager does not support them NCCL fails at the first collective, and on shared
@@ -54,11 +54,11 @@ def start_executor(
     env = worker_environment(device_type)
     executor: ParallelExecutor
     if config.parallel.distributed_executor_backend == "ray":
-        from pagedserve.executor.ray_executor import RayExecutor
+        from pagedserve.processes.tensor_parallel.ray_executor import RayExecutor
 
         executor = RayExecutor(config, env, use_gpus=device_type == "cuda")
     else:
-        from pagedserve.executor.multiproc import MultiprocExecutor
+        from pagedserve.processes.tensor_parallel.multiproc import MultiprocExecutor
 
         world = config.parallel.tensor_parallel_size
         if device_type == "cuda":

@@ -7,7 +7,7 @@ there. The driver waits on the actors' answers one at a time, so an actor that d
 lost, its process killed) fails the engine as soon as Ray reports it, and a silent one after
 `distributed_timeout_s`; every actor is killed before the error is raised.
 
-A data-parallel replica that is itself a Ray actor (`data_parallel.ray_replicas`) reserves its
+A data-parallel replica that is itself a Ray actor (`processes.data_parallel.ray_replicas`) reserves its
 ranks' devices in its own bundle and calls `place_ranks_in` before building its engine: its ranks
 then go into that bundle (so onto the replica's node) instead of into a placement group of their
 own, which could never be placed while the replica's bundle holds the devices.
@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config.engine_config import EngineConfig
-from pagedserve.executor.base import STEP_METHODS, ParallelExecutor, PendingCall, RankFailedError
+from pagedserve.processes.tensor_parallel.base import (
+    STEP_METHODS,
+    ParallelExecutor,
+    PendingCall,
+    RankFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +77,7 @@ class _RankActor:
 
     def start(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> int:
         """Join the group; returns this actor's process id."""
-        from pagedserve.executor.worker import TensorParallelWorker
+        from pagedserve.processes.tensor_parallel.worker import TensorParallelWorker
 
         self.worker = TensorParallelWorker(config, rank, world_size, init_method)
         return int(self.worker.pid())

@@ -1,12 +1,13 @@
-"""`DataParallelLLMEngine`: the offline engine over `data_parallel_size` engine cores.
+"""`DataParallelCores`: the offline front end's client over `data_parallel_size` engine cores.
 
-It has `LLMEngine`'s methods, so `LLM` and `pagedserve bench throughput` drive either one the
-same way; `build_offline_engine` picks. This process tokenizes, places each request on the
-replica with the least queued work (`balancer`), detokenizes and matches stop strings; every
-replica is the server's engine-core loop (`server.engine_proc`), stepping on its own in a local
-process or a Ray actor (`launch.open_replicas` decides; this module sees a `ReplicaHandle`). So no
-replica ever waits for another: `step` returns whatever any replica has reported, and a replica
-that finishes its share early simply goes idle.
+`LLMEngine` drives it through the `engine.core_client.CoreClient` contract, as it drives its
+in-process core for one replica: the front end tokenizes, detokenizes and matches stop strings;
+this client places each request on the replica with the least queued work (`balancer`) and carries
+sequences to and outputs from the replicas. Every replica is the engine-core loop
+(`processes.engine_core.engine_proc`), stepping on its own in a local process or a Ray actor
+(`launch.open_replicas` decides; this module sees a `ReplicaHandle`). So no replica ever waits for
+another: `step` returns whatever any replica has reported, and a replica that finishes its share
+early simply goes idle.
 
 Requests added between two `step` calls reach their replica as one message when the next `step`
 begins, so a replica schedules a `generate` call's batch as a whole, as the in-process engine
@@ -23,26 +24,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import zmq
-from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
-from pagedserve.data_parallel.balancer import LoadBalancer
-from pagedserve.data_parallel.launch import front_end_tokenizer, open_replicas
-from pagedserve.data_parallel.replica_handle import (
+from pagedserve.engine.core_client import CoreStep, Rejection
+from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from pagedserve.processes.data_parallel.balancer import LoadBalancer
+from pagedserve.processes.data_parallel.launch import front_end_tokenizer, open_replicas
+from pagedserve.processes.data_parallel.replica_handle import (
     ReplicaGroup,
     ReplicaHandle,
     request_shutdown,
     stop_replicas,
 )
-from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.output_processor import OutputProcessor, take_pooled
-from pagedserve.engine.protocol import POOLING_ROW, EngineCoreRequest
-from pagedserve.outputs import PoolingRequestOutput, RequestOutput
-from pagedserve.pooling_params import PoolingParams
-from pagedserve.sampling.sampling_params import SamplingParams
-from pagedserve.server import serialization as wire
-from pagedserve.server.serialization import CoreInfo, CoreStats, MessageType
+from pagedserve.processes.engine_core import serialization as wire
+from pagedserve.processes.engine_core.serialization import CoreInfo, CoreStats, MessageType
 from pagedserve.types import RequestId
 
 logger = logging.getLogger(__name__)
@@ -55,14 +50,6 @@ POLL_MS = 1000
 
 class ReplicaFailedError(RuntimeError):
     """A data-parallel replica died or failed; the engine was shut down and must be rebuilt."""
-
-
-def build_offline_engine(args: EngineArgs) -> LLMEngine | DataParallelLLMEngine:
-    """The offline engine `args` asks for: the in-process `LLMEngine` for one replica (exactly
-    the engine without data parallelism), a `DataParallelLLMEngine` for several."""
-    if args.data_parallel_size == 1:
-        return LLMEngine(args)
-    return DataParallelLLMEngine(args)
 
 
 @dataclass(slots=True)
@@ -81,24 +68,21 @@ class _Replica:
         return self.handle.label
 
 
-class DataParallelLLMEngine:
-    """`data_parallel_size` engine cores, one process or Ray actor each, behind one front end. Not
-    thread-safe; every method but the getters mutates. `shutdown` (or garbage collection, or
-    interpreter exit) stops the replicas."""
+class DataParallelCores:
+    """`data_parallel_size` engine cores, one process or Ray actor each, behind one client (a
+    `CoreClient`). Not thread-safe; every method but the getters mutates. `shutdown` (or garbage
+    collection, or interpreter exit) stops the replicas."""
 
     def __init__(self, args: EngineArgs, *, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         if args.data_parallel_size < 2:
             raise ValueError(
-                f"DataParallelLLMEngine needs data_parallel_size >= 2, got {args.data_parallel_size}: "
-                "use LLMEngine (or build_offline_engine) for one replica"
+                f"DataParallelCores needs data_parallel_size >= 2, got {args.data_parallel_size}: "
+                "one replica runs in-process (LLMEngine)"
             )
-        self.args = args
         group = open_replicas(args)  # refuses what cannot be placed before anything starts
         self._failure: str | None = None  # why the engine was shut down after a failure
         self._replicas: list[_Replica] = []
         self._stash: list[tuple[_Replica, wire.Message]] = []  # received while waiting for replies
-        self._owner: dict[RequestId, str] = {}  # unfinished sequence id -> its request id
-        self._pooling: dict[RequestId, list[int]] = {}  # pooling request id -> its prompt's token ids
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         handles: list[ReplicaHandle] = []
         to_cores: list[zmq.Socket[bytes]] = []
@@ -127,14 +111,6 @@ class DataParallelLLMEngine:
         self.vocab_size = self.info.vocab_size
         self.eos_token_ids = self.info.eos_token_ids
         self.max_model_len = self.info.max_model_len
-        self.inputs = InputProcessor(
-            self.tokenizer,
-            vocab_size=self.vocab_size,
-            max_logprobs=args.max_logprobs,
-            max_model_len=self.max_model_len,
-        )
-        eos = detokenizer_eos_token_id(self.tokenizer, self.eos_token_ids)
-        self.processor = OutputProcessor(self.tokenizer, eos_token_id=eos, max_model_len=self.max_model_len)
         self.balancer = LoadBalancer(len(self._replicas))
 
     def _await_ready(self, timeout_s: float) -> CoreInfo:
@@ -170,7 +146,7 @@ class DataParallelLLMEngine:
         """Stop every replica and release the sockets. Safe to call twice."""
         self._finalizer()
 
-    # ---- what LLM and the benchmarks read ------------------------------------------------------
+    # ---- what the front end and the benchmarks read --------------------------------------------
     @property
     def platform_name(self) -> str:
         return self.info.platform
@@ -180,12 +156,6 @@ class DataParallelLLMEngine:
         """Process id of every replica's engine core (on its own node), in replica order."""
         return [r.handle.pid for r in self._replicas]
 
-    def require_tokenizer(self) -> PreTrainedTokenizerBase:
-        """The tokenizer; raises ValueError when the engine was built with skip_tokenizer_init."""
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True)")
-        return self.tokenizer
-
     def scheduler_counts(self) -> tuple[int, int]:
         """(running, waiting) sequences over all replicas, as of their latest reports."""
         stats = [r.stats for r in self._replicas if r.stats is not None]
@@ -193,97 +163,55 @@ class DataParallelLLMEngine:
         return (total.num_running, total.num_waiting) if total is not None else (0, 0)
 
     # ---- requests ------------------------------------------------------------------------------
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt (see `InputProcessor.tokenize`). Raises ValueError."""
-        return self.inputs.tokenize(prompt)
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams | PoolingParams,
-        *,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Queue a request on the least loaded replica (all its samples on the same one):
-        generation with `SamplingParams`, or pooling with `PoolingParams` (`step` returns its
-        `PoolingRequestOutput`). Raises ValueError naming the problem when it can never run, as
-        `LLMEngine.add_request` does."""
+    def add_request(self, samples: Sequence[EngineCoreRequest]) -> None:
+        """Queue one request's sequences on the least loaded replica (all on the same one); they
+        are sent at the next `step`. Raises ValueError when they could not run even alone on a
+        replica, as the in-process core's admission does."""
         self._check_usable()
-        if isinstance(params, PoolingParams):
-            self._add_pooling_request(request_id, prompt, params, cache_salt)
-            return
-        self.inputs.check_params(params)
-        ids = self.inputs.prompt_ids(prompt, params)
-        limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        max_tokens = max(limit, 1)  # as the core counts it
-        _check_admissible(request_id, len(ids), max_tokens, self.info)
-        text = prompt if isinstance(prompt, str) and params.truncate_prompt_tokens is None else None
-        seq_ids = self.processor.add_request(request_id, text, ids, params)
-        replica = self._replicas[self.balancer.place(seq_ids, len(ids), max_tokens)]
-        for i, seq_id in enumerate(seq_ids):
-            self._owner[seq_id] = request_id
-            replica.pending.append(
-                EngineCoreRequest(
-                    req_id=seq_id,
-                    prompt_token_ids=ids,
-                    sampling_params=params,
-                    eos_token_ids=self.eos_token_ids,
-                    fork_of=seq_ids[0] if i else None,
-                    cache_salt=cache_salt,
-                )
-            )
+        first = samples[0]
+        prompt_len = len(first.prompt_token_ids)
+        if first.pooling_params is not None:
+            max_tokens = 0  # a pooling request computes its prompt and generates nothing
+        else:
+            params = first.sampling_params
+            limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+            max_tokens = max(limit, 1)  # as the core counts it
+        _check_admissible(first.req_id, prompt_len, max_tokens, self.info)
+        seq_ids = [s.req_id for s in samples]
+        replica = self._replicas[self.balancer.place(seq_ids, prompt_len, max_tokens)]
+        replica.pending.extend(samples)
 
-    def _add_pooling_request(
-        self, request_id: str, prompt: str | Sequence[int], params: PoolingParams, cache_salt: str | None
-    ) -> None:
-        seq_id = RequestId(request_id)
-        if seq_id in self._pooling or seq_id in self._owner or self.processor.has_request(request_id):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.inputs.tokenize(prompt)
-        if len(ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})"
-            )
-        # A pooling request computes its prompt and generates nothing.
-        _check_admissible(request_id, len(ids), 0, self.info)
-        replica = self._replicas[self.balancer.place([seq_id], len(ids), 0)]
-        self._pooling[seq_id] = ids
-        replica.pending.append(
-            EngineCoreRequest(
-                req_id=seq_id,
-                prompt_token_ids=ids,
-                sampling_params=POOLING_ROW,
-                eos_token_ids=self.eos_token_ids,
-                cache_salt=cache_salt,
-                pooling_params=params,
-            )
-        )
-
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort every sample of a request; returns its final output (None if unknown, and for a
-        pooling request, which has no partial output). Its replica reports the abort at a later
-        `step`, which frees its KV blocks."""
-        if self._pooling.pop(RequestId(request_id), None) is not None:
-            self._send_abort([RequestId(request_id)])
-            return None
-        seq_ids = self.processor.sequence_ids(request_id)
-        self._send_abort(seq_ids)
-        return self.processor.abort(request_id)
-
-    def _send_abort(self, seq_ids: list[RequestId]) -> None:
-        """Tell the replicas running these sequences to abort them."""
+    def abort(self, seq_ids: Sequence[RequestId]) -> None:
+        """Tell the replicas running these sequences to abort them; each reports the abort at a
+        later `step`, which frees its KV blocks."""
         if self._failure is None and self._finalizer.alive:
-            replicas = {self.balancer.replica_of(s) for s in seq_ids} - {None}
-            if replicas:
+            groups = self._by_replica(seq_ids)
+            if groups:
                 self._flush()  # the request must reach its replica before its abort does
-            for index in replicas:
-                assert index is not None
-                self._replicas[index].to_core.send(wire.encode_ids(MessageType.ABORT, seq_ids))
+            for index, ids in groups.items():
+                self._replicas[index].to_core.send(wire.encode_ids(MessageType.ABORT, ids))
 
-    def has_unfinished_requests(self) -> bool:
-        """Whether any replica still owes this front end an output. False once the engine failed."""
-        return self._failure is None and self.balancer.has_unfinished()
+    def finish(self, seq_ids: Sequence[RequestId]) -> None:
+        """Stop sequences whose stop string matched here: their replicas stop computing them and
+        never report them again."""
+        if self._failure is None and self._finalizer.alive:
+            for index, ids in self._by_replica(seq_ids).items():
+                self._replicas[index].to_core.send(wire.encode_ids(MessageType.FINISH, ids))
+        for seq_id in seq_ids:
+            self.balancer.forget(seq_id)
+
+    def _by_replica(self, seq_ids: Sequence[RequestId]) -> dict[int, list[RequestId]]:
+        """The sequences each replica runs (those not placed, or forgotten, are left out)."""
+        groups: dict[int, list[RequestId]] = {}
+        for seq_id in seq_ids:
+            index = self.balancer.replica_of(seq_id)
+            if index is not None:
+                groups.setdefault(index, []).append(seq_id)
+        return groups
+
+    def drain(self) -> None:
+        """Nothing to wait for: every replica runs its loop on its own, and the reports of
+        sequences the front end forgot are read (for the balancer) at the next `step`."""
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prompt prefixes of the blocks no request holds, on every replica.
@@ -301,72 +229,37 @@ class DataParallelLLMEngine:
                     self._stash.append((replica, msg))
         return sum(counts.values())
 
-    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+    def step(self) -> CoreStep:
         """Send the requests added since the last call, wait until any replica reports, and
-        return the requests advanced (cumulative outputs) and the pooling requests finished.
-        Raises `ReplicaFailedError` when a replica died or failed, ValueError when a replica
-        rejected a request (after dropping it)."""
+        return every output and rejection reported. Raises `ReplicaFailedError` when a replica
+        died or failed."""
         self._check_usable()
         self._flush()
         if not self.balancer.has_unfinished() and not self._stash:
-            return []
+            return CoreStep([])
         messages, self._stash = self._stash, []
         if not messages:
             messages = self._receive()
-        results: list[RequestOutput | PoolingRequestOutput] = []
-        rejected: list[str] = []
+        outputs: list[EngineCoreOutput] = []
+        rejected: list[Rejection] = []
+        balancer = self.balancer
         for replica, msg in messages:
             if msg.kind is MessageType.OUTPUTS:
                 assert msg.outputs is not None
                 replica.stats = msg.stats
-                results.extend(self._apply(replica, msg))
+                for out in msg.outputs:
+                    balancer.on_output(out.req_id, len(out.new_token_ids), out.finish_reason is not None)
+                outputs.extend(msg.outputs)
             elif msg.kind is MessageType.REJECTED:
                 assert msg.req_ids is not None
-                rejected.extend(self._reject(replica, msg.req_ids[0], msg.text or "rejected"))
+                seq_id = msg.req_ids[0]
+                balancer.forget(seq_id)
+                rejected.append(Rejection(seq_id, f"rejected by {replica.label}: {msg.text or 'rejected'}"))
             else:
-                raise wire.WireError(f"the offline front end cannot handle a {msg.kind.name} message")
-        if rejected:
-            raise ValueError("; ".join(rejected))
-        return results
+                raise wire.WireError(f"the offline client cannot handle a {msg.kind.name} message")
+        return CoreStep(outputs, rejected)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _apply(self, replica: _Replica, msg: wire.Message) -> list[RequestOutput | PoolingRequestOutput]:
-        """Apply one replica step's outputs: load accounting, pooled vectors, detokenizing, stop
-        strings."""
-        assert msg.outputs is not None
-        balancer, owner = self.balancer, self._owner
-        for out in msg.outputs:
-            finished = out.finish_reason is not None
-            balancer.on_output(out.req_id, len(out.new_token_ids), finished)
-            if finished:
-                owner.pop(out.req_id, None)
-        outputs = msg.outputs
-        pooled: list[PoolingRequestOutput] = []
-        if self._pooling:
-            outputs = take_pooled(outputs, self._pooling, pooled)
-        generated, to_stop = self.processor.process(outputs)
-        results: list[RequestOutput | PoolingRequestOutput] = [*generated, *pooled]
-        if to_stop:  # stop strings matched here: the replica must stop computing them
-            replica.to_core.send(wire.encode_ids(MessageType.FINISH, to_stop))
-            for seq_id in to_stop:  # a finished sequence is not reported back
-                balancer.forget(seq_id)
-                owner.pop(seq_id, None)
-        return results
-
-    def _reject(self, replica: _Replica, seq_id: RequestId, text: str) -> list[str]:
-        """Drop the request of a sequence its replica refused; returns the message to raise."""
-        self.balancer.forget(seq_id)
-        if self._pooling.pop(seq_id, None) is not None:
-            return [f"request {seq_id!r} was rejected by {replica.label}: {text}"]
-        request_id = self._owner.pop(seq_id, None)
-        if request_id is None or not self.processor.has_request(request_id):
-            return []  # a sibling of a request already dropped
-        others = [s for s in self.processor.sequence_ids(request_id) if s != seq_id]
-        if others:  # admitted (or waiting on the refused one): drop them too
-            replica.to_core.send(wire.encode_ids(MessageType.ABORT, others))
-        self.processor.abort(request_id)
-        return [f"request {request_id!r} was rejected by {replica.label}: {text}"]
-
     def _flush(self) -> None:
         """Send every replica the requests added since the last flush, one message each."""
         for replica in self._replicas:
@@ -412,10 +305,6 @@ class DataParallelLLMEngine:
             raise RuntimeError("the engine was shut down: build a new one")
 
 
-OfflineEngine = LLMEngine | DataParallelLLMEngine
-"""What `LLM` and `pagedserve bench throughput` drive."""
-
-
 def _check_admissible(request_id: str, prompt_len: int, max_tokens: int, info: CoreInfo) -> None:
     """Raise ValueError when a request could not run even alone on a replica: the same checks a
     core's admission makes, made here so that `add_request` refuses at once, as in-process."""
@@ -453,9 +342,4 @@ def _release(
     group.close()
 
 
-__all__ = [
-    "DataParallelLLMEngine",
-    "OfflineEngine",
-    "ReplicaFailedError",
-    "build_offline_engine",
-]
+__all__ = ["DataParallelCores", "ReplicaFailedError"]

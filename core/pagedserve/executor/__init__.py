@@ -1,1 +1,0 @@
-"""Executors: the ranks of a tensor-parallel engine as worker processes (`mp`) or Ray actors (`ray`)."""

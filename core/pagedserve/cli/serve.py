@@ -60,7 +60,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--tool-call-parser",
         default=None,
         choices=sorted(PARSERS),
-        help="the tool-call format of the model's free text (needed for tool_choice='auto')",
+        help="the tool-call format tool_choice='auto' parses in the model's free text (default: the "
+        "format the model's chat template writes, else hermes)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let tool_choice='auto' (OpenAI's default with tools) run; on by default, as if vLLM's "
+        "flag were given; --no-enable-auto-tool-choice makes it a 400",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -296,6 +304,7 @@ async def _serve(
             served_model_name=args.served_model_name or default_served_name(engine_args.model),
             api_key=args.api_key,
             tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
             max_request_body_bytes=int(args.max_request_body_mb * 2**20),
             max_n=args.max_n,
             trust_request_chat_template=args.trust_request_chat_template,

@@ -95,6 +95,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="seconds a chat template may take to render a conversation before the request gets 400",
     )
     parser.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1024,
+        help="responses of POST /v1/responses kept in memory for GET and previous_response_id "
+        "(least recently used dropped first)",
+    )
+    parser.add_argument(
         "--api-server-count",
         type=int,
         default=1,
@@ -148,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         ("--max-request-body-mb", args.max_request_body_mb),
         ("--max-n", args.max_n),
         ("--chat-template-timeout", args.chat_template_timeout),
+        ("--max-stored-responses", args.max_stored_responses),
     ):
         if value <= 0:
             print(f"pagedserve serve: {flag} must be positive, got {value}", file=sys.stderr)
@@ -310,6 +318,7 @@ async def _serve(
             trust_request_chat_template=args.trust_request_chat_template,
             chat_template_timeout_s=args.chat_template_timeout,
             lora_modules=lora_modules,
+            max_stored_responses=args.max_stored_responses,
         )
         app = build_app(engine, config)
         # Not in the first streamed response's time to first token (`server.warm_start`).

@@ -45,6 +45,15 @@ from pagedserve.structured.params import StructuredOutputsParams
 logger = logging.getLogger("pagedserve.serve")
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A conversation ready for the engine."""
+
+    plan: ToolPlan | None  # how the reply uses tools; None without tools
+    prompt_ids: list[int]  # the rendered conversation's token ids, truncated as the engine runs it
+    params: SamplingParams
+
+
 class ChatHandler(GenerationHandler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -61,16 +70,22 @@ class ChatHandler(GenerationHandler):
         tokenizer = self.engine.tokenizer
         return parser_for_template(tokenizer.chat_template if tokenizer is not None else None)
 
-    async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
-        lora = self.resolve_model(body.model)
-        self.check_alive()
+    async def prepare(self, body: ChatCompletionRequest) -> PreparedChat:
+        """What a conversation runs with: its tool plan, prompt and sampling parameters, checked
+        (a 400 APIError names the field). Also the Responses API's path (`responses.py`)."""
         self.check_n(body.n)
         plan = plan_tools(body, self.tool_parser)
         # Checking a schema builds its grammar: CPU work, kept off the event loop.
         structured = await self.engine.run_cpu(self._constraint, body, plan)
         ids = await self.prompt_ids(body, plan)
         params = self._sampling_params(body, plan, structured)
-        ids = self.truncated(ids, params)
+        return PreparedChat(plan, self.truncated(ids, params), params)
+
+    async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
+        lora = self.resolve_model(body.model)
+        self.check_alive()
+        prepared = await self.prepare(body)
+        plan, ids, params = prepared.plan, prepared.prompt_ids, prepared.params
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [ids], params, lora)
         try:

@@ -55,6 +55,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # run chat templates sent in requests
     chat_template_timeout_s: float = 5.0  # a chat template's rendering budget
     lora_modules: tuple[LoRAModule, ...] = ()  # adapters served under their own names (--lora-modules)
+    max_stored_responses: int = 1024  # the Responses API's in-memory store (`responses_store.py`)
 
 
 async def merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> Merged:

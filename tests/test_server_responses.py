@@ -9,9 +9,10 @@ serves the module.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import jsonschema
@@ -172,14 +173,19 @@ def test_text_format_json_schema_and_json_object(client: openai.OpenAI, server: 
     resp = client.responses.create(
         model=server.model_name,
         input="Answer in JSON.",
-        max_output_tokens=60,
+        max_output_tokens=200,
+        temperature=0,  # greedy: the same reply every run
         text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}},
     )
     assert resp.status == "completed", resp.output_text
     jsonschema.validate(json.loads(resp.output_text), SCHEMA)
     assert resp.text is not None and resp.text.format is not None and resp.text.format.type == "json_schema"
     resp = client.responses.create(
-        model=server.model_name, input="JSON.", max_output_tokens=60, text={"format": {"type": "json_object"}}
+        model=server.model_name,
+        input="JSON.",
+        max_output_tokens=200,
+        temperature=0,
+        text={"format": {"type": "json_object"}},
     )
     assert resp.status == "completed" and isinstance(json.loads(resp.output_text), dict)
 
@@ -256,3 +262,64 @@ def test_store_drops_the_least_recently_used() -> None:
     with pytest.raises(APIError) as exc:
         store.previous("b")
     assert exc.value.param == "previous_response_id" and "'b'" in exc.value.message
+
+
+def _stream_events(pieces: list[str], tool_choice: str | None) -> list[dict[str, Any]]:
+    """The events `ResponsesHandler` streams for a reply that arrives in `pieces`, with the
+    weather tool under `tool_choice` (hermes parser), without an engine."""
+    from pagedserve.outputs import CompletionOutput, RequestOutput
+    from pagedserve.sampling.sampling_params import SamplingParams
+    from pagedserve.server.chat import ChatHandler, PreparedChat
+    from pagedserve.server.openai_protocol import ChatCompletionRequest
+    from pagedserve.server.responses import ResponsesHandler, _Turn
+    from pagedserve.server.responses_items import chat_request, input_messages
+    from pagedserve.server.responses_protocol import ResponsesRequest
+    from pagedserve.server.tool_parsers import get_parser
+    from pagedserve.server.tools import plan_tools
+
+    body = ResponsesRequest.model_validate(
+        {"input": "Weather?", "tools": [WEATHER], "tool_choice": tool_choice}
+    )
+    conversation = input_messages(body)
+    chat_body: ChatCompletionRequest = chat_request(body, conversation)
+    plan = plan_tools(chat_body, get_parser("hermes"))
+    turn = _Turn(body, "resp_1", "tiny", 0, conversation, PreparedChat(plan, [1, 2, 3], SamplingParams()))
+
+    async def merged() -> Any:
+        for i, piece in enumerate(pieces):
+            reason = "stop" if i == len(pieces) - 1 else None
+            sample = CompletionOutput(0, piece, [i], None, None, reason)
+            yield 0, RequestOutput("resp_1", None, [1, 2, 3], None, [sample], reason is not None)
+
+    handler = ResponsesHandler(cast(ChatHandler, None), ResponseStore(4))
+
+    async def collect() -> list[str]:
+        return [line async for line in handler._events(turn, merged())]
+
+    lines = asyncio.run(collect())
+    events = [json.loads(line.split("\ndata: ", 1)[1]) for line in lines]
+    assert all(line.startswith(f"event: {e['type']}\n") for line, e in zip(lines, events, strict=True))
+    assert handler.store.get("resp_1") is not None  # stored, with store left at its default
+    return events
+
+
+def test_streamed_auto_calls_never_leak_into_the_text() -> None:
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    pieces = ["On ", "it.", call[:5], call[5:30], call[30:]]
+    for tool_choice in ("auto", None):  # None: OpenAI's default, auto
+        events = _stream_events(pieces, tool_choice)
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert text == "On it."
+        final = events[-1]
+        assert final["type"] == "response.completed"
+        message, function_call = final["response"]["output"]
+        assert message["content"][0]["text"] == "On it."
+        assert function_call["name"] == "get_weather" and json.loads(function_call["arguments"]) == {
+            "city": "Rome"
+        }
+        added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+        assert added == [0, 1]
+    # A held-back prefix that turns out not to be a call is sent once the reply is complete.
+    events = _stream_events(["Use <tool", "s> wisely"], "auto")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == "Use <tools> wisely" and len(events[-1]["response"]["output"]) == 1

@@ -191,16 +191,23 @@ class ResponsesHandler:
         with _responses_names():
             (final,) = await chat.collect(request, streams)
         sample = final.outputs[0]
-        content, calls = turn.split(sample.text)
-        items = function_call_items(calls)
-        output = []
-        if content or not items:
-            output.append(message_item(new_id("msg"), content or ""))
-        output += [c.item() for c in items]
-        usage = _usage(len(prepared.prompt_ids), final.num_cached_tokens, len(sample.token_ids))
-        response = turn.response(_status(sample.finish_reason), output, usage)
+
+        def respond() -> tuple[JSONResponse, dict[str, Any], str | None, list[FunctionCallItem]]:
+            content, calls = turn.split(sample.text)
+            items = function_call_items(calls)
+            output = []
+            if content or not items:
+                output.append(message_item(new_id("msg"), content or ""))
+            output += [c.item() for c in items]
+            usage = _usage(len(prepared.prompt_ids), final.num_cached_tokens, len(sample.token_ids))
+            response = turn.response(_status(sample.finish_reason), output, usage)
+            return JSONResponse(response), response, content, items
+
+        # Parsing calls and encoding the body grow with the reply: off the event loop. The store
+        # is the event loop's alone.
+        reply, response, content, items = await chat.engine.run_cpu(respond)
         self._keep(turn, response, content, items)
-        return JSONResponse(response)
+        return reply
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         """A stored response. Raises a 404 APIError for an id not stored (or dropped)."""

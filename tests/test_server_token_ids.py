@@ -38,9 +38,16 @@ def test_token_id_prompts_get_token_ids_and_empty_text(server: ServerProcess) ->
     choice = r.json()["choices"][0]
     assert choice["text"] == "" and choice["finish_reason"] == "length"
     assert r.json()["usage"]["completion_tokens"] == 6
+    # Without text, the token ids are what the client gets, asked for or not (as vLLM's).
+    assert choice["prompt_token_ids"] == [5, 6, 7, 8] and len(choice["token_ids"]) == 6
     r = _post(server, "/v1/completions", {"prompt": [[5, 6], [7, 8]], "max_tokens": 3, "stream": True})
     events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    for index, prompt in enumerate([[5, 6], [7, 8]]):
+        mine = [c for c in chunks if c["index"] == index]
+        assert mine[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in mine[1:])
+        assert sum(len(c["token_ids"]) for c in mine) == 3
 
 
 @pytest.mark.parametrize(

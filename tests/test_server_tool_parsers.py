@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pagedserve.server.tool_parsers import ParsedCall, get_parser
+from pagedserve.server.tool_parsers import ParsedCall, get_parser, parser_for_template
 
 
 def _args(call: ParsedCall) -> object:
@@ -55,3 +55,23 @@ def test_mistral() -> None:
 def test_unknown_parser_names_the_choices() -> None:
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
         get_parser("nope")
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("{{ '[AVAILABLE_TOOLS]' }}{% if m.tool_calls %}[TOOL_CALLS]{% endif %}", "mistral"),
+        ("<|start_header_id|>ipython<|end_header_id|>{{ '<|python_tag|>' }}", "llama3_json"),
+        ("<|start_header_id|>{{ m.role }}<|end_header_id|>", "llama3_json"),
+        ("<|im_start|>{% for t in tools %}<tool_call>{{ t | tojson }}</tool_call>{% endfor %}", "hermes"),
+        ("<|im_start|>{{ message['content'] }}<|im_end|>", "hermes"),  # SmolLM2's: no tool format
+        (None, "hermes"),
+    ],
+)
+def test_auto_parser_is_read_from_the_chat_template(template: str | None, expected: str) -> None:
+    choice = parser_for_template(template)
+    assert choice.name == expected
+    get_parser(choice.name)  # a parser that exists
+    assert ("default" in choice.reason) == (
+        expected == "hermes" and (template is None or "<tool_call>" not in template)
+    )

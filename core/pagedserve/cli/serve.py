@@ -60,7 +60,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--tool-call-parser",
         default=None,
         choices=sorted(PARSERS),
-        help="the tool-call format of the model's free text (needed for tool_choice='auto')",
+        help="the tool-call format tool_choice='auto' parses in the model's free text (default: the "
+        "format the model's chat template writes, else hermes)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let tool_choice='auto' (OpenAI's default with tools) run; on by default, as if vLLM's "
+        "flag were given; --no-enable-auto-tool-choice makes it a 400",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -85,6 +93,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=float,
         default=5.0,
         help="seconds a chat template may take to render a conversation before the request gets 400",
+    )
+    parser.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1024,
+        help="responses of POST /v1/responses kept in memory for GET and previous_response_id "
+        "(least recently used dropped first)",
     )
     parser.add_argument(
         "--api-server-count",
@@ -140,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         ("--max-request-body-mb", args.max_request_body_mb),
         ("--max-n", args.max_n),
         ("--chat-template-timeout", args.chat_template_timeout),
+        ("--max-stored-responses", args.max_stored_responses),
     ):
         if value <= 0:
             print(f"pagedserve serve: {flag} must be positive, got {value}", file=sys.stderr)
@@ -296,11 +312,13 @@ async def _serve(
             served_model_name=args.served_model_name or default_served_name(engine_args.model),
             api_key=args.api_key,
             tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
             max_request_body_bytes=int(args.max_request_body_mb * 2**20),
             max_n=args.max_n,
             trust_request_chat_template=args.trust_request_chat_template,
             chat_template_timeout_s=args.chat_template_timeout,
             lora_modules=lora_modules,
+            max_stored_responses=args.max_stored_responses,
         )
         app = build_app(engine, config)
         # Not in the first streamed response's time to first token (`server.warm_start`).

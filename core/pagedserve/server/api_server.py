@@ -2,8 +2,9 @@
 
 Routes: POST /v1/completions (`completions.py`), POST /v1/chat/completions (`chat.py`), both
 streaming as server-sent events ending with `data: [DONE]`; POST /v1/embeddings (`embeddings.py`);
-GET /v1/models, /v1/models/{id}, /health, /version, /metrics; POST /tokenize and /detokenize
-(`tokenization.py`). Every error is OpenAI's JSON shape `{"error": {"message", "type", "param",
+POST /v1/responses and GET /v1/responses/{id} (`responses.py`, OpenAI's Responses API over the
+chat path); GET /v1/models, /v1/models/{id}, /health, /version, /metrics; POST /tokenize and
+/detokenize (`tokenization.py`). Every error is OpenAI's JSON shape `{"error": {"message", "type", "param",
 "code"}}`: bad input is 400 naming the field, an unknown model 404, a wrong API key 401, a body over
 the limit 413 (`guards.py`), a dead engine 503. Bad input never reaches a 500. CPU work
 (tokenizing, chat templates, grammars) runs off the event loop, so /health answers while it runs.
@@ -30,6 +31,9 @@ from pagedserve.server.guards import ApiKeyGuard, BodyLimit
 from pagedserve.server.handlers import ServerConfig
 from pagedserve.server.metrics import CONTENT_TYPE
 from pagedserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from pagedserve.server.responses import ResponsesHandler
+from pagedserve.server.responses_protocol import ResponsesRequest
+from pagedserve.server.responses_store import ResponseStore
 from pagedserve.server.tokenization import DetokenizeRequest, TokenizationHandler, TokenizeRequest
 
 __all__ = ["APIError", "ServerConfig", "build_app"]
@@ -42,6 +46,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     completions_handler = CompletionsHandler(engine, config, created)
     chat_handler = ChatHandler(engine, config, created)
     embeddings_handler = EmbeddingsHandler(engine, config, created)
+    responses_handler = ResponsesHandler(chat_handler, ResponseStore(config.max_stored_responses))
     tokenization = TokenizationHandler(chat_handler)
     _add_error_handlers(app)
     # The last added runs first: the key is checked before any body byte is counted.
@@ -57,6 +62,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat_handler(body, request)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await responses_handler.create(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def response(response_id: str) -> dict[str, Any]:
+        return responses_handler.retrieve(response_id)
 
     @app.post("/v1/embeddings", response_model=None)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:

@@ -4,6 +4,7 @@ text, or tool calls (`tools.py`)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,7 +22,14 @@ from pagedserve.server.errors import APIError, invalid
 from pagedserve.server.handlers import GenerationHandler, SampleDelta, stream_choices, usage
 from pagedserve.server.openai_protocol import ChatCompletionRequest, to_sampling_params
 from pagedserve.server.structured_fields import structured_outputs_of
-from pagedserve.server.tool_parsers import ParsedCall, ToolCallParser, get_parser
+from pagedserve.server.token_ids import StreamedTokenIds
+from pagedserve.server.tool_parsers import (
+    ParsedCall,
+    ParserChoice,
+    ToolCallParser,
+    get_parser,
+    parser_for_template,
+)
 from pagedserve.server.tools import (
     ToolPlan,
     finish_reason,
@@ -34,28 +42,55 @@ from pagedserve.server.tools import (
 from pagedserve.structured.checks import check_constraint
 from pagedserve.structured.params import StructuredOutputsParams
 
+logger = logging.getLogger("pagedserve.serve")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A conversation ready for the engine."""
+
+    plan: ToolPlan | None  # how the reply uses tools; None without tools
+    prompt_ids: list[int]  # the rendered conversation's token ids, truncated as the engine runs it
+    params: SamplingParams
+
 
 class ChatHandler(GenerationHandler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        name = self.config.tool_call_parser
-        self.tool_parser: ToolCallParser | None = get_parser(name) if name is not None else None
+        self.tool_parser: ToolCallParser | None = None
+        if self.config.enable_auto_tool_choice:
+            choice = self.tool_parser_choice()
+            self.tool_parser = get_parser(choice.name)
+            logger.info("tool_choice 'auto' parses calls with %s (%s)", choice.name, choice.reason)
 
-    async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
-        lora = self.resolve_model(body.model)
-        self.check_alive()
+    def tool_parser_choice(self) -> ParserChoice:
+        """The tool-call parser of `auto`: `--tool-call-parser`'s, else the chat template's."""
+        if self.config.tool_call_parser is not None:
+            return ParserChoice(self.config.tool_call_parser, "--tool-call-parser")
+        tokenizer = self.engine.tokenizer
+        return parser_for_template(tokenizer.chat_template if tokenizer is not None else None)
+
+    async def prepare(self, body: ChatCompletionRequest) -> PreparedChat:
+        """What a conversation runs with: its tool plan, prompt and sampling parameters, checked
+        (a 400 APIError names the field). Also the Responses API's path (`responses.py`)."""
         self.check_n(body.n)
         plan = plan_tools(body, self.tool_parser)
         # Checking a schema builds its grammar: CPU work, kept off the event loop.
         structured = await self.engine.run_cpu(self._constraint, body, plan)
         ids = await self.prompt_ids(body, plan)
         params = self._sampling_params(body, plan, structured)
-        ids = self.truncated(ids, params)
+        return PreparedChat(plan, self.truncated(ids, params), params)
+
+    async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
+        lora = self.resolve_model(body.model)
+        self.check_alive()
+        prepared = await self.prepare(body)
+        plan, ids, params = prepared.plan, prepared.prompt_ids, prepared.params
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.start(request_id, [ids], params, lora)
         try:
             if body.stream:
-                return await self._stream(body, request, streams, request_id, params, plan, len(ids), lora)
+                return await self._stream(body, request, streams, request_id, params, plan, ids, lora)
             (final,) = await self.collect(request, streams)
         except APIError as err:
             if err.param == "max_tokens" and body.max_completion_tokens is not None:
@@ -63,17 +98,23 @@ class ChatHandler(GenerationHandler):
             raise
         completion_tokens = sum(len(s.token_ids) for s in final.outputs)
 
+        with_ids = self.wants_token_ids(body)
+
         def respond() -> JSONResponse:
-            return JSONResponse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion",
-                    "created": int(time.time()),
-                    "model": self.response_model(lora),
-                    "choices": [self._choice(sample, params, plan) for sample in final.outputs],
-                    "usage": usage(len(ids), completion_tokens),
-                }
-            )
+            choices = [self._choice(sample, params, plan) for sample in final.outputs]
+            content: dict[str, Any] = {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.response_model(lora),
+                "choices": choices,
+                "usage": usage(len(ids), completion_tokens),
+            }
+            if with_ids:  # vLLM's places: the prompt's on the response, the reply's on its choice
+                content["prompt_token_ids"] = ids
+                for choice, sample in zip(choices, final.outputs, strict=True):
+                    choice["token_ids"] = list(sample.token_ids)
+            return JSONResponse(content)
 
         # Parsing tool calls, the logprobs objects and the encoding grow with the output: off the
         # event loop.
@@ -115,7 +156,7 @@ class ChatHandler(GenerationHandler):
         request_id: str,
         params: SamplingParams,
         plan: ToolPlan | None,
-        num_prompt_tokens: int,
+        prompt_ids: list[int],
         lora: LoRARequest | None,
     ) -> StreamingResponse:
         """The server-sent event stream of chat.completion.chunk objects; waits for the first
@@ -133,7 +174,8 @@ class ChatHandler(GenerationHandler):
             n=params.n,
             renderer=_ChatRenderer(self, params, plan),
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
-            prompt_tokens=num_prompt_tokens,
+            prompt_tokens=len(prompt_ids),
+            token_ids=StreamedTokenIds([prompt_ids], "response") if self.wants_token_ids(body) else None,
         )
         return StreamingResponse(events, media_type="text/event-stream")
 

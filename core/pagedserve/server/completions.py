@@ -31,6 +31,7 @@ from pagedserve.server.errors import APIError, invalid
 from pagedserve.server.handlers import GenerationHandler, Merged, SampleDelta, stream_choices, usage
 from pagedserve.server.openai_protocol import SERVED_PARAMS, CompletionRequest, to_sampling_params
 from pagedserve.server.structured_fields import structured_outputs_of
+from pagedserve.server.token_ids import StreamedTokenIds
 
 _NOT_WITH_BEAMS = (
     "stream",
@@ -117,6 +118,11 @@ class CompletionsHandler(GenerationHandler):
                 renderer=renderer,
                 include_usage=body.stream_options is not None and body.stream_options.include_usage,
                 prompt_tokens=sum(len(p.engine_prompt) for p in prompts),
+                token_ids=(
+                    StreamedTokenIds([p.engine_prompt for p in prompts], "choice")
+                    if self.wants_token_ids(body)
+                    else None
+                ),
             )
             return StreamingResponse(events, media_type="text/event-stream")
         finals = await self.collect(request, streams)
@@ -222,6 +228,7 @@ class CompletionsHandler(GenerationHandler):
         CPU-bound (decodes every beam): call it on the tokenizer thread."""
         choices = []
         completion_tokens = 0
+        with_ids = self.wants_token_ids(body)
         for i, (prompt, output) in enumerate(zip(prompts, found, strict=True)):
             prefix = self.echo_text(prompt) if body.echo else ""
             start = len(prompt.engine_prompt)
@@ -230,15 +237,17 @@ class CompletionsHandler(GenerationHandler):
                 completion_tokens += len(generated)
                 ends_in_eos = beam.finish_reason == "stop"
                 shown = generated[:-1] if ends_in_eos and not body.include_stop_str_in_output else generated
-                choices.append(
-                    {
-                        "index": i * body.n + j,
-                        "text": prefix + self._text(shown, body.skip_special_tokens),
-                        "logprobs": None,
-                        "finish_reason": beam.finish_reason,
-                        "stop_reason": None,
-                    }
-                )
+                choice = {
+                    "index": i * body.n + j,
+                    "text": prefix + self._text(shown, body.skip_special_tokens),
+                    "logprobs": None,
+                    "finish_reason": beam.finish_reason,
+                    "stop_reason": None,
+                }
+                if with_ids:
+                    choice["prompt_token_ids"] = prompt.engine_prompt
+                    choice["token_ids"] = list(generated)
+                choices.append(choice)
         return {
             "id": request_id,
             "object": "text_completion",
@@ -373,6 +382,7 @@ class CompletionsHandler(GenerationHandler):
     ) -> dict[str, Any]:
         choices = []
         completion_tokens = 0
+        with_ids = self.wants_token_ids(body)
         for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
             prefix = self.echo_text(prompt) if body.echo else ""
             echoed = None
@@ -387,15 +397,17 @@ class CompletionsHandler(GenerationHandler):
                     logprobs = self.logprobs_object(sample, params.logprobs, 0, len(prefix))
                     if echoed is not None:
                         logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
-                choices.append(
-                    {
-                        "index": i * params.n + sample.index,
-                        "text": prefix + sample.text,
-                        "logprobs": logprobs,
-                        "finish_reason": sample.finish_reason,
-                        "stop_reason": sample.stop_reason,
-                    }
-                )
+                choice = {
+                    "index": i * params.n + sample.index,
+                    "text": prefix + sample.text,
+                    "logprobs": logprobs,
+                    "finish_reason": sample.finish_reason,
+                    "stop_reason": sample.stop_reason,
+                }
+                if with_ids:
+                    choice["prompt_token_ids"] = prompt.engine_prompt
+                    choice["token_ids"] = list(sample.token_ids)
+                choices.append(choice)
         prompt_tokens = sum(len(p.engine_prompt) for p in prompts)
         return {
             "id": request_id,

@@ -29,6 +29,8 @@ from pagedserve.server.async_engine import AsyncLLMEngine
 from pagedserve.server.engine_errors import EngineDeadError, InvalidRequest
 from pagedserve.server.errors import APIError, engine_dead, error_body, invalid
 from pagedserve.server.lora_modules import LoRAModule
+from pagedserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.server.token_ids import StreamedTokenIds, wants_token_ids
 
 T = TypeVar("T")
 
@@ -43,13 +45,17 @@ with its prompt's index."""
 class ServerConfig:
     served_model_name: str
     api_key: str | None = None  # None: no authentication
-    tool_call_parser: str | None = None  # parses tool calls from free text (tool_choice="auto")
+    # Parses tool calls from free text (tool_choice="auto"); None: the one the chat template's
+    # markers name (`tool_parsers.parser_for_template`).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = True  # False: tool_choice "auto" (the default with tools) is a 400
     max_request_body_bytes: int = 8 * 2**20  # larger bodies get 413 before they are parsed
     max_n: int = 128  # the most samples one request may ask for (OpenAI's cap)
     max_embedding_inputs: int = 2048  # the most inputs one embeddings request may hold (OpenAI's cap)
     trust_request_chat_template: bool = False  # run chat templates sent in requests
     chat_template_timeout_s: float = 5.0  # a chat template's rendering budget
     lora_modules: tuple[LoRAModule, ...] = ()  # adapters served under their own names (--lora-modules)
+    max_stored_responses: int = 1024  # the Responses API's in-memory store (`responses_store.py`)
 
 
 async def merge(streams: Sequence[AsyncIterator[RequestOutput]]) -> Merged:
@@ -178,9 +184,11 @@ async def stream_choices(
     renderer: ChoiceRenderer,
     include_usage: bool,
     prompt_tokens: int,
+    token_ids: StreamedTokenIds | None = None,
 ) -> AsyncIterator[str]:
     """The server-sent events of a streamed response: one chunk per choice entry the renderer
-    makes, an optional usage chunk, then `data: [DONE]`. An engine error mid-stream becomes an
+    makes, an optional usage chunk, then `data: [DONE]`. With `token_ids`, the chunks carry the
+    prompt's and the generated token ids (`token_ids.py`). An engine error mid-stream becomes an
     error event (the status line has gone out already)."""
     # The outputs are delta ones (`GenerationHandler.start`): each holds only what its
     # step added, so a chunk costs what it sends, however long the choice has grown.
@@ -200,13 +208,22 @@ async def stream_choices(
                 delta = SampleDelta(index, prompt_index, sample, sample.text, sent_text[index])
                 if first:
                     for choice in renderer.opening(delta):
-                        yield sse({**base, "choices": [choice]})
+                        event = {**base, "choices": [choice]}
+                        if token_ids is not None:
+                            token_ids.stamp(event, prompt_index, with_generated=False)
+                        yield sse(event)
                 if not sample.text and not sample.token_ids and sample.finish_reason is None:
                     continue
                 sent_text[index] += len(sample.text)
                 sent_tokens[index] += len(sample.token_ids)
-                for choice in renderer.chunk(delta):
-                    yield sse({**base, "choices": [choice]})
+                if token_ids is not None:
+                    token_ids.add(index, sample.token_ids)
+                choices = renderer.chunk(delta)
+                for k, choice in enumerate(choices):
+                    event = {**base, "choices": [choice]}
+                    if token_ids is not None:
+                        token_ids.stamp(event, prompt_index, with_generated=k == len(choices) - 1)
+                    yield sse(event)
                 if sample.finish_reason is not None:
                     done.add(index)
                     completion_tokens += sent_tokens[index]
@@ -254,6 +271,11 @@ class GenerationHandler:
     def response_model(self, lora: LoRARequest | None) -> str:
         """The `model` a response names: the adapter's name, or the served model's."""
         return lora.lora_name if lora is not None else self.config.served_model_name
+
+    def wants_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
+        """Whether a response to `body` (a completions or chat request) carries token ids
+        (`token_ids.py`)."""
+        return wants_token_ids(body.return_token_ids, self.engine.tokenizer is not None)
 
     def check_alive(self) -> None:
         if not self.engine.is_healthy:

@@ -160,6 +160,9 @@ class _SamplingFields(DeclaredSamplingFields):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extension: the prompt's and each choice's token ids beside the text (always sent by
+    # a server without a tokenizer, whose text is empty).
+    return_token_ids: StrictBool = False
 
     if TYPE_CHECKING:
         # The declared fields are built at run time, so the type checker cannot see them: to it

@@ -7,6 +7,9 @@ chosen with `pagedserve serve --tool-call-parser NAME`.
   several separated by `;`, optionally after `<|python_tag|>`.
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`.
 
+Without `--tool-call-parser`, `parser_for_template` picks the parser from the markers the model's
+chat template writes, so `tool_choice="auto"` (OpenAI's default) works without a flag.
+
 Text that does not parse as the format's calls stays content: a parser never loses text.
 """
 
@@ -179,3 +182,36 @@ def get_parser(name: str) -> ToolCallParser:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}")
     parser: ToolCallParser = cls()
     return parser
+
+
+@dataclass(frozen=True, slots=True)
+class ParserChoice:
+    """The tool-call parser a server uses, and why (logged at start-up)."""
+
+    name: str  # a key of PARSERS
+    reason: str  # e.g. "--tool-call-parser", or the chat-template marker it was read from
+
+
+# Markers a chat template writes when it renders tool calls, most specific first: each belongs
+# to one family's format.
+_TEMPLATE_MARKERS: tuple[tuple[str, str], ...] = (
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|python_tag|>", "llama3_json"),
+    ("<|start_header_id|>", "llama3_json"),  # Llama 3's turns; its templates ask for JSON calls
+    ("<tool_call>", "hermes"),
+)
+_FALLBACK = "hermes"
+
+
+def parser_for_template(chat_template: str | None) -> ParserChoice:
+    """The parser for a model whose chat template is `chat_template` (None: no template).
+
+    A template that writes one format's markers picks that format. Others (ChatML templates
+    that do not render tools, such as SmolLM2's) get `hermes`: `<tool_call>` tags are what
+    ChatML-family models trained on tool calls write, and a reply without them stays content,
+    so the choice loses nothing when the model never calls."""
+    for marker, name in _TEMPLATE_MARKERS:
+        if chat_template is not None and marker in chat_template:
+            return ParserChoice(name, f"the chat template writes {marker}")
+    why = "no chat template" if chat_template is None else "the chat template names no tool-call format"
+    return ParserChoice(_FALLBACK, f"{why}; <tool_call> tags are the default")

@@ -77,9 +77,9 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolCallParser | None) -> To
     if parser is None:
         raise APIError(
             400,
-            "tool_choice 'auto' (the default with tools) needs a tool-call parser: start the server "
-            "with --tool-call-parser (hermes, llama3_json or mistral), or send tool_choice "
-            "'required', 'none' or a named function",
+            "tool_choice 'auto' (the default with tools) is off on this server "
+            "(--no-enable-auto-tool-choice): send tool_choice 'required', 'none' or a named "
+            "function, or restart the server without that flag",
             param="tool_choice",
         )
     return ToolPlan("auto", tools, None, None, parser)

@@ -213,7 +213,7 @@ class DataParallelLLMEngine:
         if isinstance(params, PoolingParams):
             self._add_pooling_request(request_id, prompt, params, cache_salt)
             return
-        self.inputs.check_params(params)
+        params = self.inputs.checked_params(params)  # the engine keeps this checked copy
         ids = self.inputs.prompt_ids(prompt, params)
         limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         max_tokens = max(limit, 1)  # as the core counts it

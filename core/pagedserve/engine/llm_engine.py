@@ -76,7 +76,7 @@ class LLMEngine:
         if isinstance(params, PoolingParams):
             self._add_pooling_request(request_id, prompt, params, cache_salt)
             return
-        self.inputs.check_params(params)
+        params = self.inputs.checked_params(params)  # the engine keeps this checked copy
         ids = self.inputs.prompt_ids(prompt, params)
         text = prompt if isinstance(prompt, str) and params.truncate_prompt_tokens is None else None
         seq_ids = self.processor.add_request(request_id, text, ids, params)

@@ -28,9 +28,11 @@ from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_
 from pagedserve.config import EngineArgs
 from pagedserve.config.runner import check_serves, runner_of, served_requests
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.entrypoints import scoring
+from pagedserve.entrypoints import scoring, worker_calls
 from pagedserve.entrypoints.chat import conversations_of, render_chats
+from pagedserve.entrypoints.metrics import Metric, OfflineMetrics
 from pagedserve.entrypoints.scoring import require_classifier
+from pagedserve.entrypoints.sleep import SleepMode
 from pagedserve.inputs import PromptType, is_single_prompt, to_engine_prompt
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.loader import load_config, resolve_model_source
@@ -73,6 +75,8 @@ class LLM:
         # What this engine serves: generation, pooling or both (`runner`, `task`; vLLM's checks).
         self._architecture = _architecture(self.engine)
         self._served = served_requests(runner_of(args.runner, args.task), self._architecture)
+        self._sleep = SleepMode(self.engine, args.enable_sleep_mode)
+        self._metrics = OfflineMetrics()
 
     @property
     def platform(self) -> str:
@@ -103,6 +107,44 @@ class LLM:
         busy = self.engine.has_unfinished_requests()
         self.engine.reset_prefix_cache()
         return not busy
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics as vLLM's metric objects (`Counter`, `Gauge`, `Histogram`, from
+        `pagedserve.entrypoints.metrics`), under vLLM's `vllm:` names: tokens and finished
+        requests of this LLM's calls, latencies, and the scheduler's and KV cache's state now."""
+        return self._metrics.read(self.engine)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device's memory while idle (vLLM's sleep mode; needs enable_sleep_mode=True):
+        level 1 offloads the weights to host memory, level 2 frees them (waking reads the
+        checkpoint again); both free the KV cache and forget the cached prefixes. CUDA graphs are
+        dropped: after waking, steps run the compiled or eager forward."""
+        self._sleep.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo `sleep`: `tags` names the parts to wake, "weights" and / or "kv_cache" (None:
+        both); generation and pooling wait until both are awake."""
+        self._sleep.wake_up(tags)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run `method` on every device's model runner, one answer per device in rank order
+        (`entrypoints.worker_calls`): a public `ModelRunner` method's name, or a function called
+        with the runner first. `timeout` is not offered: a tensor-parallel call waits at most
+        distributed_timeout_s, as every call to the ranks does."""
+        if timeout is not None:
+            raise ValueError("collective_rpc(timeout=...) is not supported: calls wait distributed_timeout_s")
+        return worker_calls.collective_rpc(self.engine, method, args, kwargs)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """`func(model)` on every device's model (a rank's shard under tensor parallelism), one
+        answer per device."""
+        return worker_calls.apply_model(self.engine, func)
 
     def generate(
         self,
@@ -294,6 +336,7 @@ class LLM:
     def _pool(
         self, prompt_list: list[PromptInput], params_list: list[PoolingParams], use_tqdm: bool
     ) -> list[PoolingRequestOutput]:
+        self._sleep.check_awake("LLM.encode")
         engine = self.engine
         order: dict[str, int] = {}
         try:
@@ -312,6 +355,7 @@ class LLM:
                     for output in engine.step():
                         if isinstance(output, PoolingRequestOutput) and output.request_id in order:
                             results[order[output.request_id]] = output
+                            self._metrics.record_pooled(len(output.prompt_token_ids))
                             bar.update(1)
         except BaseException:
             for request_id in order:  # leave the engine clean for the next call
@@ -347,6 +391,7 @@ class LLM:
         use_tqdm: bool,
         loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        self._sleep.check_awake("LLM.generate")
         engine = self.engine
         order: dict[str, int] = {}
         added: list[str] = []
@@ -389,6 +434,7 @@ class LLM:
                         continue  # a pooling request added beside this call's (llm_engine)
                     if output.finished and output.request_id in order:
                         results[order[output.request_id]] = output
+                        self._metrics.record(output)
                         out_tokens += sum(len(o.token_ids) for o in output.outputs)
                         bar.update(1)
                         elapsed = time.perf_counter() - start

@@ -183,8 +183,10 @@ def test_misuse_is_refused_naming_the_problem(checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="normalize must be a bool"):
         PoolingParams(normalize="yes")  # type: ignore[arg-type]
     llm = _llm(checkpoint)
-    with pytest.raises(ValueError, match="pooling_task 'classify' is not supported"):
+    with pytest.raises(ValueError, match=r"LLM\.classify needs a \*ForSequenceClassification checkpoint"):
         llm.encode(PROMPTS, pooling_task="classify")
+    with pytest.raises(ValueError, match="pooling_task 'token_embed' is not supported"):
+        llm.encode(PROMPTS, pooling_task="token_embed")
     with pytest.raises(ValueError, match="got SamplingParams: use generate"):
         llm.embed(PROMPTS, SamplingParams())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="got 2 PoolingParams for 6 prompts"):

@@ -89,13 +89,21 @@ def test_unknown_keyword_names_it() -> None:
         SamplingParams(best_of_typo=2)  # type: ignore[call-arg]
 
 
-def test_frozen_and_replace_revalidates() -> None:
+def test_mutable_as_vllm_and_checked_again_when_copied() -> None:
     p = SamplingParams(max_tokens=8)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        p.max_tokens = 9  # type: ignore[misc]
-    assert dataclasses.replace(p, max_tokens=9).max_tokens == 9
+    p.max_tokens = 9  # vLLM's SamplingParams is mutable too
+    assert p.max_tokens == 9
+    assert dataclasses.replace(p, max_tokens=3).max_tokens == 3
     with pytest.raises(ValueError, match="max_tokens"):
         dataclasses.replace(p, max_tokens=0)
+    p.stop = ["x"]  # a list set later is normalised in the copy an engine keeps
+    copy = p.clone()
+    assert copy.stop == ("x",) and copy is not p
+    copy.max_tokens = 1
+    assert p.max_tokens == 9  # the clone is independent
+    p.max_tokens = 0
+    with pytest.raises(ValueError, match=r"^max_tokens"):
+        p.checked_copy()
 
 
 def test_logit_bias_is_copied() -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -44,18 +44,31 @@ class TokenDecoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
 
 
-def decode_text(tokenizer: TokenDecoder, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
+def decode_text(
+    tokenizer: TokenDecoder,
+    token_ids: list[int],
+    *,
+    skip_special_tokens: bool = False,
+    spaces_between_special_tokens: bool = True,
+) -> str:
     """`tokenizer.decode(token_ids)` checked to be a str (e.g. one token's text for a `Logprob`).
-    Does not mutate."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    `spaces_between_special_tokens=False` is handed to the tokenizer (HF's option; the default
+    is not passed, so a tokenizer without the option decodes as before). Does not mutate."""
+    if spaces_between_special_tokens:
+        text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    else:
+        decode = cast(Any, tokenizer).decode  # an HF option the protocol does not require
+        text = decode(token_ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=False)
     if not isinstance(text, str):
         raise TypeError(f"tokenizer.decode returned {type(text).__name__}, expected str")
     return text
 
 
-def token_decoder(tokenizer: TokenDecoder, *, skip_special_tokens: bool) -> Callable[[list[int]], str]:
-    """A function ids -> text equal to `decode_text(tokenizer, ids, skip_special_tokens=...)`,
-    as fast as it can be had. Does not mutate.
+def token_decoder(
+    tokenizer: TokenDecoder, *, skip_special_tokens: bool, spaces_between_special_tokens: bool = True
+) -> Callable[[list[int]], str]:
+    """A function ids -> text equal to `decode_text(tokenizer, ids, skip_special_tokens=...,
+    spaces_between_special_tokens=...)`, as fast as it can be had. Does not mutate.
 
     A Hugging Face fast tokenizer's `decode` is its Rust backend's `decode` wrapped in Python
     argument conversion and an optional clean-up pass; the wrapping costs twice the decoding
@@ -72,8 +85,14 @@ def token_decoder(tokenizer: TokenDecoder, *, skip_special_tokens: bool) -> Call
     )
     backend = getattr(tokenizer, "backend_tokenizer", None) if stock else None
     if isinstance(backend, tokenizers.Tokenizer):
+        # HF's fast decode ignores spaces_between_special_tokens too: the backend joins the tokens.
         return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
-    return functools.partial(decode_text, tokenizer, skip_special_tokens=skip_special_tokens)
+    return functools.partial(
+        decode_text,
+        tokenizer,
+        skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens,
+    )
 
 
 class IncrementalDetokenizer:
@@ -95,7 +114,11 @@ class IncrementalDetokenizer:
         self._decode: Callable[[list[int]], str] | None = None
         if params.detokenize:
             assert tokenizer is not None  # checked above
-            self._decode = token_decoder(tokenizer, skip_special_tokens=params.skip_special_tokens)
+            self._decode = token_decoder(
+                tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
         self._eos_token_id = None if params.ignore_eos else eos_token_id
         self._stop_ids = frozenset(params.stop_ids)
         self._min_tokens = params.min_tokens

@@ -1,6 +1,8 @@
 """What `LLM.generate` returns: one `RequestOutput` per prompt, in input order, each holding one
 `CompletionOutput` per sample (`SamplingParams.n`); and what `LLM.encode` / `LLM.embed` return:
-one `PoolingRequestOutput` / `EmbeddingRequestOutput` per prompt. Shapes and names follow vLLM's.
+one `PoolingRequestOutput` / `EmbeddingRequestOutput` per prompt; `LLM.classify` and `LLM.score`
+one `ClassificationRequestOutput` per prompt and one `ScoringRequestOutput` per pair. Shapes and
+names follow vLLM's.
 
 Logprobs are lists with one entry per token. Each entry maps token id -> `Logprob` and holds the
 chosen token (the sampled one, or the prompt's actual next token) plus the top-N requested tokens.
@@ -123,3 +125,43 @@ class EmbeddingRequestOutput:
             output.prompt_token_ids,
             output.finished,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ClassificationOutput:
+    """One prompt's class probabilities (vLLM's name): the softmax of a classification head's
+    logits, or the sigmoid of its one logit for a one-label head."""
+
+    probs: list[float]  # [num_labels]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns per prompt."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringOutput:
+    """How well one pair of texts matches (vLLM's name): a cross-encoder's sigmoid probability,
+    or the cosine similarity of two embeddings."""
+
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the pair's tokens (a cross-encoder's one prompt, or both prompts)
+    finished: bool = True

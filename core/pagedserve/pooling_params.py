@@ -14,8 +14,10 @@ PoolingType = Literal["LAST", "MEAN", "CLS"]
 """LAST: the last prompt token's hidden state; MEAN: the mean over every prompt token; CLS: the
 first prompt token's."""
 
-PoolingTask = Literal["embed"]
-"""What `LLM.encode` may be asked for (vLLM's `pooling_task`); only embeddings exist here."""
+PoolingTask = Literal["embed", "classify"]
+"""What a pooling request makes of its pooled vector (vLLM's `pooling_task`): `embed` returns it
+(normalized by default); `classify` runs it through the model's sequence-classification head and
+returns the class logits (a `*ForSequenceClassification` checkpoint only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,9 +25,12 @@ class PoolingParams:
     """One request's pooling; validated when built (a ValueError names the bad field)."""
 
     pooling_type: PoolingType = "LAST"
-    normalize: bool = True  # divide the pooled vector by its L2 norm
+    normalize: bool = True  # embed: divide the pooled vector by its L2 norm (classify ignores it)
+    task: PoolingTask = "embed"  # set by LLM.classify / LLM.score; "embed" for LLM.embed
 
     def __post_init__(self) -> None:
+        if self.task not in get_args(PoolingTask):
+            raise ValueError(f"task must be one of {', '.join(get_args(PoolingTask))}, got {self.task!r}")
         if self.pooling_type not in get_args(PoolingType):
             raise ValueError(
                 f"pooling_type must be one of {', '.join(get_args(PoolingType))}, got {self.pooling_type!r}"

@@ -10,14 +10,15 @@ the rules between fields live. The default of every option is written here, once
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.config.cache import KVCacheDtypeName
 from pagedserve.config.forward import DEFAULT_CUDA_GRAPH_MAX_TOKENS, CompileScope, CudaGraphModeName
 from pagedserve.config.model import QuantizationName
 from pagedserve.config.parallel import ExecutorBackend
+from pagedserve.config.runner import RunnerName, TaskName, dtype_name, runner_of
 from pagedserve.config.scheduler import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS, PreemptionMode
 
 
@@ -39,7 +40,30 @@ class EngineArgs(_Config):
         False, description="no tokenizer: prompts must be token ids and SamplingParams(detokenize=False)"
     )
     platform: str | None = Field(None, description="platform name; None: PAGEDSERVE_PLATFORM or automatic")
-    dtype: str = Field("auto", pattern=r"^(auto|float32|float16|bfloat16|float64)$")
+    trust_remote_code: bool = Field(
+        False,
+        description="let transformers run the checkpoint's own Python code for its config and "
+        "tokenizer (`auto_map`); the model itself is always a native or transformers built-in one",
+    )
+    dtype: str = Field(
+        "auto",
+        pattern=r"^(auto|float32|float16|bfloat16|float64)$",
+        description="also vLLM's aliases 'half' (float16), 'float' (float32), 'double' (float64) "
+        "and a torch.dtype",
+    )
+    runner: RunnerName = Field(
+        "auto",
+        description="'generate': generation requests only; 'pooling': pooling requests only (embed, "
+        "classify, score); 'auto': a *ForSequenceClassification checkpoint pools, any other serves both",
+    )
+    task: TaskName | None = Field(
+        None,
+        description="vLLM's older switch: 'generate' is runner='generate'; 'embed' (or 'embedding'), "
+        "'classify' and 'score' are runner='pooling'",
+    )
+    enable_sleep_mode: bool = Field(
+        False, description="allow `LLM.sleep()` / `wake_up()` (weights offloaded or freed, KV cache freed)"
+    )
     max_model_len: int | None = Field(
         None, ge=1, description=f"None: the model's trained context length, at most {DEFAULT_MAX_MODEL_LEN}"
     )
@@ -194,6 +218,16 @@ class EngineArgs(_Config):
     )
     max_loras: int = Field(1, ge=1, description="with enable_lora: most distinct adapters running at once")
     max_lora_rank: int = Field(16, ge=1, le=512, description="with enable_lora: the largest adapter rank")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        return dtype_name(value)
+
+    @model_validator(mode="after")
+    def _runner_and_task_agree(self) -> EngineArgs:
+        runner_of(self.runner, self.task)  # raises naming both when they disagree
+        return self
 
     @model_validator(mode="after")
     def _lora_runs_alone(self) -> EngineArgs:

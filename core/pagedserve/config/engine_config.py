@@ -103,6 +103,7 @@ def _model_config(args: EngineArgs, platform: PlatformInfo) -> ModelConfig:
         gguf_file=args.gguf_file,
         tokenizer=args.tokenizer,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        trust_remote_code=args.trust_remote_code,
         dtype=resolve_dtype(args.dtype, platform, args.quantization),
         load_format=cast(LoadFormat, args.load_format),  # EngineArgs' pattern admits these names only
         quantization=args.quantization,

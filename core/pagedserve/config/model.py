@@ -21,6 +21,7 @@ class ModelConfig:
     gguf_file: str | None  # GGUF file name inside `model` when it is a directory
     tokenizer: str | None  # tokenizer directory; None: the model's own
     skip_tokenizer_init: bool  # no tokenizer: prompts are token ids, outputs are not detokenized
+    trust_remote_code: bool  # transformers may run the checkpoint's own config / tokenizer code
     dtype: torch.dtype  # weights and activations; one the platform supports
     load_format: LoadFormat  # "dummy": random weights, seeded by `seed`
     quantization: QuantizationName | None  # weights quantized at load time; None: as stored

@@ -110,6 +110,18 @@ class InputProcessor:
             raise ValueError("prompt has no tokens")
         return ids
 
+    def checked_params(self, params: SamplingParams) -> SamplingParams:
+        """The parameters a request of the caller's runs with: a copy of `params` with every
+        field checked again (SamplingParams is mutable: a field may have been set since it was
+        built, and a later change must not reach the running request), then `check_params`.
+        Raises ValueError naming the field. Does not mutate `params`."""
+        try:
+            copy = params.checked_copy()
+        except ValueError as exc:  # the rule's message starts with the field's name
+            raise ParamError(str(exc), str(exc).split(" ", 1)[0].strip(":=,")) from None
+        self.check_params(copy)
+        return copy
+
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError when `params` needs something this front end lacks (a tokenizer), asks
         for more logprobs than the engine's max_logprobs, or has a malformed constraint. Records

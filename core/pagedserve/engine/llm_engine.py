@@ -90,6 +90,12 @@ class LLMEngine:
         run in their own processes."""
         return self._in_process("core").core
 
+    @property
+    def in_process(self) -> bool:
+        """Whether the engine core runs in this process (one replica): `core` and `setup` are
+        readable then, and not with data parallelism."""
+        return isinstance(self.client, InProcessCore)
+
     def _in_process(self, name: str) -> InProcessCore:
         client = self.client
         if not isinstance(client, InProcessCore):
@@ -150,7 +156,7 @@ class LLMEngine:
         if isinstance(params, PoolingParams):
             self._add_pooling_request(request_id, prompt, params, cache_salt)
             return
-        self.inputs.check_params(params)
+        params = self.inputs.checked_params(params)  # the engine keeps this checked copy
         ids = self.inputs.prompt_ids(prompt, params)
         text = prompt if isinstance(prompt, str) and params.truncate_prompt_tokens is None else None
         seq_ids = self.processor.add_request(request_id, text, ids, params)

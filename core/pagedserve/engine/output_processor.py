@@ -107,6 +107,7 @@ class OutputProcessor:
             for i in range(params.n)
         ]
         final_only = params.output_kind is RequestOutputKind.FINAL_ONLY
+        delta = delta or params.output_kind is RequestOutputKind.DELTA
         state = _RequestState(request_id, prompt, prompt_token_ids, params, samples, final_only, delta)
         state.metrics = RequestMetrics(time.time())
         self._requests[request_id] = state

@@ -82,7 +82,7 @@ def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
     source = resolve_model_source(args.model, args.gguf_file)
     # Read before anything loads: the model's trained context decides the default max_model_len,
     # and with it the step budget every device is set up for.
-    hf_config = load_config(source)
+    hf_config = load_config(source, trust_remote_code=args.trust_remote_code)
     config = resolve_engine_config(
         args,
         platform=platform.info,
@@ -178,7 +178,7 @@ def _tokenizer(config: EngineConfig, source: ModelSource) -> PreTrainedTokenizer
     model = config.model
     if model.skip_tokenizer_init:
         return None
-    return load_tokenizer(model.tokenizer or source)
+    return load_tokenizer(model.tokenizer or source, trust_remote_code=model.trust_remote_code)
 
 
 def _engine_core(

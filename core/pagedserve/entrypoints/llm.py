@@ -22,14 +22,30 @@ from collections.abc import Callable, Sequence
 from typing import Any, get_args
 
 import pydantic
+import torch
 from tqdm.auto import tqdm
 
 from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedserve.config import EngineArgs
+from pagedserve.config.runner import check_serves, runner_of, served_requests
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.entrypoints import scoring, worker_calls
+from pagedserve.entrypoints.chat import conversations_of, render_chats
+from pagedserve.entrypoints.metrics import Metric, OfflineMetrics
+from pagedserve.entrypoints.scoring import require_classifier
+from pagedserve.entrypoints.sleep import SleepMode
 from pagedserve.inputs import PromptType, is_single_prompt, to_engine_prompt
 from pagedserve.lora.request import LoRARequest
-from pagedserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedserve.models.loader import load_config, resolve_model_source
+from pagedserve.models.registry import architecture_of
+from pagedserve.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from pagedserve.pooling_params import PoolingParams, PoolingTask
 from pagedserve.sampling.sampling_params import SAMPLING_PARAMS, RequestOutputKind, SamplingParams
 
@@ -48,6 +64,11 @@ class LLM:
         self.engine = LLMEngine(args)  # in-process for one replica, processes for several
         self._ids = itertools.count()
         self._default_params: SamplingParams | None = None
+        # What this engine serves: generation, pooling or both (`runner`, `task`; vLLM's checks).
+        self._architecture = _architecture(self.engine)
+        self._served = served_requests(runner_of(args.runner, args.task), self._architecture)
+        self._sleep = SleepMode(self.engine, args.enable_sleep_mode)
+        self._metrics = OfflineMetrics()
 
     @property
     def platform(self) -> str:
@@ -69,10 +90,52 @@ class LLM:
             self._default_params = generation_defaults(self.engine.args.model)
         return self._default_params
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self) -> bool:
         """Forget the cached prompt prefixes of finished requests: the next `generate` computes
-        every prompt in full. Returns how many KV blocks were forgotten."""
-        return self.engine.reset_prefix_cache()
+        every prompt in full. Returns True when the whole cache was reset (vLLM's answer), False
+        when requests added through `llm_engine` are still running: their blocks keep their
+        prefixes (every other block's are forgotten)."""
+        busy = self.engine.has_unfinished_requests()
+        self.engine.reset_prefix_cache()
+        return not busy
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics as vLLM's metric objects (`Counter`, `Gauge`, `Histogram`, from
+        `pagedserve.entrypoints.metrics`), under vLLM's `vllm:` names: tokens and finished
+        requests of this LLM's calls, latencies, and the scheduler's and KV cache's state now."""
+        return self._metrics.read(self.engine)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device's memory while idle (vLLM's sleep mode; needs enable_sleep_mode=True):
+        level 1 offloads the weights to host memory, level 2 frees them (waking reads the
+        checkpoint again); both free the KV cache and forget the cached prefixes. CUDA graphs are
+        dropped: after waking, steps run the compiled or eager forward."""
+        self._sleep.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo `sleep`: `tags` names the parts to wake, "weights" and / or "kv_cache" (None:
+        both); generation and pooling wait until both are awake."""
+        self._sleep.wake_up(tags)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run `method` on every device's model runner, one answer per device in rank order
+        (`entrypoints.worker_calls`): a public `ModelRunner` method's name, or a function called
+        with the runner first. `timeout` is not offered: a tensor-parallel call waits at most
+        distributed_timeout_s, as every call to the ranks does."""
+        if timeout is not None:
+            raise ValueError("collective_rpc(timeout=...) is not supported: calls wait distributed_timeout_s")
+        return worker_calls.collective_rpc(self.engine, method, args, kwargs)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """`func(model)` on every device's model (a rank's shard under tensor parallelism), one
+        answer per device."""
+        return worker_calls.apply_model(self.engine, func)
 
     def generate(
         self,
@@ -80,13 +143,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt: one prompt or a list of them, each a string, a list of token
         ids, a `TextPrompt` (`{"prompt": text}`) or a `TokensPrompt` (`{"prompt_token_ids": ids}`);
         returns one finished `RequestOutput` per prompt, in input order. `lora_request`: one
         `LoRARequest` for every prompt, or one per prompt (None: the base model); needs an engine
-        built with enable_lora=True."""
+        built with enable_lora=True. `priority`: one per prompt, as vLLM's; only 0 applies, since
+        no scheduling policy here orders by priority (vLLM refuses others without one too)."""
+        check_serves(self._served, "generate", "LLM.generate")
         prompt_list = _as_prompt_list(prompts)
+        _check_priority(priority, len(prompt_list))
         params_list = _as_params_list(self._or_default(sampling_params), len(prompt_list))
         lora_list = _as_lora_list(lora_request, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm, lora_list)
@@ -103,6 +170,7 @@ class LLM:
         every prompt as one `generate` batch; the prefix cache shares the beams' KV blocks."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        check_serves(self._served, "generate", "LLM.beam_search")
         engine = self.engine
         wanted = 2 * params.beam_width
         if wanted > engine.args.max_logprobs:
@@ -163,43 +231,25 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
-        `continue_final_message` continues the last (assistant) message instead of opening a new
-        turn; `tools` (JSON-schema function definitions) and `chat_template_kwargs` reach the
-        template as variables, as with vLLM. `lora_request`: as in `generate`, one per
-        conversation."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError(
-                "continue_final_message=True continues the last message; it cannot be combined with "
-                "add_generation_prompt=True, which opens a new turn: pass add_generation_prompt=False"
-            )
-        if not messages:
-            raise ValueError("messages is empty: give a conversation (a list of {'role', 'content'} dicts)")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.require_tokenizer()
-        if chat_template is None and tokenizer.chat_template is None:
-            raise ValueError(
-                "this model's tokenizer has no chat template: pass chat_template= or use generate()"
-            )
-        prompts: list[PromptInput] = []
-        for conversation in conversations:
-            for message in conversation:
-                if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                    raise ValueError(
-                        f"each message must be a dict with 'role' and 'content', got {message!r}"
-                    )
-            text = tokenizer.apply_chat_template(
-                list(conversation),  # type: ignore[arg-type]
-                tools=list(tools) if tools is not None else None,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template=chat_template,
-                **(chat_template_kwargs or {}),
-            )
-            # The template already holds any BOS token, so encode without adding special tokens.
-            prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
+        Message content is a string or a list of OpenAI text parts (`[{"type": "text", "text":
+        ...}]`). `continue_final_message` continues the last (assistant) message instead of
+        opening a new turn; `tools` (JSON-schema function definitions) and `chat_template_kwargs`
+        reach the template as variables, as with vLLM. `lora_request`: as in `generate`, one per
+        conversation. Each output's `prompt` is its rendered conversation."""
+        check_serves(self._served, "generate", "LLM.chat")
+        rendered = render_chats(
+            self.engine.require_tokenizer(),
+            conversations_of(messages),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
+        prompts: list[PromptInput] = [r.token_ids for r in rendered]
         params_list = _as_params_list(self._or_default(sampling_params), len(prompts))
-        return self._run(prompts, params_list, use_tqdm, _as_lora_list(lora_request, len(prompts)))
+        outputs = self._run(prompts, params_list, use_tqdm, _as_lora_list(lora_request, len(prompts)))
+        return [dataclasses.replace(o, prompt=r.text) for o, r in zip(outputs, rendered, strict=True)]
 
     def encode(
         self,
@@ -213,15 +263,72 @@ class LLM:
         (`PoolingParams`: LAST token by default, L2-normalized); returns one `PoolingRequestOutput`
         per prompt, in input order. Prompts take `generate`'s forms. Pooling requests generate
         nothing and may share the engine with generation requests; with data parallelism they are
-        spread over the replicas as generation requests are."""
+        spread over the replicas as generation requests are. `pooling_task="classify"`: the
+        classification head's probabilities instead (see `classify`)."""
+        check_serves(self._served, "pooling", f"LLM.encode(pooling_task={pooling_task!r})")
         if pooling_task not in get_args(PoolingTask):
             raise ValueError(
-                f"pooling_task {pooling_task!r} is not supported: only 'embed' (a decoder's pooled "
-                "hidden states); 'classify', 'score' and token-level tasks are absent"
+                f"pooling_task {pooling_task!r} is not supported: 'embed' (a decoder's pooled hidden "
+                "states) or 'classify' (a classification head's probabilities); token-level tasks are absent"
             )
-        engine = self.engine
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_pooling_list(pooling_params, len(prompt_list))
+        if pooling_task == "classify":
+            outputs = self.classify(prompt_list, use_tqdm=use_tqdm, pooling_params=params_list)
+            return [
+                PoolingRequestOutput(
+                    o.request_id, PoolingOutput(torch.tensor(o.outputs.probs)), list(o.prompt_token_ids)
+                )
+                for o in outputs
+            ]
+        return self._pool(prompt_list, params_list, use_tqdm)
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities of every prompt from a `*ForSequenceClassification` checkpoint's
+        head (softmax over its labels; sigmoid for one label), one `ClassificationRequestOutput`
+        per prompt in input order: `output.outputs.probs`."""
+        check_serves(self._served, "pooling", "LLM.classify")
+        require_classifier(self._architecture, "LLM.classify")
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_pooling_list(pooling_params, len(prompt_list))
+        return scoring.classify(self._pooling_run(use_tqdm), prompt_list, params_list)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """How well each pair of texts matches, one `ScoringRequestOutput` per pair
+        (`output.outputs.score`): one data_1 text against every data_2 text, or pairs one to one.
+        A one-label `*ForSequenceClassification` checkpoint scores each pair as a cross-encoder
+        (the sigmoid of its logit over the tokenizer's pair encoding); any other model by the
+        cosine similarity of the two texts' embeddings."""
+        check_serves(self._served, "pooling", "LLM.score")
+        tokenizer = self.engine.require_tokenizer()
+        run = self._pooling_run(use_tqdm)
+        return scoring.score(run, tokenizer, self._architecture, data_1, data_2, pooling_params)
+
+    def _pooling_run(self, use_tqdm: bool) -> scoring.PoolingRun:
+        def run(prompts: list[PromptInput], params: list[PoolingParams]) -> list[PoolingRequestOutput]:
+            return self._pool(prompts, params, use_tqdm)
+
+        return run
+
+    def _pool(
+        self, prompt_list: list[PromptInput], params_list: list[PoolingParams], use_tqdm: bool
+    ) -> list[PoolingRequestOutput]:
+        self._sleep.check_awake("LLM.encode")
+        engine = self.engine
         order: dict[str, int] = {}
         try:
             for index, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True)):
@@ -233,12 +340,13 @@ class LLM:
                 order[request_id] = index
             results: list[PoolingRequestOutput | None] = [None] * len(order)
             with tqdm(
-                total=len(order), desc="Embedding", unit="req", disable=not use_tqdm, dynamic_ncols=True
+                total=len(order), desc="Pooling", unit="req", disable=not use_tqdm, dynamic_ncols=True
             ) as bar:
                 while engine.has_unfinished_requests():
                     for output in engine.step():
                         if isinstance(output, PoolingRequestOutput) and output.request_id in order:
                             results[order[output.request_id]] = output
+                            self._metrics.record_pooled(len(output.prompt_token_ids))
                             bar.update(1)
         except BaseException:
             for request_id in order:  # leave the engine clean for the next call
@@ -274,16 +382,18 @@ class LLM:
         use_tqdm: bool,
         loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        self._sleep.check_awake("LLM.generate")
         engine = self.engine
         order: dict[str, int] = {}
         added: list[str] = []
         try:
             for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 request_id = f"gen-{next(self._ids)}"
-                # generate() returns finished requests only: skip building per-step partial outputs.
-                final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                 lora = loras[index] if loras is not None else None
                 try:
+                    # generate() returns finished requests only: skip building per-step partial
+                    # outputs. The copy checks every field again (a field may have been set since).
+                    final_only = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                     engine.add_request(request_id, prompt, final_only, lora_request=lora)
                 except ValueError as exc:
                     raise ValueError(f"prompt {index}: {exc}") from None
@@ -310,6 +420,7 @@ class LLM:
                         continue  # a pooling request added beside this call's (llm_engine)
                     if output.finished and output.request_id in order:
                         results[order[output.request_id]] = output
+                        self._metrics.record(output)
                         out_tokens += sum(len(o.token_ids) for o in output.outputs)
                         bar.update(1)
                         elapsed = time.perf_counter() - start
@@ -382,6 +493,31 @@ def _as_pooling_list(params: PoolingParams | Sequence[PoolingParams] | None, n: 
         if not isinstance(p, PoolingParams):
             raise ValueError(f"pooling_params[{i}] must be a PoolingParams, got {type(p).__name__}")
     return plist
+
+
+def _architecture(engine: LLMEngine) -> str:
+    """The checkpoint's architecture (its transformers class name). A data-parallel front end
+    holds no model, so it reads the checkpoint's config."""
+    if engine.in_process:
+        return engine.setup.spec.architecture
+    source = resolve_model_source(engine.args.model, engine.args.gguf_file)
+    return architecture_of(load_config(source, trust_remote_code=engine.args.trust_remote_code))
+
+
+def _check_priority(priority: Sequence[int] | None, n: int) -> None:
+    """Raise ValueError unless `priority` is None or one 0 per prompt: no scheduling policy here
+    orders requests by priority, so another value would be silently ignored."""
+    if priority is None:
+        return
+    values = list(priority)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} priorities for {n} prompts: give one per prompt")
+    others = sorted({p for p in values if p != 0})
+    if others:
+        raise ValueError(
+            f"priority {others[0]} given, but this engine has no priority scheduling (scheduling_policy "
+            "is fcfs or makespan): leave priority out, or give 0"
+        )
 
 
 def _describe_validation_error(exc: pydantic.ValidationError) -> str:

@@ -105,25 +105,44 @@ def resolve_model_source(model: str | Path | None, gguf_file: str | None = None)
     raise FileNotFoundError(f"{path} has neither a config.json nor a .gguf file")
 
 
-def load_config(source: ModelSource) -> Any:
-    """The transformers config of `source` (read from the GGUF metadata for GGUF models).
+def load_config(source: ModelSource, *, trust_remote_code: bool = False) -> Any:
+    """The transformers config of `source` (read from the GGUF metadata for GGUF models);
+    `trust_remote_code`: transformers may run a config class the checkpoint ships (`auto_map`).
     Raises `ValueError` naming the source when transformers cannot read it."""
     try:
         # shared_gguf_reads: the tokenizer and the weights reuse this parse of the GGUF metadata
         with shared_gguf_reads():
-            return AutoConfig.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+            return AutoConfig.from_pretrained(
+                str(source.directory), gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+            )
     except (ValueError, KeyError, OSError) as exc:
         where = source.gguf_path or source.directory
         raise ValueError(f"cannot read a transformers config from {where}: {exc}") from exc
 
 
-def load_tokenizer(source: ModelSource | str | Path | None) -> PreTrainedTokenizerBase:
-    """The tokenizer for a model source (GGUF files carry their tokenizer)."""
+def load_tokenizer(
+    source: ModelSource | str | Path | None, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """The tokenizer for a model source (GGUF files carry their tokenizer), or for a folder that
+    holds a tokenizer only (no config.json, as `tokenizer=` may name); `trust_remote_code`:
+    transformers may run a tokenizer class the folder ships."""
     if not isinstance(source, ModelSource):
+        folder = Path(source).expanduser() if source is not None else None
+        # A tokenizer-only folder: neither a checkpoint's config nor a GGUF file to read it from.
+        tokenizer_only = (
+            folder is not None
+            and folder.is_dir()
+            and not (folder / "config.json").is_file()
+            and not any(folder.glob("*.gguf"))
+        )
+        if tokenizer_only:
+            return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
         source = resolve_model_source(source)
     # shared_gguf_reads: AutoTokenizer reads the GGUF's config too, which the model load reuses
     with shared_gguf_reads():
-        return AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+        return AutoTokenizer.from_pretrained(
+            str(source.directory), gguf_file=source.gguf_file, trust_remote_code=trust_remote_code
+        )
 
 
 def _resolve_format(source: ModelSource, load_format: LoadFormat) -> LoadFormat:
@@ -152,6 +171,7 @@ def load_model(
     quantization: Quantization | None = None,
     tp: TensorParallelGroup | None = None,
     quantize_lm_head: bool = False,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Build the model `model` names, on `device` in `dtype`, with weights from its checkpoint
     (or random ones for `load_format="dummy"`, seeded by `seed`). Native implementation when
@@ -171,7 +191,7 @@ def load_model(
     device = torch.device(device)
     if quantization is not None:
         _check_quantization(quantization, fmt, dtype, device)
-    config = load_config(source)
+    config = load_config(source, trust_remote_code=trust_remote_code)
     checkpoint_quant = _checkpoint_quantization(config, fmt, quantization)
     choice = choose_model(config, allow_fallback=allow_fallback)
     if checkpoint_quant is not None and choice.native_class is None:

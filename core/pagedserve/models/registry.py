@@ -23,6 +23,18 @@ _NATIVE_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "pagedserve.models.mixtral:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "pagedserve.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "pagedserve.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "LlamaForSequenceClassification": (
+        "pagedserve.models.sequence_classification:LlamaForSequenceClassification"
+    ),
+    "MistralForSequenceClassification": (
+        "pagedserve.models.sequence_classification:MistralForSequenceClassification"
+    ),
+    "Qwen2ForSequenceClassification": (
+        "pagedserve.models.sequence_classification:Qwen2ForSequenceClassification"
+    ),
+    "Qwen3ForSequenceClassification": (
+        "pagedserve.models.sequence_classification:Qwen3ForSequenceClassification"
+    ),
 }
 # config.model_type -> architecture, for configs that name no architecture (those read from GGUF)
 _MODEL_TYPE_ARCHITECTURES: dict[str, str] = {

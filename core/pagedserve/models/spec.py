@@ -78,6 +78,18 @@ class PagedCausalLM(nn.Module, ABC):
         model in about the time of one layer, where a whole-model trace grows with L."""
         return None
 
+    def classify(
+        self,
+        pooled: torch.Tensor,  # [num_requests, hidden_size]: pooled final hidden states
+    ) -> torch.Tensor:  # [num_requests, num_labels] float32
+        """A sequence-classification head's logits (`*ForSequenceClassification` models). Raises
+        ValueError for a model without one (the front ends refuse classification requests for such
+        models before they reach the runner). Does not mutate."""
+        raise ValueError(
+            f"{self.spec.architecture} has no sequence-classification head: classify and score "
+            "(as a cross-encoder) need a *ForSequenceClassification checkpoint"
+        )
+
     @abstractmethod
     def compute_logits(
         self,

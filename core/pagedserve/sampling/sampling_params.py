@@ -1,11 +1,13 @@
-"""`SamplingParams`: how one request is decoded, validated when it is built.
+"""`SamplingParams`: how one request is decoded, validated when it is built and again when used.
 
 Field names and defaults follow vLLM's `SamplingParams`, so a user switches engines by changing one
 import. Every out-of-range value raises `ValueError` naming the field and the allowed range; an
-unknown keyword raises the usual `TypeError` naming it. The object is frozen: an engine that must
-change a field (e.g. cap `max_tokens` at the model length) uses `dataclasses.replace`, which
-validates again. The one exception is `record_bad_words_token_ids`: the token sequences of
-`bad_words`, which only the front end's tokenizer can compute, are filled in once there.
+unknown keyword raises the usual `TypeError` naming it. As vLLM's, the object is mutable
+(`params.max_tokens = 3`) and `clone()` copies it: a field set after construction is checked when
+the request is added (`checked_copy`, which the engines' input processors call), and the engine
+keeps that checked copy, so changing the caller's object later changes no running request. Nothing
+may hash it or use it as a key. `record_bad_words_token_ids` fills in the token sequences of
+`bad_words`, which only the front end's tokenizer can compute.
 
 Each field is the one declaration of its parameter (`declaration.param`): its default, its rule,
 its column in the batch, its server field and its doc line. `SAMPLING_PARAMS` lists them; the
@@ -44,6 +46,9 @@ class RequestOutputKind(enum.Enum):
     """Which `RequestOutput`s a running request produces (vLLM's names)."""
 
     CUMULATIVE = "cumulative"  # one after every step that advanced it, holding everything so far
+    # One after every step that advanced it, holding only what that step added (new token ids,
+    # text, logprobs): what a streaming client needs, without copying the sequence each step.
+    DELTA = "delta"
     # One, when it finishes. Offline generation needs nothing else, and skipping the per-step
     # snapshots saves the engine host time on every step of a large batch.
     FINAL_ONLY = "final_only"
@@ -63,7 +68,7 @@ _PENALTY = FloatIn("[-2, 2]")
 _NULLABLE_FLOAT = ApiField(float, nullable=True)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class SamplingParams:
     """Decoding options of one request (all of its `n` samples share them)."""
 
@@ -186,6 +191,13 @@ class SamplingParams:
         check=is_bool,
         api=ApiField(bool, with_beam_search=True),
     )
+    spaces_between_special_tokens: bool = param(
+        True,
+        "with skip_special_tokens=False: a space between adjacent special tokens (slow tokenizers; "
+        "fast ones ignore it, as in transformers)",
+        check=is_bool,
+        api=ApiField(bool, with_beam_search=True),
+    )
     include_stop_str_in_output: bool = param(
         False,
         "keep the matched stop string at the end of the text",
@@ -278,9 +290,16 @@ class SamplingParams:
         object.__setattr__(self, "_bad_words_token_ids", checks.token_sequences(token_ids))
 
     def clone(self) -> SamplingParams:
-        """A copy (vLLM's method). The object is frozen, so a copy is only needed by code that
-        compares identities; `dataclasses.replace(params, field=value)` makes a changed one."""
+        """A copy that can be changed without touching this one (vLLM's method); every field is
+        checked again, so a bad value set since construction raises ValueError naming it. Does
+        not mutate `self`."""
         return dataclasses.replace(self)
+
+    def checked_copy(self) -> SamplingParams:
+        """What an engine keeps of a request's parameters: a copy with every field checked and
+        normalised again (a field may have been set since construction, `params.stop = ["x"]`).
+        Raises ValueError starting with the field's name. Does not mutate `self`."""
+        return self.clone()
 
     # ---- derived, read-only views -----------------------------------------------------------------
 

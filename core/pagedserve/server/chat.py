@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.chat_content import content_text
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling.sampling_params import SamplingParams
@@ -246,16 +247,11 @@ class ChatHandler(GenerationHandler):
         contents = []
         for i, m in enumerate(body.messages):
             content = m.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.type != "text" or part.text is None:
-                        raise APIError(
-                            400, f"messages[{i}]: only text content parts are supported", param="messages"
-                        )
-                    parts.append(part.text)
-                content = "".join(parts)
-            contents.append(content or "")
+            parts = [p.model_dump() for p in content] if isinstance(content, list) else content
+            try:
+                contents.append(content_text(parts, f"messages[{i}]"))
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
         render = render_messages(
             tokenizer,
             template_messages(body, contents),

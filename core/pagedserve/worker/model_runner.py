@@ -429,7 +429,9 @@ class ModelRunner:
             else:
                 assert state.partial is not None  # the chunk holding position 0 set it
                 vector = state.partial / prompt_len if kind == "MEAN" else state.partial
-            if state.params.normalize:
+            if state.params.task == "classify":  # [num_labels] logits of the classification head
+                vector = self.model.classify(vector[None])[0]
+            elif state.params.normalize:
                 vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
             done[req_id] = vector
             del pools[req_id]

@@ -155,6 +155,7 @@ def front_end_tokenizer(args: EngineArgs) -> PreTrainedTokenizerBase | None:
     skip_tokenizer_init). Loaded here while the cores load their models."""
     if args.skip_tokenizer_init:
         return None
+    trust = args.trust_remote_code
     if args.tokenizer is not None:
-        return load_tokenizer(resolve_model_source(args.tokenizer))
-    return load_tokenizer(resolve_model_source(args.model, args.gguf_file))
+        return load_tokenizer(args.tokenizer, trust_remote_code=trust)
+    return load_tokenizer(resolve_model_source(args.model, args.gguf_file), trust_remote_code=trust)

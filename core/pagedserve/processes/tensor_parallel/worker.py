@@ -38,6 +38,7 @@ from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.async_output import PendingOutput
 from pagedserve.worker.host_times import HostTimes
 from pagedserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedserve.worker.rpc import RpcTarget, run_on_runner
 from pagedserve.worker.startup.device_model import DeviceModel, load_device_model
 from pagedserve.worker.startup.runner_setup import build_runner, fit_kv_blocks
 from pagedserve.worker.startup.startup_heap import freeze_startup_heap
@@ -172,6 +173,17 @@ class TensorParallelWorker:
         result = pending.result()  # every rank waits: no rank runs more than one step ahead
         self._times.wait_s += time.perf_counter() - start
         return result if self.group.rank == 0 else None
+
+    def collective_rpc(
+        self, target: RpcTarget, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[str, Any]:
+        """`LLM.collective_rpc` on this rank's runner (`worker.rpc.run_on_runner`). Answers
+        ("ok", result), or ("error", message) for an exception the caller's code raised, so that a
+        bad call fails the call, not the rank."""
+        try:
+            return ("ok", run_on_runner(self._require_runner(), target, args, kwargs))
+        except Exception as exc:  # the caller's code: reported to the driver, which raises it
+            return ("error", f"{type(exc).__name__}: {exc}")
 
     def host_times(self) -> dict[str, Any]:
         """This rank's `HostTimes` since the last call: seconds preparing and launching steps (by

@@ -142,6 +142,7 @@ def load_device_model(
         quantization=model.quantization,
         tp=tp,
         quantize_lm_head=model.quantize_lm_head,
+        trust_remote_code=model.trust_remote_code,
     )
     logger.info("model loaded in %.1f s", time.perf_counter() - load_start)
     programmatic = _programmatic(forward, device)

@@ -10,7 +10,7 @@ the rules between fields live. The default of every option is written here, once
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,6 +19,7 @@ from pagedserve.config.forward import DEFAULT_CUDA_GRAPH_MAX_TOKENS, CompileScop
 from pagedserve.config.model import QuantizationName
 from pagedserve.config.parallel import ExecutorBackend
 from pagedserve.config.scheduler import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS, PreemptionMode
+from pagedserve.config.speculative import parse_speculative_config
 
 
 class _Config(BaseModel):
@@ -152,7 +153,14 @@ class EngineArgs(_Config):
         ge=1,
         description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly",
     )
-    num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram (prompt lookup) drafts per step")
+    num_speculative_tokens: int = Field(
+        0, ge=0, le=16, description="drafts per step; alone: n-gram (prompt lookup) drafting"
+    )
+    speculative_config: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's speculative decoding dict: method (ngram, draft_model, eagle, eagle3), model, "
+        "num_speculative_tokens, prompt_lookup_min/max, draft_tensor_parallel_size, dtype",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, le=512, description="ranks the model is sharded over (one process per rank, one device each)"
     )
@@ -194,6 +202,12 @@ class EngineArgs(_Config):
     )
     max_loras: int = Field(1, ge=1, description="with enable_lora: most distinct adapters running at once")
     max_lora_rank: int = Field(16, ge=1, le=512, description="with enable_lora: the largest adapter rank")
+
+    @model_validator(mode="after")
+    def _speculative_config_parses(self) -> EngineArgs:
+        if self.speculative_config is not None:
+            parse_speculative_config(self.speculative_config, self.num_speculative_tokens)
+        return self
 
     @model_validator(mode="after")
     def _lora_runs_alone(self) -> EngineArgs:

@@ -93,11 +93,24 @@ def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
         platform=platform.info,
         trained_context_len=getattr(hf_config, "max_position_embeddings", None),
         offline=offline,
+        target_vocab_size=getattr(hf_config, "vocab_size", None),
+        draft_vocab_size=_draft_vocab_size(args),
     )
     logger.info("scheduling policy: %s", config.scheduler.policy.value)
     if config.parallel.tensor_parallel_size > 1:
         return _build_parallel_engine(config, platform, source, hf_config)
     return _build_local_engine(config, platform)
+
+
+def _draft_vocab_size(args: EngineArgs) -> int | None:
+    """The vocabulary (in the target's token ids) of `speculative_config`'s draft checkpoint, read
+    from its config; None without one. An EAGLE-3 head's own smaller `draft_vocab_size` maps into
+    the target's `vocab_size`, which is what must agree."""
+    model = (args.speculative_config or {}).get("model")
+    if not isinstance(model, str):
+        return None
+    vocab = getattr(load_config(resolve_model_source(model)), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
 
 
 def _build_local_engine(config: EngineConfig, platform: LoadedPlatform) -> EngineSetup:
@@ -198,7 +211,10 @@ def _engine_core(
     """The engine core over `runner`, with the n-gram proposer, asynchronous scheduling and
     structured outputs that `config` gives it."""
     drafts = config.scheduler.num_speculative_tokens
-    proposer = NgramProposer(drafts) if drafts else None
+    spec = config.speculative
+    proposer = None
+    if spec is not None and spec.method == "ngram":
+        proposer = NgramProposer(drafts, max_ngram=spec.prompt_lookup_max, min_ngram=spec.prompt_lookup_min)
     _log_async_scheduling(config.scheduler.async_scheduling, proposer is not None)
     return EngineCore(
         scheduler,

@@ -24,7 +24,6 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.config import EngineArgs
 from pagedserve.config.engine_config import EngineConfig, resolve_engine_config
 from pagedserve.engine.core import EngineCore
-from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.executor.base import StepRunner, WorkerReport
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.models.loader import (
@@ -39,6 +38,9 @@ from pagedserve.platforms.api import AttentionBackend
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.spec_decode.build import attach_proposer, load_draft, split_kv_blocks
+from pagedserve.spec_decode.ngram import NgramProposer
+from pagedserve.spec_decode.proposer import Proposer
 from pagedserve.structured.backend import StructuredOutputBackend
 from pagedserve.structured.checks import backend_available
 from pagedserve.structured.manager import StructuredOutputManager
@@ -130,7 +132,17 @@ def _build_local_engine(config: EngineConfig, platform: LoadedPlatform) -> Engin
         else None
     )
     spec = dm.loaded.spec
-    num_blocks = config.cache.agreed_blocks([fit_kv_blocks(dm, config.cache, config.scheduler, device)])
+    speculative = config.speculative
+    draft = None
+    if speculative is not None and speculative.uses_draft_model:
+        # Before the KV cache is sized: the draft's weights are used memory too.
+        draft = load_draft(speculative, config, platform, dm.loaded.model, device)
+    measured = fit_kv_blocks(dm, config.cache, config.scheduler, device)
+    if draft is not None and speculative is not None:
+        target_bytes = kv_block_bytes(spec, config.cache.block_size, dm.kv_cache_dtype)
+        max_seqs = config.scheduler.max_num_seqs
+        measured = split_kv_blocks(measured, draft, target_bytes, config.cache, speculative, max_seqs)
+    num_blocks = config.cache.agreed_blocks([measured])
     _log_kv_cache(config, spec, num_blocks, dm.backend.name, dm.kv_cache_dtype)
     tokenizer = _tokenizer(config, dm.loaded.source)
     eos = eos_token_ids(dm.loaded.hf_config, tokenizer.eos_token_id if tokenizer is not None else None)
@@ -146,7 +158,12 @@ def _build_local_engine(config: EngineConfig, platform: LoadedPlatform) -> Engin
     )
     runner.lora = lora
     scheduler = Scheduler(config.scheduler, config.cache, num_blocks, swap_space_blocks(dm, config.cache))
-    core = _engine_core(config, scheduler, runner, tokenizer, spec.vocab_size, eos, device)
+    drafter = None
+    if draft is not None and speculative is not None:
+        drafter = attach_proposer(
+            draft, speculative, runner, num_blocks, config.cache, config.scheduler.max_num_seqs
+        )
+    core = _engine_core(config, scheduler, runner, tokenizer, spec.vocab_size, eos, device, drafter)
     if config.freeze_startup_heap:
         freeze_startup_heap()
     return EngineSetup(config, platform, spec, dm.loaded, dm.backend, tokenizer, eos, num_blocks, core, lora)
@@ -207,12 +224,13 @@ def _engine_core(
     vocab_size: int,
     eos: frozenset[int],
     grammar_device: torch.device,  # where the structured-output bitmasks are filled for
+    drafter: Proposer | None = None,  # a draft network's proposer (`spec_decode.build`), if any
 ) -> EngineCore:
-    """The engine core over `runner`, with the n-gram proposer, asynchronous scheduling and
-    structured outputs that `config` gives it."""
+    """The engine core over `runner`, with the proposer (n-gram lookup, or `drafter`),
+    asynchronous scheduling and structured outputs that `config` gives it."""
     drafts = config.scheduler.num_speculative_tokens
     spec = config.speculative
-    proposer = None
+    proposer = drafter
     if spec is not None and spec.method == "ngram":
         proposer = NgramProposer(drafts, max_ngram=spec.prompt_lookup_max, min_ngram=spec.prompt_lookup_min)
     _log_async_scheduling(config.scheduler.async_scheduling, proposer is not None)
@@ -255,7 +273,7 @@ def _log_async_scheduling(on: bool, drafts: bool) -> None:
         logger.info("asynchronous scheduling off: every step is scheduled after the previous one's samples")
     elif drafts:
         logger.info(
-            "asynchronous scheduling on, but every step runs synchronously: n-gram drafts are "
+            "asynchronous scheduling on, but every step runs synchronously: drafts are "
             "proposed from each step's sampled tokens"
         )
     else:

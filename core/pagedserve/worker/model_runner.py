@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import itertools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,6 +37,7 @@ from pagedserve.sampling.rows import TokenHistories
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import CachedRequestData, SchedulerOutput
+from pagedserve.spec_decode.proposer import TargetHidden
 from pagedserve.types import RequestId
 from pagedserve.worker.async_output import (
     LogprobRequests,
@@ -137,6 +139,9 @@ class ModelRunner:
         self._pools: dict[RequestId, _PoolState] = {}  # req_id -> pooling request mid-prompt
         # Set by `build_engine` with enable_lora: the adapters' slots; None keeps LoRA out of the step.
         self.lora: LoRAManager | None = None
+        # Set by `spec_decode.build` for drafters that read the target's hidden states (EAGLE):
+        # called after every forward. None: nobody reads them.
+        self.forward_listener: Callable[[TargetHidden], None] | None = None
 
     def drop_graphs(self) -> None:
         """Forget every captured CUDA graph; later steps run the compiled or eager forward. Waits
@@ -201,6 +206,8 @@ class ModelRunner:
             forward = compiled if compiled is not None and compiled.fits(input_ids.shape[0]) else self.model
             with forward_context(ctx):
                 hidden = forward(input_ids, positions)
+        if self.forward_listener is not None:
+            self.forward_listener(TargetHidden(plan.req_ids, plan.query_start, plan.positions, hidden))
         pooled = self._pool(plan, hidden) if self._pools else None
         out = self._sample(plan, hidden, grammar_bitmask, pooled)
         self._last = out

@@ -214,7 +214,9 @@ class Eagle3Head(_EagleBase):
         hidden = hidden.to(self.fc.weight.dtype)
         residual = self.fc(hidden) if hidden.shape[-1] != self.hidden_size else hidden
         layer = self.layer
-        x = torch.cat([layer.input_layernorm(self.embed(input_ids)), cast(RMSNorm, layer.hidden_norm)(residual)], dim=-1)
+        x = torch.cat(
+            [layer.input_layernorm(self.embed(input_ids)), cast(RMSNorm, layer.hidden_norm)(residual)], dim=-1
+        )
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
         q, k, v = layer.self_attn.qkv(x, cos, sin)
         out, residual = layer.after_attention(layer.self_attn.attend(q, k, v), residual)

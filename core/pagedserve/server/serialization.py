@@ -119,8 +119,8 @@ class CoreStats:
         """The sum of several cores' snapshots (data-parallel replicas): one engine to /metrics."""
         counts = [f.name for f in dataclasses.fields(cls) if f.name != "spec_decode"]
         sums = {name: sum(getattr(s, name) for s in snapshots) for name in counts}
-        spec = sum((s.spec_decode for s in snapshots), SpecDecodeCounts())
-        return cls(**sums, spec_decode=spec)
+        sums["spec_decode"] = sum((s.spec_decode for s in snapshots), SpecDecodeCounts())
+        return cls(**sums)
 
     def to_wire(self) -> list[Any]:
         """The snapshot as the OUTPUTS message carries it (positional). Pure."""
@@ -136,7 +136,8 @@ class CoreStats:
         """The inverse of `to_wire`. Raises TypeError or ValueError on a malformed list."""
         *fields, spec = raw
         drafts, tokens, accepted, per_pos = spec
-        return cls(*fields, spec_decode=SpecDecodeCounts(drafts, tokens, accepted, tuple(per_pos)))
+        counts = SpecDecodeCounts(drafts, tokens, accepted, tuple(per_pos))
+        return dataclasses.replace(cls(*fields), spec_decode=counts)
 
     @property
     def kv_cache_usage(self) -> float:

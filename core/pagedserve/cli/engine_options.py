@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Callable
+from typing import Any
 
 import pydantic
 
 from pagedserve.config import EngineArgs
 
-# flag -> (EngineArgs field, type, help)
-_OPTIONS: dict[str, tuple[str, type, str]] = {
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (vLLM's `--speculative-config '{"method": ...}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+# flag -> (EngineArgs field, the flag's parser (a type or a function of its text), help)
+_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--platform": ("platform", str, "platform name (default: PAGEDSERVE_PLATFORM or the best available)"),
     "--gguf-file": ("gguf_file", str, "GGUF file inside the model directory"),
     "--tokenizer": ("tokenizer", str, "tokenizer directory (default: the model's)"),
@@ -53,7 +68,13 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
         "generate first, prompt work spread over the decode steps)",
     ),
     "--seed": ("seed", int, "engine seed"),
-    "--num-speculative-tokens": ("num_speculative_tokens", int, "n-gram draft tokens per step"),
+    "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step (alone: n-gram)"),
+    "--speculative-config": (
+        "speculative_config",
+        _json_object,
+        'speculative decoding as JSON, vLLM\'s keys: {"method": "eagle3", "model": DIR, '
+        '"num_speculative_tokens": 3} (methods: ngram, draft_model, eagle, eagle3)',
+    ),
     "--tensor-parallel-size": ("tensor_parallel_size", int, "shard the model over this many devices"),
     "--distributed-executor-backend": (
         "distributed_executor_backend",

@@ -20,6 +20,7 @@ from pagedserve.config.model import QuantizationName
 from pagedserve.config.parallel import ExecutorBackend
 from pagedserve.config.runner import RunnerName, TaskName, dtype_name, runner_of
 from pagedserve.config.scheduler import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS, PreemptionMode
+from pagedserve.config.speculative import parse_speculative_config
 
 
 class _Config(BaseModel):
@@ -176,7 +177,14 @@ class EngineArgs(_Config):
         ge=1,
         description="largest step (tokens) replayed as CUDA graphs; larger steps run eagerly",
     )
-    num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram (prompt lookup) drafts per step")
+    num_speculative_tokens: int = Field(
+        0, ge=0, le=16, description="drafts per step; alone: n-gram (prompt lookup) drafting"
+    )
+    speculative_config: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's speculative decoding dict: method (ngram, draft_model, eagle, eagle3), model, "
+        "num_speculative_tokens, prompt_lookup_min/max, draft_tensor_parallel_size, dtype",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, le=512, description="ranks the model is sharded over (one process per rank, one device each)"
     )
@@ -227,6 +235,12 @@ class EngineArgs(_Config):
     @model_validator(mode="after")
     def _runner_and_task_agree(self) -> EngineArgs:
         runner_of(self.runner, self.task)  # raises naming both when they disagree
+        return self
+
+    @model_validator(mode="after")
+    def _speculative_config_parses(self) -> EngineArgs:
+        if self.speculative_config is not None:
+            parse_speculative_config(self.speculative_config, self.num_speculative_tokens)
         return self
 
     @model_validator(mode="after")

@@ -32,6 +32,7 @@ from pagedserve.config.scheduler import (
     SchedulerConfig,
     SchedulingPolicy,
 )
+from pagedserve.config.speculative import SpeculativeConfig, resolve_speculative_config
 from pagedserve.platforms.api import PlatformInfo
 
 logger = logging.getLogger(__name__)
@@ -56,18 +57,34 @@ class EngineConfig:
     forward: ForwardConfig
     lora: LoRAConfig | None  # None: LoRA is off
     freeze_startup_heap: bool  # start-up objects out of the garbage collector's full collections
+    speculative: SpeculativeConfig | None = None  # None: nothing is drafted
 
 
 def resolve_engine_config(
-    args: EngineArgs, *, platform: PlatformInfo, trained_context_len: int | None, offline: bool
+    args: EngineArgs,
+    *,
+    platform: PlatformInfo,
+    trained_context_len: int | None,
+    offline: bool,
+    target_vocab_size: int | None = None,
+    draft_vocab_size: int | None = None,
 ) -> EngineConfig:
     """The configuration `args` asks for, on `platform`, for a model trained on contexts of
     `trained_context_len` tokens (its config's `max_position_embeddings`; None: it names none).
     `offline`: the engine runs batches handed to it whole (`LLMEngine`), not a server's stream of
-    requests; it decides what `scheduling_policy="auto"` means. Raises ValueError naming the
-    option when a value cannot hold. Pure but for a warning (a max_model_len past the trained
-    context)."""
-    scheduler = _scheduler_config(args, platform, trained_context_len, offline)
+    requests; it decides what `scheduling_policy="auto"` means. `target_vocab_size`,
+    `draft_vocab_size`: the vocabularies of the model and of `speculative_config`'s draft (None:
+    not checked). Raises ValueError naming the option when a value cannot hold. Pure but for a
+    warning (a max_model_len past the trained context)."""
+    speculative = resolve_speculative_config(
+        args.speculative_config,
+        args.num_speculative_tokens,
+        target_vocab_size=target_vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    drafts = speculative.num_speculative_tokens if speculative is not None else 0
+    scheduler = _scheduler_config(args, platform, trained_context_len, offline, drafts)
     return EngineConfig(
         platform=platform.name,
         model=_model_config(args, platform),
@@ -94,6 +111,7 @@ def resolve_engine_config(
         ),
         lora=_lora_config(args, scheduler) if args.enable_lora else None,
         freeze_startup_heap=args.freeze_startup_heap,
+        speculative=speculative,
     )
 
 
@@ -114,7 +132,7 @@ def _model_config(args: EngineArgs, platform: PlatformInfo) -> ModelConfig:
 
 
 def _scheduler_config(
-    args: EngineArgs, platform: PlatformInfo, trained_context_len: int | None, offline: bool
+    args: EngineArgs, platform: PlatformInfo, trained_context_len: int | None, offline: bool, drafts: int
 ) -> SchedulerConfig:
     max_model_len = _max_model_len(args.max_model_len, trained_context_len)
     budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
@@ -131,7 +149,7 @@ def _scheduler_config(
         max_model_len=max_model_len,
         enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode,
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=drafts,
         policy=scheduling_policy(args.scheduling_policy, offline=offline),
         widest_decoding_step=args.cuda_graph_max_tokens,
         max_loras=args.max_loras if args.enable_lora else None,

@@ -43,7 +43,7 @@ class SchedulerConfig:
     max_model_len: int  # longest prompt + output, in tokens
     enable_chunked_prefill: bool
     preemption_mode: PreemptionMode
-    num_speculative_tokens: int  # n-gram draft tokens scored per step
+    num_speculative_tokens: int  # draft tokens scored per step (any proposer; 0: none)
     policy: SchedulingPolicy
     # Makespan policy: the widest step the spread of prompt work asks for while requests decode
     # (None: max_num_batched_tokens). The engine sets `cuda_graph_max_tokens`: wider steps run

@@ -15,16 +15,17 @@ import logging
 import time
 from collections.abc import Iterable
 
-from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from pagedserve.engine.step_pipeline import StepPipeline
 from pagedserve.outputs import FinishReason
 from pagedserve.processes.tensor_parallel.base import StepRunner
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.admission import RequestRejected, check_admissible
-from pagedserve.scheduler.output import RequestUpdate
+from pagedserve.scheduler.output import RequestUpdate, SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus, StopCriteria
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.spec_decode.metrics import SpecDecodeCounts, SpecDecodeStats
+from pagedserve.spec_decode.proposer import Proposer
 from pagedserve.structured.manager import GrammarFailed, StructuredOutputManager
 from pagedserve.types import RequestId
 from pagedserve.worker.model_runner import ModelRunnerOutput
@@ -53,7 +54,7 @@ class EngineCore:
         runner: StepRunner,  # a ModelRunner, or an executor over tensor-parallel ranks
         *,
         max_model_len: int,
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
         async_scheduling: bool = False,
         structured: StructuredOutputManager | None = None,
     ) -> None:
@@ -62,11 +63,13 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.proposer = proposer
         self.structured = structured  # None: requests with structured_outputs are refused
+        # Drafted and accepted tokens since start (speculative decoding; zeros without a proposer).
+        self.spec_stats = SpecDecodeStats()
         self._pending_aborts: list[EngineCoreOutput] = []
         # Asynchronous scheduling (see step_pipeline); None: every step is synchronous.
         self.pipeline = None
         if async_scheduling:
-            self.pipeline = StepPipeline(scheduler, runner, proposer)
+            self.pipeline = StepPipeline(scheduler, runner, proposer, on_verified=self._observe_drafts)
         # Requests (with fork_of) whose grammar is compiling, in arrival order.
         self._awaiting_grammar: list[tuple[Request, RequestId | None]] = []
 
@@ -246,16 +249,29 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         so = self.scheduler.schedule()
+        started = time.perf_counter()
         # Unconstrained steps call the runner exactly as before structured outputs existed.
         if constrained and structured is not None:
             result = self.runner.execute(so, structured.bitmask)
         else:
             result = self.runner.execute(so)
+        if self.proposer is not None:
+            self._observe_drafts(so, result, time.perf_counter() - started)
         updates = self.scheduler.update_from_output(so, result.sampled)
         if constrained:
             self._advance_matchers(updates)
         self._report(updates, result, outputs)
         return outputs
+
+    def spec_decode_counts(self) -> SpecDecodeCounts:
+        """Drafted and accepted tokens since the engine started (all zero without speculation)."""
+        return self.spec_stats.snapshot()
+
+    def _observe_drafts(self, so: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
+        """Count a step's drafts and accepted tokens, and tell the proposer what the step cost."""
+        drafted, accepted = self.spec_stats.observe(so.scheduled_spec_decode_tokens, result.sampled)
+        if self.proposer is not None:
+            self.proposer.observe_step(so.total_num_scheduled_tokens, seconds, drafted, accepted)
 
     @staticmethod
     def _report(

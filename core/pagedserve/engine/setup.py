@@ -24,7 +24,6 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.config import EngineArgs
 from pagedserve.config.engine_config import EngineConfig, resolve_engine_config
 from pagedserve.engine.core import EngineCore
-from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.models.loader import (
     LoadedModel,
@@ -39,6 +38,9 @@ from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
 from pagedserve.processes.tensor_parallel.base import StepRunner, WorkerReport
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.spec_decode.build import build_proposer, load_draft, split_kv_blocks
+from pagedserve.spec_decode.ngram import NgramProposer
+from pagedserve.spec_decode.proposer import Proposer
 from pagedserve.structured.backend import StructuredOutputBackend
 from pagedserve.structured.checks import backend_available
 from pagedserve.structured.manager import StructuredOutputManager
@@ -88,11 +90,24 @@ def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
         platform=platform.info,
         trained_context_len=getattr(hf_config, "max_position_embeddings", None),
         offline=offline,
+        target_vocab_size=getattr(hf_config, "vocab_size", None),
+        draft_vocab_size=_draft_vocab_size(args),
     )
     logger.info("scheduling policy: %s", config.scheduler.policy.value)
     if config.parallel.tensor_parallel_size > 1:
         return _build_parallel_engine(config, platform, source, hf_config)
     return _build_local_engine(config, platform)
+
+
+def _draft_vocab_size(args: EngineArgs) -> int | None:
+    """The vocabulary (in the target's token ids) of `speculative_config`'s draft checkpoint, read
+    from its config; None without one. An EAGLE-3 head's own smaller `draft_vocab_size` maps into
+    the target's `vocab_size`, which is what must agree."""
+    model = (args.speculative_config or {}).get("model")
+    if not isinstance(model, str):
+        return None
+    vocab = getattr(load_config(resolve_model_source(model)), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
 
 
 def _build_local_engine(config: EngineConfig, platform: LoadedPlatform) -> EngineSetup:
@@ -112,10 +127,28 @@ def _build_local_engine(config: EngineConfig, platform: LoadedPlatform) -> Engin
         else None
     )
     spec = dm.loaded.spec
-    num_blocks = config.cache.agreed_blocks([fit_kv_blocks(dm, config.cache, config.scheduler, device)])
+    speculative = config.speculative
+    draft = None
+    if speculative is not None and speculative.uses_draft_model:
+        # Before the KV cache is sized: the draft's weights are used memory too.
+        draft = load_draft(speculative, config, platform, dm.loaded.model, device)
+    measured = fit_kv_blocks(dm, config.cache, config.scheduler, device)
+    if draft is not None and speculative is not None:
+        target_bytes = kv_block_bytes(spec, config.cache.block_size, dm.kv_cache_dtype)
+        max_seqs = config.scheduler.max_num_seqs
+        measured = split_kv_blocks(measured, draft, target_bytes, config.cache, speculative, max_seqs)
+    num_blocks = config.cache.agreed_blocks([measured])
     _log_kv_cache(config, spec, num_blocks, dm.backend.name, dm.kv_cache_dtype)
     tokenizer = _tokenizer(config, dm.loaded.source)
     eos = eos_token_ids(dm.loaded.hf_config, tokenizer.eos_token_id if tokenizer is not None else None)
+    drafter = None
+    listener = None
+    if draft is not None and speculative is not None:
+        drafter, listener = build_proposer(
+            draft, speculative, device, num_blocks, config.cache, config.scheduler.max_num_seqs
+        )
+        if draft.tap is not None:  # EAGLE-3 reads three target layers: the runner runs the tapped target
+            dm = dataclasses.replace(dm, loaded=dataclasses.replace(dm.loaded, model=draft.tap))
     runner = build_runner(
         dm,
         device,
@@ -126,9 +159,10 @@ def _build_local_engine(config: EngineConfig, platform: LoadedPlatform) -> Engin
         num_kv_blocks=num_blocks,
         eos_token_ids=eos,
         lora=lora,
+        forward_listener=listener,
     )
     scheduler = Scheduler(config.scheduler, config.cache, num_blocks, swap_space_blocks(dm, config.cache))
-    core = _engine_core(config, scheduler, runner, tokenizer, spec.vocab_size, eos, device)
+    core = _engine_core(config, scheduler, runner, tokenizer, spec.vocab_size, eos, device, drafter)
     if config.freeze_startup_heap:
         freeze_startup_heap()
     return EngineSetup(config, platform, spec, dm.loaded, dm.backend, tokenizer, eos, num_blocks, core, lora)
@@ -189,11 +223,15 @@ def _engine_core(
     vocab_size: int,
     eos: frozenset[int],
     grammar_device: torch.device,  # where the structured-output bitmasks are filled for
+    drafter: Proposer | None = None,  # a draft network's proposer (`spec_decode.build`), if any
 ) -> EngineCore:
-    """The engine core over `runner`, with the n-gram proposer, asynchronous scheduling and
-    structured outputs that `config` gives it."""
+    """The engine core over `runner`, with the proposer (n-gram lookup, or `drafter`),
+    asynchronous scheduling and structured outputs that `config` gives it."""
     drafts = config.scheduler.num_speculative_tokens
-    proposer = NgramProposer(drafts) if drafts else None
+    spec = config.speculative
+    proposer = drafter
+    if spec is not None and spec.method == "ngram":
+        proposer = NgramProposer(drafts, max_ngram=spec.prompt_lookup_max, min_ngram=spec.prompt_lookup_min)
     _log_async_scheduling(config.scheduler.async_scheduling, proposer is not None)
     return EngineCore(
         scheduler,
@@ -234,7 +272,7 @@ def _log_async_scheduling(on: bool, drafts: bool) -> None:
         logger.info("asynchronous scheduling off: every step is scheduled after the previous one's samples")
     elif drafts:
         logger.info(
-            "asynchronous scheduling on, but every step runs synchronously: n-gram drafts are "
+            "asynchronous scheduling on, but every step runs synchronously: drafts are "
             "proposed from each step's sampled tokens"
         )
     else:

@@ -32,13 +32,15 @@ latest tokens, so an engine with a proposer never schedules ahead (`needs_sync`)
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.processes.tensor_parallel.base import PendingStep, StepRunner
 from pagedserve.scheduler.output import RequestUpdate, SchedulerOutput
 from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.spec_decode.proposer import Proposer
 from pagedserve.worker.async_output import ModelRunnerOutput
 
 
@@ -65,10 +67,19 @@ class StepPipeline:
     """Runs the scheduler and the model runner one step ahead of the outputs. Single-threaded;
     every method but `busy` and `needs_sync` mutates."""
 
-    def __init__(self, scheduler: Scheduler, runner: StepRunner, proposer: NgramProposer | None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: StepRunner,
+        proposer: Proposer | None,
+        # (step, its output, seconds from launch to output) after each step that drafted; the
+        # engine core counts drafts and accepted tokens there
+        on_verified: Callable[[SchedulerOutput, ModelRunnerOutput, float], None] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.proposer = proposer
+        self.on_verified = on_verified
         self._in_flight: deque[_InFlight] = deque()  # oldest first
 
     @property
@@ -96,7 +107,12 @@ class StepPipeline:
             if self.proposer is not None:
                 self.proposer.propose(scheduler.running)
             so = scheduler.schedule()
-            return [self._apply(_InFlight(so, self.runner.launch(so)))]
+            started = time.perf_counter()
+            pending = self.runner.launch(so)
+            output = pending.result()
+            if self.on_verified is not None:
+                self.on_verified(so, output, time.perf_counter() - started)
+            return [self._apply(_InFlight(so, pending))]
         in_flight = self._in_flight
         done = []
         if in_flight and (len(in_flight) >= IN_FLIGHT or not scheduler.has_unfinished_requests()):

@@ -166,7 +166,7 @@ class OfflineMetrics:
                 Counter("vllm:prefix_cache_hits", dict(labels), kv.counters.prefix_hits_tokens),
             ]
         else:  # a data-parallel front end knows its replicas' latest counts only
-            running, waiting = engine.scheduler_counts()  # type: ignore[attr-defined]
+            running, waiting = engine.scheduler_counts()
             out += [
                 Gauge("vllm:num_requests_running", dict(labels), float(running)),
                 Gauge("vllm:num_requests_waiting", dict(labels), float(waiting)),

@@ -16,8 +16,8 @@ from typing import Any
 
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.runner_setup import load_device_model
 from pagedserve.worker.sleep_mode import SleepingRunner, SleepLevel, put_to_sleep, wake_kv_cache, wake_weights
+from pagedserve.worker.startup.device_model import load_device_model
 
 WAKE_TAGS = ("weights", "kv_cache")
 

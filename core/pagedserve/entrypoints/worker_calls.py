@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.executor.base import ParallelExecutor
+from pagedserve.processes.tensor_parallel.base import ParallelExecutor
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.rpc import RpcTarget, apply_to_model, run_on_runner
 

@@ -55,6 +55,10 @@ _VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "pagedserve_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
     "pagedserve_request_prompt_tokens": ("vllm:request_prompt_tokens",),
     "pagedserve_request_generation_tokens": ("vllm:request_generation_tokens",),
+    "pagedserve_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "pagedserve_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "pagedserve_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "pagedserve_spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 """pagedserve metric -> the vLLM metrics that show the same values (family names, without the
 `_total`, `_bucket`, ... suffixes of their samples)."""
@@ -124,6 +128,29 @@ class _CoreStatsCollector(Collector):
         yield CounterMetricFamily(
             "pagedserve_num_preemptions", "Requests preempted since start", value=stats.num_preemptions
         )
+        yield from _spec_decode_metrics(stats)
+
+
+def _spec_decode_metrics(stats: CoreStats) -> Iterator[Metric]:
+    """Speculative decoding's counters (vLLM's spec_decode family): zeros without a proposer."""
+    spec = stats.spec_decode
+    yield CounterMetricFamily(
+        "pagedserve_spec_decode_num_drafts", "Request-steps that scored drafts", value=spec.num_drafts
+    )
+    yield CounterMetricFamily(
+        "pagedserve_spec_decode_num_draft_tokens", "Draft tokens scored", value=spec.num_draft_tokens
+    )
+    yield CounterMetricFamily(
+        "pagedserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", value=spec.num_accepted_tokens
+    )
+    per_pos = CounterMetricFamily(
+        "pagedserve_spec_decode_num_accepted_tokens_per_pos",
+        "Drafts whose token at this position was accepted",
+        labels=["position"],
+    )
+    for position, count in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([str(position)], count)
+    yield per_pos
 
 
 class _BothFamilies(Collector):

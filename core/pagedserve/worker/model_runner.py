@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import itertools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from pagedserve.sampling.rows import TokenHistories
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import CachedRequestData, SchedulerOutput
+from pagedserve.spec_decode.proposer import TargetHidden
 from pagedserve.types import RequestId
 from pagedserve.worker.async_output import (
     LogprobRequests,
@@ -103,6 +105,8 @@ class ModelRunner:
         forward: StepForward | None = None,  # the forwards start-up built; None: the model's, eagerly
         lora: LoRAManager | None = None,  # with enable_lora: the adapters' slots; None keeps LoRA out
         startup_times: StartupTimes | None = None,  # what getting `forward` ready cost (GPUs)
+        # Drafters that read the target's hidden states (EAGLE): called after every forward.
+        forward_listener: Callable[[TargetHidden], None] | None = None,
     ) -> None:
         """Everything the runner serves with is built before it (`startup.runner_setup`) and given
         here; nothing outside this class sets its attributes afterwards."""
@@ -130,6 +134,7 @@ class ModelRunner:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pools: dict[RequestId, _PoolState] = {}  # req_id -> pooling request mid-prompt
         self.lora = lora
+        self.forward_listener = forward_listener
 
     # The paths of `forward`, by their old names (read-only: they are built at start-up).
     @property
@@ -187,6 +192,8 @@ class ModelRunner:
             new_kv_reads=self.new_kv_reads,
         )
         hidden = self.forward.run(ctx, input_ids, positions)  # on the path `step_path` picks
+        if self.forward_listener is not None:
+            self.forward_listener(TargetHidden(plan.req_ids, plan.query_start, plan.positions, hidden))
         pooled = self._pool(plan, hidden) if self._pools else None
         out = self._sample(plan, hidden, grammar_bitmask, pooled)
         self._last = out

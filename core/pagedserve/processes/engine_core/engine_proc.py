@@ -155,7 +155,7 @@ class EngineCoreLoop:
                 self.outbox.send(wire.encode_outputs([], self._stats()))
 
     def _stats(self) -> CoreStats:
-        return CoreStats.from_scheduler(self.core.scheduler.stats())
+        return CoreStats.from_scheduler(self.core.scheduler.stats(), self.core.spec_decode_counts())
 
     def _drain_inbox(self) -> int:
         """Apply every message already queued, without waiting. Returns how many there were."""

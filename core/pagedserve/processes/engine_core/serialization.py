@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import msgspec
@@ -33,6 +33,7 @@ from pagedserve.outputs import FinishReason, Logprob
 from pagedserve.pooling_params import PoolingParams
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import SchedulerStats
+from pagedserve.spec_decode.metrics import SpecDecodeCounts
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.types import RequestId
 
@@ -91,6 +92,8 @@ class CoreStats:
     num_kv_blocks_in_use: int
     prefix_queries_tokens: int
     prefix_hits_tokens: int
+    # Speculative decoding since start (zeros without a proposer): see `spec_decode.metrics`.
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
 
     @classmethod
     def idle(cls, num_kv_blocks: int) -> CoreStats:
@@ -98,7 +101,7 @@ class CoreStats:
         return cls(0, 0, 0, num_kv_blocks, 0, 0, 0)
 
     @classmethod
-    def from_scheduler(cls, stats: SchedulerStats) -> CoreStats:
+    def from_scheduler(cls, stats: SchedulerStats, spec_decode: SpecDecodeCounts | None = None) -> CoreStats:
         kv = stats.kv_cache
         return cls(
             num_running=stats.num_running,
@@ -108,13 +111,33 @@ class CoreStats:
             num_kv_blocks_in_use=kv.num_blocks_in_use,
             prefix_queries_tokens=kv.counters.prefix_queries_tokens,
             prefix_hits_tokens=kv.counters.prefix_hits_tokens,
+            spec_decode=spec_decode or SpecDecodeCounts(),
         )
 
     @classmethod
     def total(cls, snapshots: list[CoreStats]) -> CoreStats:
         """The sum of several cores' snapshots (data-parallel replicas): one engine to /metrics."""
-        sums = [sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(cls)]
-        return cls(*sums)
+        counts = [f.name for f in dataclasses.fields(cls) if f.name != "spec_decode"]
+        sums = {name: sum(getattr(s, name) for s in snapshots) for name in counts}
+        sums["spec_decode"] = sum((s.spec_decode for s in snapshots), SpecDecodeCounts())
+        return cls(**sums)
+
+    def to_wire(self) -> list[Any]:
+        """The snapshot as the OUTPUTS message carries it (positional). Pure."""
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "spec_decode"]
+        spec = self.spec_decode
+        return [
+            *fields,
+            [spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_pos)],
+        ]
+
+    @classmethod
+    def from_wire(cls, raw: list[Any]) -> CoreStats:
+        """The inverse of `to_wire`. Raises TypeError or ValueError on a malformed list."""
+        *fields, spec = raw
+        drafts, tokens, accepted, per_pos = spec
+        counts = SpecDecodeCounts(drafts, tokens, accepted, tuple(per_pos))
+        return dataclasses.replace(cls(*fields), spec_decode=counts)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -297,8 +320,7 @@ def encode_ready(info: CoreInfo) -> bytes:
 
 
 def encode_outputs(outputs: list[EngineCoreOutput], stats: CoreStats) -> bytes:
-    stats_wire = [getattr(stats, f.name) for f in dataclasses.fields(stats)]
-    return _ENCODER.encode([MessageType.OUTPUTS, [_output_to_wire(o) for o in outputs], stats_wire])
+    return _ENCODER.encode([MessageType.OUTPUTS, [_output_to_wire(o) for o in outputs], stats.to_wire()])
 
 
 def encode_rejected(req_id: RequestId, message: str) -> bytes:
@@ -355,7 +377,9 @@ def decode(data: bytes) -> Message:
             wire["eos_token_ids"] = frozenset(wire["eos_token_ids"])
             return Message(kind, info=CoreInfo(**wire))
         if kind is MessageType.OUTPUTS:
-            return Message(kind, outputs=[_output_from_wire(o) for o in raw[1]], stats=CoreStats(*raw[2]))
+            return Message(
+                kind, outputs=[_output_from_wire(o) for o in raw[1]], stats=CoreStats.from_wire(raw[2])
+            )
         if kind is MessageType.REJECTED:
             return Message(kind, req_ids=[RequestId(raw[1])], text=raw[2])
         return Message(kind, text=raw[1])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -19,6 +20,7 @@ from pagedserve.config import CacheConfig, ForwardConfig, SchedulerConfig
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.platforms.kv_cache_dtype import is_fp8
 from pagedserve.quantization.kv_scales import kv_scales_for_cache
+from pagedserve.spec_decode.proposer import TargetHidden
 from pagedserve.worker.compile.cpu_compile import CompiledForward, compile_reason
 from pagedserve.worker.compile.saved_compiles import saved_compiles_dir
 from pagedserve.worker.graphs.graph_modes import GraphTarget, StepLimits, plan_graphs
@@ -78,6 +80,7 @@ def build_runner(
     eos_token_ids: frozenset[int],
     tensor_parallel: bool = False,
     lora: LoRAManager | None = None,
+    forward_listener: Callable[[TargetHidden], None] | None = None,
 ) -> ModelRunner:
     """The model runner of this device: KV cache, swap pool, and CUDA graphs or a compiled forward
     where they apply, each built before the runner and given to it. `seed`: the sampler's, for
@@ -108,6 +111,7 @@ def build_runner(
         forward=step_forward,
         lora=lora,
         startup_times=startup_times,
+        forward_listener=forward_listener,
     )
 
 

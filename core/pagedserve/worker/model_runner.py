@@ -44,6 +44,7 @@ from pagedserve.worker.async_output import (
     TokenLogprobs,
     upload,
 )
+from pagedserve.worker.cascade_step import CascadeSteps
 from pagedserve.worker.cpu_compile import CompiledForward
 from pagedserve.worker.cuda_graphs import PiecewiseCudaGraphs
 from pagedserve.worker.full_cuda_graphs import FullDecodeGraphs
@@ -137,6 +138,8 @@ class ModelRunner:
         self._pools: dict[RequestId, _PoolState] = {}  # req_id -> pooling request mid-prompt
         # Set by `build_engine` with enable_lora: the adapters' slots; None keeps LoRA out of the step.
         self.lora: LoRAManager | None = None
+        # Set by `runner_setup` where the engine may cascade (`cascade_step`); None: never.
+        self.cascade: CascadeSteps | None = None
 
     def drop_graphs(self) -> None:
         """Forget every captured CUDA graph; later steps run the compiled or eager forward. Waits
@@ -383,6 +386,8 @@ class ModelRunner:
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_cpu,
         )
+        if self.cascade is not None:
+            metadata = self.cascade.apply(metadata, batch.block_table.np[plan.rows], plan.num_sched, seq_lens)
         return metadata, ids_dev, pos_dev
 
     def _lora_mapping(self, plan: _StepPlan) -> np.ndarray:

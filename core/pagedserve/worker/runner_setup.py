@@ -33,6 +33,7 @@ from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
 from pagedserve.quantization.kv_scales import kv_scales_for_cache
 from pagedserve.worker.attention_sweep import attention_warmup_threads
+from pagedserve.worker.cascade_step import CascadeSteps
 from pagedserve.worker.cpu_compile import compile_reason
 from pagedserve.worker.gpu_compile import PROGRAMMATIC_MAX_TOKENS, configure_compile_caches
 from pagedserve.worker.graph_modes import no_programmatic_launch, plan_graphs
@@ -296,6 +297,10 @@ def build_runner(
         seed=seed,
         new_kv_reads=dm.new_kv_reads,
     )
+    if forward.cascade_attention:
+        runner.cascade = CascadeSteps.for_engine(
+            spec, dm.backend, runner.kv_caches[0].dtype, cache.block_size
+        )
     swap_blocks = swap_space_blocks(dm, cache)
     if swap_blocks:
         runner.allocate_swap_space(swap_blocks)

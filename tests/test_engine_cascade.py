@@ -9,6 +9,7 @@ logic and every kernel path stay the engine's own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,3 +112,27 @@ def test_shipped_cost_model_keeps_a_tiny_model_plain(checkpoint: Path, cascade_c
     llm.generate([_shared], GREEDY, use_tqdm=False)
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert not cascade_calls  # a few KiB of shared keys never pay for two more launches
+
+
+def test_full_graph_buffers_carry_the_cascade_prefix() -> None:
+    """A cascade graph reads its prefix from the graph buffers: the length from a device word each
+    step writes, the blocks from the step's first request's row."""
+    import torch
+
+    from pagedserve.platforms.attention_metadata import AttentionMetadata, CascadeMetadata
+    from pagedserve.worker.full_cuda_graphs import DecodeGraphBuffers
+
+    buffers = DecodeGraphBuffers(8, 16, torch.device("cpu"))
+    plain = buffers.metadata(8, 256)
+    assert plain.cascade is None
+    captured = buffers.metadata(8, 256, cascade=True)
+    assert captured.cascade is not None
+    assert captured.cascade.prefix_len_device.data_ptr() == buffers.prefix_len.data_ptr()
+    assert captured.cascade.prefix_block_table.data_ptr() == buffers.block_table[0].data_ptr()
+
+    table = torch.tensor([[5, 6, 7, 1], [5, 6, 7, 2]], dtype=torch.int32)
+    step = AttentionMetadata.build([1, 1], [14, 15], table, 4)
+    step = dataclasses.replace(step, cascade=CascadeMetadata.build(table[0], 12, 4))
+    buffers.fill(8, torch.tensor([3, 4]), torch.tensor([13, 14]), step)
+    assert buffers.prefix_len.tolist() == [12]
+    assert buffers.block_table[0, :3].tolist() == [5, 6, 7]

@@ -634,11 +634,14 @@ class AttentionBackend(ABC):
         if cascade is None:
             raise ValueError(f"{self.name}: a cascade call needs metadata.cascade (the shared prefix)")
         n = metadata.num_reqs
-        context = metadata.seq_lens_cpu[:n] - metadata.query_start_loc_cpu[: n + 1].diff()
-        if cascade.prefix_len < 1 or (n and cascade.prefix_len > int(context.min())):
+        query_lens = metadata.query_start_loc_cpu[: n + 1].diff()
+        # Requests with no query are padding (a CUDA graph's capture batch holds only those).
+        context = (metadata.seq_lens_cpu[:n] - query_lens)[query_lens > 0]
+        shortest = int(context.min()) if context.numel() else cascade.prefix_len
+        if cascade.prefix_len < 1 or cascade.prefix_len > shortest:
             raise ValueError(
                 f"{self.name}: the cascade prefix of {cascade.prefix_len} tokens must be >= 1 and within "
-                f"every request's cached context (the shortest is {int(context.min()) if n else 0})"
+                f"every request's cached context (the shortest is {shortest})"
             )
         return cascade.prefix_len
 

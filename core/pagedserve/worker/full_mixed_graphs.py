@@ -138,6 +138,8 @@ class FullMixedGraphs:
         tokens, reqs = metadata.num_actual_tokens, metadata.num_reqs
         if metadata.max_query_len == 1 and tokens == reqs:
             return False  # a decode batch
+        if metadata.cascade is not None:
+            return False  # captured without cascade (plugin API 1.16): piecewise graphs run it
         size = padded_size(self.sizes, tokens)
         if size is None or reqs > self.num_reqs_of(size) or metadata.max_seq_len > self.max_seq_len:
             return False

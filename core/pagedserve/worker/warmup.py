@@ -200,6 +200,7 @@ def _full_decode_graphs(
         buckets=seq_len_buckets(max_model_len, runner.block_size),
         graph_key=forward_graph_key(runner.backend, layers),
         kv_scales=runner.kv_scales,
+        cascade_min_reqs=runner.cascade.model.min_requests if runner.cascade is not None else None,
     )
 
 

@@ -136,3 +136,34 @@ def test_full_graph_buffers_carry_the_cascade_prefix() -> None:
     buffers.fill(8, torch.tensor([3, 4]), torch.tensor([13, 14]), step)
     assert buffers.prefix_len.tolist() == [12]
     assert buffers.block_table[0, :3].tolist() == [5, 6, 7]
+
+
+def test_disable_cascade_attn_reaches_the_forward_config() -> None:
+    import argparse
+
+    from pagedserve.cli.engine_options import add_engine_options, engine_args_from
+    from pagedserve.config import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    assert engine_args_from(parser.parse_args(["--disable-cascade-attn"]), None).disable_cascade_attn
+    assert not engine_args_from(parser.parse_args([]), None).disable_cascade_attn
+    assert not EngineArgs().disable_cascade_attn  # vLLM's default: cascade allowed
+
+
+def test_engines_without_the_means_never_cascade(checkpoint: Path) -> None:
+    """Refused up front, with the reason in the log: an off switch, or a model or cache the split
+    is not defined for."""
+    import torch
+
+    from pagedserve.worker.cascade_step import cascade_refusal
+
+    llm = LLM(str(checkpoint), skip_tokenizer_init=True, dtype="float32", block_size=4, max_model_len=128)
+    runner = llm.engine.core.runner
+    spec, backend = runner.spec, runner.backend
+    assert cascade_refusal(spec, backend, spec.dtype) is None
+    windowed = dataclasses.replace(spec, sliding_windows=(None, 8))
+    assert cascade_refusal(windowed, backend, spec.dtype) == "the model has sliding-window layers"
+    sinks = dataclasses.replace(spec, attention_sinks=True)
+    assert cascade_refusal(sinks, backend, spec.dtype) == "the model has attention sinks"
+    assert "quantized" in (cascade_refusal(spec, backend, torch.float8_e4m3fn) or "")

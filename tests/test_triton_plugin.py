@@ -67,6 +67,9 @@ def test_plugin_registers_cleanly_and_is_unavailable_without_gpu() -> None:
         "reshape_and_cache",
         "copy_blocks",
         "fused_moe",
+        "cascade_prefix",
+        "cascade_suffix",
+        "merge_attention_states",
     }
     if not torch.cuda.is_available():
         availability = platform.availability
@@ -76,7 +79,7 @@ def test_plugin_registers_cleanly_and_is_unavailable_without_gpu() -> None:
 
 
 def test_hooks_ignore_other_platforms() -> None:
-    assert plugin.PAGEDSERVE_PLUGIN_API == PLUGIN_API_VERSION == "1.15"
+    assert plugin.PAGEDSERVE_PLUGIN_API == PLUGIN_API_VERSION == "1.16"
     assert plugin.pagedserve_attention_backends(platform="cpu_reference") is None
     assert plugin.pagedserve_cache_ops(platform="cpu_reference") is None
     assert plugin.pagedserve_tuned_config_files(platform="cpu_reference") is None

@@ -9,4 +9,5 @@ be repeated. `README.md` beside them says what each answered.
   server_health.py          /health latency of `pagedserve serve`: idle, tokenizing 1 MB, under streams
   structured.py             structured outputs: the grammar bitmask's host cost and throughput
   fp8_accuracy.py           what FP8 costs in accuracy against bfloat16
+  cascade.py                whether cascade attention pays: a shared prompt's decode step, a shared-prefix run
 """

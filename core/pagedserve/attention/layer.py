@@ -21,6 +21,7 @@ from typing import TypedDict
 import torch
 from torch import nn
 
+from pagedserve.attention.cascade import cascade_attention
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
 from pagedserve.platforms.api import KVCacheScales
 
@@ -191,6 +192,11 @@ def attend(
             sinks=sinks,
         )
     ctx.cache_ops.reshape_and_cache(key, value, kv_cache, ctx.metadata.slot_mapping)
+    if ctx.metadata.cascade is not None:
+        # API 1.16: the step shares a prefix (set only for models without windows or sinks).
+        return cascade_attention(
+            ctx.backend, query, kv_cache, ctx.metadata, scale=scale, logit_softcap=logit_softcap, out=out
+        )
     # API 1.7: a backend that asked for them gets the step's own keys and values beside the cache.
     new_kv = NewKV(new_key=key, new_value=value) if ctx.new_kv_reads else NewKV()
     return ctx.backend.forward(

@@ -126,6 +126,11 @@ _SWITCHES: dict[str, tuple[str, bool, str]] = {
         False,
         "attention reads every key and value from the paged cache (no prefill kernel over the step's own)",
     ),
+    "--disable-cascade-attn": (
+        "disable_cascade_attn",
+        True,
+        "never run a shared prefix as cascade attention (read once for the step's requests)",
+    ),
     "--no-freeze-startup-heap": (
         "freeze_startup_heap",
         False,

@@ -154,6 +154,12 @@ class EngineArgs(_Config):
         "run prompt-only steps on NVIDIA sm_90+ with a prefill kernel that streams them with TMA); "
         "False makes every step read the cache only",
     )
+    disable_cascade_attn: bool = Field(
+        False,
+        description="never run a step as cascade attention (the prefix every request of a step shares "
+        "read once for all of them, where the backend declares it and the cost model says it pays); "
+        "False lets the engine decide per step",
+    )
     freeze_startup_heap: bool = Field(
         True,
         description="after start-up, move the engine's long-lived objects out of Python's full "

@@ -108,6 +108,7 @@ def resolve_engine_config(
             platform_linear=args.platform_linear,
             programmatic_launch=args.programmatic_launch,
             attention_reads_new_kv=args.attention_reads_new_kv,
+            cascade_attention=not args.disable_cascade_attn,
         ),
         lora=_lora_config(args, scheduler) if args.enable_lora else None,
         freeze_startup_heap=args.freeze_startup_heap,

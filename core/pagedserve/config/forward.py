@@ -74,6 +74,7 @@ class ForwardConfig:
     platform_linear: bool  # GPUs: the platform's GEMM for linear layers, where it has one
     programmatic_launch: bool  # NVIDIA sm_90+: kernels set up while the previous one drains
     attention_reads_new_kv: bool  # the backend may read a step's new keys and values directly
+    cascade_attention: bool  # steps sharing a long prefix may cascade (`attention.cascade_plan`)
 
     @property
     def compiles_gpu_forward(self) -> bool:

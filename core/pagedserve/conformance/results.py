@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pagedserve.conformance.cascade_cases import CascadeCase
 from pagedserve.conformance.cases import AttentionCase, CacheOpCase, EngineCase, LoRACase, MoECase
 from pagedserve.conformance.int_linear_cases import IntLinearCase
 
@@ -29,7 +30,7 @@ class CaseResult:
     """The outcome of one case for one component (an attention backend, or the platform's cache ops)."""
 
     component: str  # attention backend name, "cache_ops", "lora", "moe" or "int_linear"
-    case: AttentionCase | CacheOpCase | EngineCase | LoRACase | MoECase | IntLinearCase
+    case: AttentionCase | CacheOpCase | EngineCase | LoRACase | MoECase | IntLinearCase | CascadeCase
     status: Status
     problems: tuple[str, ...]  # why it failed, every check that did; empty when passed
     errors: ErrorStats | None  # None when no output was compared (unsupported, raised, exact ops)

@@ -8,7 +8,8 @@ Both entry points, `pagedserve conformance` and the pytest plugin, go through th
 third-party plugin author runs exactly the items and checks that pagedserve's CI runs.
 
 An item is one case for one component: every attention backend of the platform gets the attention
-case matrix derived from its declared capabilities and the engine smoke cases (a tiny model's
+case matrix derived from its declared capabilities, the cascade cases when it declares cascade
+attention (plugin API 1.16), and the engine smoke cases (a tiny model's
 greedy tokens in each declared engine dtype, with the platform's cache ops); the platform's cache
 ops get the cache-op cases for the platform's dtypes and its backends' block sizes; a platform with
 a `LoRAKernel` gets the LoRA cases in its dtypes, one with an `MoEKernel` the MoE cases in its
@@ -25,6 +26,8 @@ import torch
 from pagedserve.conformance.attention_check import check_attention_case
 from pagedserve.conformance.cache_check import COMPONENT as CACHE_COMPONENT
 from pagedserve.conformance.cache_check import check_cache_case
+from pagedserve.conformance.cascade_cases import CascadeCase, cascade_cases
+from pagedserve.conformance.cascade_check import check_cascade_case
 from pagedserve.conformance.cases import (
     AttentionCase,
     CacheOpCase,
@@ -57,7 +60,7 @@ class SuiteItem:
     """One case for one component of the platform."""
 
     component: str  # attention backend name, "cache_ops", "lora", "moe" or "int_linear"
-    case: AttentionCase | CacheOpCase | EngineCase | LoRACase | MoECase | IntLinearCase
+    case: AttentionCase | CacheOpCase | EngineCase | LoRACase | MoECase | IntLinearCase | CascadeCase
 
     @property
     def item_id(self) -> str:
@@ -145,6 +148,7 @@ class ConformanceSuite:
                 SuiteItem(name, c)
                 for c in attention_cases(backend.capabilities, quick=self.quick, seed=self.seed)
             ]
+            found += [SuiteItem(name, c) for c in cascade_cases(backend.capabilities, seed=self.seed)]
             found += [
                 SuiteItem(name, c)
                 for c in engine_cases(
@@ -211,6 +215,8 @@ class ConformanceSuite:
             int_linear = self._int_linear_kernel()
             assert int_linear is not None, "int-linear items come only from a platform with such a kernel"
             return check_int_linear_case(int_linear, item.case, self.device, self.oracle.int_linear)
+        if isinstance(item.case, CascadeCase):
+            return check_cascade_case(self._backend(item.component), item.case, self.device, self.oracle)
         if isinstance(item.case, EngineCase):
             # A fresh backend, as an engine constructs one: the check asks `enable_new_kv_reads`.
             engine_backend = self._backend_classes[item.component]()

@@ -115,6 +115,15 @@ the keys. A backend opts in with `AttentionCapabilities.attention_sinks`; the co
 older API is never called with it, and refuses a model with sinks on a platform none of whose
 backends declares them.
 
+Cascade attention (API 1.16): when every request of a step shares a long prefix of its context
+(`CascadeMetadata`, on `AttentionMetadata.cascade`), the engine may attend to that prefix once for
+all the step's queries and to each request's own suffix apart, then merge the two partial results
+with their log-sum-exp (`attention_states`). A backend opts in with
+`AttentionCapabilities.cascade_attention` and implements `prefix_attention`, `suffix_attention`
+and `merge_attention_states`; the engine calls them instead of `forward` on such steps (no
+sliding window, no sinks, unquantized caches only: it never asks for those). The defaults raise
+`UnsupportedCase`, and a backend that does not declare it never sees a cascade step.
+
 Import paths (API 1.15): the contract's types live under `pagedserve.platforms`, which imports
 nothing above it: `AttentionMetadata` in `platforms.attention_metadata`, the KV-cache dtypes and
 the reference FP8 quantization of cache writes in `platforms.kv_cache_dtype`. Their older paths
@@ -133,10 +142,11 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from pagedserve.platforms.attention_metadata import AttentionMetadata
+from pagedserve.platforms.attention_states import AttentionState
 
-PLUGIN_API_VERSION = "1.15"
+PLUGIN_API_VERSION = "1.16"
 """The plugin API this build of pagedserve implements. Plugins declare the version they were written
-against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.15"`; a plugin is accepted when its major
+against as a module attribute `PAGEDSERVE_PLUGIN_API = "1.16"`; a plugin is accepted when its major
 number equals ours and its minor number is not newer than ours."""
 
 
@@ -207,6 +217,11 @@ class AttentionCapabilities:
     # each softmax denominator, module docstring) and compute it. Default False: the core never
     # passes it, and `check_supported(attention_sinks=True)` raises `UnsupportedCase`.
     attention_sinks: bool = False
+    # API 1.16. True: `prefix_attention`, `suffix_attention` and `merge_attention_states` compute
+    # cascade steps (module docstring) for every declared head size, dtype and block size, with
+    # or without a softcap, over caches in the query's dtype. Default False: the engine never
+    # cascades on this backend.
+    cascade_attention: bool = False
 
 
 # (x [M, K], weight [N, K] in x's dtype or FP8, scale [N] float32 or None, bias [N] or None) -> [M, N]
@@ -537,6 +552,98 @@ class AttentionBackend(ABC):
         device and syncs nothing. May raise what `forward` would raise for the call. The default,
         None, means "not known": the warm-up then runs every call of its sweep."""
         return None
+
+    def prefix_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,  # with `cascade` set
+        *,
+        scale: float,
+        sliding_window: int | None = None,  # never computed: a backend raises UnsupportedCase
+        logit_softcap: float | None = None,
+    ) -> AttentionState:
+        """API 1.16. Every query row of the step (the first `num_actual_tokens`) attended to the
+        shared prefix `[0, metadata.cascade.prefix_len)` alone, with no mask (every query sits past
+        it): each row's softmax-weighted prefix values and the log-sum-exp of its prefix scores
+        (`attention_states.AttentionState`, float32; rows past `num_actual_tokens` unspecified).
+        Raises `UnsupportedCase` when the backend does not declare `cascade_attention`, and for a
+        sliding window (the window may cut into the prefix, which the split cannot express). Does
+        not mutate `kv_cache`."""
+        raise UnsupportedCase(f"{self.name}: cascade attention is not supported")
+
+    def suffix_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,  # with `cascade` set
+        *,
+        scale: float,
+        sliding_window: int | None = None,  # never computed: a backend raises UnsupportedCase
+        logit_softcap: float | None = None,
+    ) -> AttentionState:
+        """API 1.16. Each request's query rows attended, causally, to its own keys past the prefix,
+        positions `[metadata.cascade.prefix_len, seq_len)` read through its block table, as
+        `forward` would over those keys alone (every query has at least its own key there). Same
+        output form, refusals and promises as `prefix_attention`."""
+        raise UnsupportedCase(f"{self.name}: cascade attention is not supported")
+
+    def merge_attention_states(
+        self,
+        prefix: AttentionState,
+        suffix: AttentionState,
+        out: torch.Tensor,  # [num_tokens, num_q_heads, head_size] in the query's dtype
+    ) -> torch.Tensor:
+        """API 1.16. The attention over both parts' keys: `attention_states.merge_states_reference`
+        for every row of the states (a row whose parts both have `lse = -inf` merges to zero),
+        rounded once to `out`'s dtype, written into `out` and returned. Raises `UnsupportedCase`
+        when the backend does not declare `cascade_attention`. Mutates `out` only."""
+        raise UnsupportedCase(f"{self.name}: cascade attention is not supported")
+
+    def check_cascade_call(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        logit_softcap: float | None,
+    ) -> int:
+        """The checks every `prefix_attention` and `suffix_attention` starts with: the capability,
+        no sliding window, an unquantized cache (`UnsupportedCase`), `check_call`'s, and cascade
+        metadata whose prefix every request has cached (`ValueError`, from its host fields).
+        Returns the prefix length. Does not mutate."""
+        if not self.capabilities.cascade_attention:
+            raise UnsupportedCase(
+                f"{self.name}: cascade attention is not supported (the backend does not declare "
+                "AttentionCapabilities.cascade_attention)"
+            )
+        if sliding_window is not None:
+            raise UnsupportedCase(
+                f"{self.name}: cascade attention with a sliding window is not defined (the window may "
+                "cut into the shared prefix); run the step through forward"
+            )
+        if kv_cache.dtype != query.dtype:
+            raise UnsupportedCase(
+                f"{self.name}: cascade attention reads caches in the query's dtype, got a {kv_cache.dtype} "
+                f"cache for {query.dtype} queries"
+            )
+        self.check_call(query, kv_cache, scale=scale, sliding_window=None, logit_softcap=logit_softcap)
+        cascade = metadata.cascade
+        if cascade is None:
+            raise ValueError(f"{self.name}: a cascade call needs metadata.cascade (the shared prefix)")
+        n = metadata.num_reqs
+        query_lens = metadata.query_start_loc_cpu[: n + 1].diff()
+        # Requests with no query are padding (a CUDA graph's capture batch holds only those).
+        context = (metadata.seq_lens_cpu[:n] - query_lens)[query_lens > 0]
+        shortest = int(context.min()) if context.numel() else cascade.prefix_len
+        if cascade.prefix_len < 1 or cascade.prefix_len > shortest:
+            raise ValueError(
+                f"{self.name}: the cascade prefix of {cascade.prefix_len} tokens must be >= 1 and within "
+                f"every request's cached context (the shortest is {shortest})"
+            )
+        return cascade.prefix_len
 
     def check_supported(
         self,

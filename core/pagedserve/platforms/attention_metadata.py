@@ -8,6 +8,44 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
+class CascadeMetadata:
+    """A prefix every request of the step shares, to be read once for all of them (API 1.16).
+
+    Tokens `[0, prefix_len)` of every request are the same tokens with the same keys and values,
+    stored in the blocks `prefix_block_table` lists (token `t` in block `prefix_block_table[t //
+    block_size]` at offset `t % block_size`), and every query of the step sits past them:
+    `prefix_len <= seq_lens[i] - query_len_i` for every request `i`. The prefix then needs no
+    causal mask, so its keys can be attended by all the step's queries at once
+    (`AttentionBackend.prefix_attention`) and each request's own keys `[prefix_len, seq_len)`
+    apart (`suffix_attention`); `merge_attention_states` joins the two.
+
+    The engine gives whole blocks (the block-table prefix the requests share,
+    `pagedserve.attention.cascade_plan`); the contract takes any length.
+    """
+
+    prefix_len: int  # tokens shared by every request, >= 1; exact (host twin of prefix_len_device)
+    # [>= ceil(prefix_len / block_size)] int32, device: the shared blocks; entries past them arbitrary
+    prefix_block_table: torch.Tensor
+    prefix_len_device: torch.Tensor  # [1] int32, device: prefix_len, for kernels that read it there
+
+    @staticmethod
+    def build(prefix_blocks: torch.Tensor, prefix_len: int, block_size: int) -> CascadeMetadata:
+        """The cascade metadata of a prefix of `prefix_len` tokens held by `prefix_blocks` (int32,
+        on the device the kernels read it from; e.g. a view of one request's block-table row).
+        Raises ValueError for an empty prefix or too few blocks. Does not mutate."""
+        if prefix_len < 1:
+            raise ValueError(f"a cascade prefix needs prefix_len >= 1, got {prefix_len}")
+        need = -(-prefix_len // block_size)
+        if prefix_blocks.dim() != 1 or prefix_blocks.shape[0] < need or prefix_blocks.dtype != torch.int32:
+            raise ValueError(
+                f"prefix_blocks must be int32 [>= {need}] for {prefix_len} tokens in blocks of "
+                f"{block_size}, got {prefix_blocks.dtype} {tuple(prefix_blocks.shape)}"
+            )
+        length = torch.tensor([prefix_len], dtype=torch.int32).to(prefix_blocks.device, non_blocking=True)
+        return CascadeMetadata(prefix_len, prefix_blocks, length)
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Describes one flattened V1 batch to an attention backend.
 
@@ -30,6 +68,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, device; where each new token's K/V is written
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, host
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32, host
+    # API 1.16: the step's shared prefix when the engine runs it as cascade attention; None (the
+    # default, and always for backends that do not declare `cascade_attention`): no cascade.
+    cascade: CascadeMetadata | None = None
 
     @staticmethod
     def build(

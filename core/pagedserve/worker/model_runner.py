@@ -45,6 +45,7 @@ from pagedserve.worker.async_output import (
     TokenLogprobs,
     upload,
 )
+from pagedserve.worker.cascade_step import CascadeSteps
 from pagedserve.worker.compile.cpu_compile import CompiledForward
 from pagedserve.worker.compile.gpu_compile import GpuCompiledForward
 from pagedserve.worker.graphs.cuda_graphs import PiecewiseCudaGraphs
@@ -107,6 +108,7 @@ class ModelRunner:
         startup_times: StartupTimes | None = None,  # what getting `forward` ready cost (GPUs)
         # Drafters that read the target's hidden states (EAGLE): called after every forward.
         forward_listener: Callable[[TargetHidden], None] | None = None,
+        cascade: CascadeSteps | None = None,  # steps that may read a shared prefix once (API 1.16)
     ) -> None:
         """Everything the runner serves with is built before it (`startup.runner_setup`) and given
         here; nothing outside this class sets its attributes afterwards."""
@@ -135,6 +137,7 @@ class ModelRunner:
         self._pools: dict[RequestId, _PoolState] = {}  # req_id -> pooling request mid-prompt
         self.lora = lora
         self.forward_listener = forward_listener
+        self.cascade = cascade  # where the engine may cascade (`cascade_step`); None: never
 
     # The paths of `forward`, by their old names (read-only: they are built at start-up).
     @property
@@ -376,6 +379,8 @@ class ModelRunner:
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_cpu,
         )
+        if self.cascade is not None:
+            metadata = self.cascade.apply(metadata, batch.block_table.np[plan.rows], plan.num_sched, seq_lens)
         return metadata, ids_dev, pos_dev
 
     def _lora_mapping(self, plan: _StepPlan) -> np.ndarray:

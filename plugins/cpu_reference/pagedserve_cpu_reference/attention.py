@@ -38,9 +38,10 @@ from typing import ClassVar
 
 import torch
 
-from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales
+from pagedserve.platforms.api import AttentionCapabilities, KVCacheScales
 from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.platforms.kv_cache_dtype import FP8_DTYPES
+from pagedserve_cpu_reference.cascade import CascadeMethods
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 20
 """Default bound on the elements of one group's gathered K/V and of one score tile (4 MiB in
@@ -145,7 +146,7 @@ class _ScratchBuffer:
         return storage[:numel].view(shape)
 
 
-class ReferenceAttentionBackend(AttentionBackend):
+class ReferenceAttentionBackend(CascadeMethods):
     """Paged attention in plain torch; see the module docstring for the exact semantics.
 
     Computes any head size in 1..512 and any GQA ratio; `chunk_elements` bounds the temporary
@@ -166,6 +167,8 @@ class ReferenceAttentionBackend(AttentionBackend):
         # float32 stays float32 (the CPU has no TF32); the conformance kit checks both promises.
         deterministic=True,
         exact_float32=True,
+        # API 1.16: `cascade.CascadeMethods`, the oracle of the shared-prefix split.
+        cascade_attention=True,
     )
 
     def __init__(self, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:

@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 from torch.nn import functional as F
 
-from pagedserve.platforms.api import AttentionBackend, AttentionCapabilities, KVCacheScales
+from pagedserve.platforms.api import AttentionCapabilities, KVCacheScales
 from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve_cpu_reference.attention import (
     ReferenceAttentionBackend,
@@ -44,6 +44,7 @@ from pagedserve_cpu_reference.attention import (
     _Options,
     plan_groups,
 )
+from pagedserve_cpu_reference.cascade import CascadeMethods
 
 _REDUCED = (torch.bfloat16, torch.float16)
 
@@ -119,7 +120,7 @@ class _Scratch:
         return storage[:numel].view(shape)
 
 
-class FastCpuAttentionBackend(AttentionBackend):
+class FastCpuAttentionBackend(CascadeMethods):
     """Paged attention for serving on the CPU (float32, bfloat16, float16; float64 too).
 
     An instance keeps the last step's plan and scratch buffers, so one instance must not run two

@@ -25,7 +25,7 @@ from pagedserve_cpu_reference.attention import ReferenceAttentionBackend
 from pagedserve_cpu_reference.cache_ops import ReferenceCacheOps
 from pagedserve_cpu_reference.fast_attention import FastCpuAttentionBackend
 
-PAGEDSERVE_PLUGIN_API = "1.15"
+PAGEDSERVE_PLUGIN_API = "1.16"
 
 PLATFORM_NAME = "cpu_reference"
 

@@ -23,6 +23,7 @@ from pagedserve.platforms.api import (
     UnsupportedCase,
 )
 from pagedserve.platforms.attention_metadata import AttentionMetadata
+from pagedserve.platforms.attention_states import AttentionState
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_cuda.compiler import INSTALL_HINT
 from pagedserve_cuda.paged_attention import (
@@ -84,8 +85,9 @@ class CudaPagedAttentionBackend(AttentionBackend):
     # Triton runs every case the CUDA kernels do not, so the pair supports what it does, except
     # attention sinks (API 1.13): the CUDA decode kernels have none (models with sinks run on the
     # triton platform).
+    # API 1.16: cascade steps run on the Triton plugin's cascade kernels, like prefill.
     capabilities: ClassVar[AttentionCapabilities] = replace(
-        UNIFIED_ATTENTION_CAPABILITIES, attention_sinks=False
+        UNIFIED_ATTENTION_CAPABILITIES, attention_sinks=False, cascade_attention=True
     )
     # The kernel choice is host-only; v1/v2 CTAs of a sequence shorter than their partition return
     # at once (seq_len 0: every one), and v2's reduction writes row query_start_loc[seq], which
@@ -213,6 +215,42 @@ class CudaPagedAttentionBackend(AttentionBackend):
         props = DeviceProps(batch.device_name, batch.num_sms, batch.capability)
         tuning = self.decode_tuning(props.name, shape.head_size, shape.dtype)
         return explain(shape, props, tuning).describe()
+
+    def prefix_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> AttentionState:
+        """API 1.16: the Triton plugin's cascade prefix kernel."""
+        return self._triton_backend().prefix_attention(
+            query, kv_cache, metadata, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+        )
+
+    def suffix_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> AttentionState:
+        """API 1.16: the Triton plugin's cascade suffix kernel."""
+        return self._triton_backend().suffix_attention(
+            query, kv_cache, metadata, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+        )
+
+    def merge_attention_states(
+        self, prefix: AttentionState, suffix: AttentionState, out: torch.Tensor
+    ) -> torch.Tensor:
+        """API 1.16: the Triton plugin's merge kernel."""
+        return self._triton_backend().merge_attention_states(prefix, suffix, out)
 
     def _triton_backend(self) -> AttentionBackend:
         if self._triton is None:

@@ -26,7 +26,7 @@ from pagedserve_cuda.compiler import INSTALL_HINT, CudaToolError, nvrtc_version
 from pagedserve_cuda.selection import MIN_CAPABILITY
 from pagedserve_cuda.tuning import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.15"
+PAGEDSERVE_PLUGIN_API = "1.16"
 
 PLATFORM_NAME = "cuda"
 PRIORITY = 20  # above triton (10): on an NVIDIA GPU the CUDA decode kernels are preferred

@@ -108,7 +108,11 @@ class RocmUnifiedAttentionBackend(TritonUnifiedAttentionBackend):
     """Unified paged attention for V1 batches on AMD Instinct GPUs (Triton's AMD backend)."""
 
     name: ClassVar[str] = "rocm_unified"
-    capabilities: ClassVar[AttentionCapabilities] = UNIFIED_ATTENTION_CAPABILITIES
+    # API 1.16: cascade steps on the Triton plugin's cascade kernels (compiled for gfx942/gfx950
+    # in tests/test_triton_cascade_compile.py), with its default tables.
+    capabilities: ClassVar[AttentionCapabilities] = replace(
+        UNIFIED_ATTENTION_CAPABILITIES, cascade_attention=True
+    )
 
     def __init__(
         self,

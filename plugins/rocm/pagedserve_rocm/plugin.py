@@ -27,7 +27,7 @@ from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_rocm.arch import ARCH_ENV, KNOWN_ARCHES, base_arch, table_key, xcd_count, xcd_grid_order
 from pagedserve_rocm.tuning import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.15"
+PAGEDSERVE_PLUGIN_API = "1.16"
 
 PLATFORM_NAME = "rocm"
 PRIORITY = 15  # above triton (10), which also runs on AMD GPUs but with NVIDIA-tuned tables

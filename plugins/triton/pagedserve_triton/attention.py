@@ -11,7 +11,7 @@ layers, which only check their tensors' layout and launch (`launch_params.Cached
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -26,8 +26,10 @@ from pagedserve.platforms.api import (
     KVCacheScales,
 )
 from pagedserve.platforms.attention_metadata import AttentionMetadata
+from pagedserve.platforms.attention_states import AttentionState
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
+from pagedserve_triton.cascade import TritonCascade
 from pagedserve_triton.compile_keys import StandIn
 from pagedserve_triton.fp8_widen import bit_widening
 from pagedserve_triton.interpreter import INTERPRETED
@@ -164,7 +166,11 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
     in a local, and the instance's caches only lose an entry when two threads fill them."""
 
     name: ClassVar[str] = "triton_unified"
-    capabilities: ClassVar[AttentionCapabilities] = UNIFIED_ATTENTION_CAPABILITIES
+    # API 1.16: cascade steps on `cascade_kernels` (the cuda platform's CUDA kernels lack them,
+    # so it declares the unified kernel's capabilities without this).
+    capabilities: ClassVar[AttentionCapabilities] = replace(
+        UNIFIED_ATTENTION_CAPABILITIES, cascade_attention=True
+    )
     # Grids and scalars come from host metadata only; padding requests (query length 0) end in
     # their first program, a split past a sequence's end writes an empty partial, and the
     # reduction of a padding token writes only that token's row.
@@ -204,6 +210,45 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         self._step: _StepCache | None = None
         self._dependent_max_tokens = 0  # `enable_programmatic_launch`
         self._new_kv_reads = False  # `enable_new_kv_reads`
+        self._cascade = TritonCascade(self._launch_params)
+
+    def prefix_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> AttentionState:
+        """API 1.16: `cascade_kernels.cascade_prefix_kernel` (see `cascade.TritonCascade`)."""
+        self.check_cascade_call(
+            query, kv_cache, metadata, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+        )
+        return self._cascade.prefix(query, kv_cache, metadata, scale=scale, logit_softcap=logit_softcap)
+
+    def suffix_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> AttentionState:
+        """API 1.16: `cascade_kernels.cascade_suffix_kernel` (see `cascade.TritonCascade`)."""
+        self.check_cascade_call(
+            query, kv_cache, metadata, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+        )
+        return self._cascade.suffix(query, kv_cache, metadata, scale=scale, logit_softcap=logit_softcap)
+
+    def merge_attention_states(
+        self, prefix: AttentionState, suffix: AttentionState, out: torch.Tensor
+    ) -> torch.Tensor:
+        """API 1.16: `cascade_kernels.merge_states_kernel`."""
+        return self._cascade.merge(prefix, suffix, out)
 
     def enable_programmatic_launch(self, max_tokens: int) -> bool:
         """Launch the kernels of steps of at most `max_tokens` tokens (the 2D or 3D kernel and the

@@ -12,7 +12,8 @@ Shape keys passed to the lookup (every file's `match` may use any of them, exact
       head_size, block_size, num_queries_per_kv, dtype ("float16", "bfloat16", "float32"),
       kv_cache_dtype (the cache's: `dtype`'s name, or "float8_e4m3fn" / "float8_e5m2"),
       max_query_len (rounded UP to a power of two, so write bounds as powers of two)
-  "reduce_segments", "reshape_and_cache": head_size
+  cascade kernels ("cascade_prefix", "cascade_suffix", plugin API 1.16): the attention kernels' keys
+  "merge_attention_states", "reduce_segments", "reshape_and_cache": head_size
   "copy_blocks": block_elems (block_size * num_kv_heads * head_size)
 
 Params of the attention kernels: num_warps, num_stages, TILE_SIZE, BLOCK_M (required) and the

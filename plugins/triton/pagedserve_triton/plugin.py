@@ -26,7 +26,7 @@ from pagedserve.platforms.api import (
 from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_triton.launch_params import tuned_config_files
 
-PAGEDSERVE_PLUGIN_API = "1.15"
+PAGEDSERVE_PLUGIN_API = "1.16"
 
 PLATFORM_NAME = "triton"
 

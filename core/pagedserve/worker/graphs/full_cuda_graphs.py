@@ -52,7 +52,7 @@ from tqdm import tqdm
 from pagedserve.attention.forward_context import ForwardContext, forward_context
 from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend, AttentionLayerShape, CacheOps, KVCacheScales
-from pagedserve.platforms.attention_metadata import AttentionMetadata
+from pagedserve.platforms.attention_metadata import AttentionMetadata, CascadeMetadata
 from pagedserve.worker.graphs.cuda_graphs import padded_size
 from pagedserve.worker.graphs.step_path import DecodeGraphCover, GraphKey, PathPlan, step_path
 
@@ -215,9 +215,12 @@ class GraphBuffers:
             (max_reqs, max_blocks_per_req), dtype=i32, device=device
         )
         self.slot_mapping = torch.full((max_tokens,), PADDING_SLOT, dtype=i64, device=device)  # [max_tokens]
+        # [1]: a cascade step's prefix length (plugin API 1.16); the prefix's blocks are row 0 of
+        # the block table, the step's first request's.
+        self.prefix_len = torch.zeros(1, dtype=i32, device=device)
 
     def graph_metadata(
-        self, num_tokens: int, num_reqs: int, *, max_query_len: int, max_seq_len: int
+        self, num_tokens: int, num_reqs: int, *, max_query_len: int, max_seq_len: int, cascade: bool = False
     ) -> AttentionMetadata:
         """The metadata a graph of `num_tokens` tokens and `num_reqs` requests is captured with:
         views of the buffers (so a replay reads whatever `fill` last wrote) and host fields fixed
@@ -240,6 +243,9 @@ class GraphBuffers:
             slot_mapping=self.slot_mapping[:num_tokens],
             query_start_loc_cpu=torch.zeros(num_reqs + 1, dtype=torch.int32),
             seq_lens_cpu=torch.zeros(num_reqs, dtype=torch.int32),
+            # A cascade graph's kernels read the prefix length on the device; the host field is
+            # an upper bound, as max_seq_len is.
+            cascade=CascadeMetadata(max_seq_len, self.block_table[0], self.prefix_len) if cascade else None,
         )
 
     def pad_all(self) -> None:
@@ -284,6 +290,8 @@ class GraphBuffers:
         self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)
         self.block_table[:n, :width].copy_(metadata.block_table, non_blocking=True)
         self.slot_mapping[:t].copy_(metadata.slot_mapping[:t], non_blocking=True)
+        if metadata.cascade is not None:
+            self.prefix_len.copy_(metadata.cascade.prefix_len_device, non_blocking=True)
         if n < num_reqs:
             self.query_start_loc[n + 1 : num_reqs + 1].fill_(t)
             self.seq_lens[n:num_reqs].zero_()
@@ -298,12 +306,12 @@ class DecodeGraphBuffers(GraphBuffers):
     def __init__(self, max_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
         super().__init__(max_reqs, max_reqs, max_blocks_per_req, device)
 
-    def metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
+    def metadata(self, size: int, max_seq_len: int, cascade: bool = False) -> AttentionMetadata:
         """The capture metadata of the graph of `size` one-token requests (`graph_metadata`).
         Does not mutate."""
         if not 1 <= size <= self.max_reqs:
             raise ValueError(f"size={size} must be in 1..{self.max_reqs}")
-        return self.graph_metadata(size, size, max_query_len=1, max_seq_len=max_seq_len)
+        return self.graph_metadata(size, size, max_query_len=1, max_seq_len=max_seq_len, cascade=cascade)
 
     def fill(
         self,
@@ -424,6 +432,7 @@ class FullDecodeGraphs:
         buckets: Sequence[int] | None = None,  # ascending, the last max_seq_len; None: (max_seq_len,)
         graph_key: GraphKey | None = None,  # the forward's plan for capture metadata; None: no plan
         kv_scales: list[KVCacheScales] | None = None,  # layer_idx -> scales, exactly for an FP8 cache
+        cascade_min_reqs: int | None = None,  # sizes >= this get cascade graphs too; None: none
     ) -> None:
         """`forward` is the model (or its compiled form); `max_seq_len` bounds every sequence a
         replay may see (the engine's max_model_len). `buckets` (`seq_len_buckets`) are the bounds
@@ -448,10 +457,16 @@ class FullDecodeGraphs:
             self.sizes, buckets if buckets is not None else (max_seq_len,), key_of, max_model_len=max_seq_len
         )
         # The steps these graphs replay, for `step_path`; alone, for checking a step handed to `run`.
-        self.cover = DecodeGraphCover(self.sizes, self.index.buckets[-1])
-        self._alone = PathPlan(full_decode=self.cover)
         self._pool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[int, int], _Graph] = {}  # (padded num_reqs, capture bucket) -> graph
+        # Whether a step cascades (plugin API 1.16) is part of a graph's key: a cascade step's
+        # attention is three other launches. Only sizes that can cascade get the second graph.
+        self.cascade_sizes = frozenset(
+            () if cascade_min_reqs is None else (size for size in self.sizes if size >= cascade_min_reqs)
+        )
+        self.cover = DecodeGraphCover(self.sizes, self.index.buckets[-1], self.cascade_sizes)
+        self._alone = PathPlan(full_decode=self.cover)
+        # (padded num_reqs, capture bucket, cascade) -> graph
+        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.num_replays = 0  # steps served since capture (for tests and logs)
         self.replays: Counter[tuple[int, int]] = Counter()  # (size, capture bucket) -> steps served
 
@@ -480,9 +495,15 @@ class FullDecodeGraphs:
         graph)."""
         self.buffers.pad_all()
         with capturing(self.device) as run:
-            for size, bucket in tqdm(self.index.graphs, desc="full decode graphs", disable=None):
-                self._graphs[(size, bucket)] = self._capture_one(
-                    size, bucket, run.stream, kv_caches, backend, cache_ops
+            keys = [
+                (s, b, c)
+                for s, b in self.index.graphs
+                for c in (False, True)
+                if not c or s in self.cascade_sizes
+            ]
+            for size, bucket, cascade in tqdm(keys, desc="full decode graphs", disable=None):
+                self._graphs[(size, bucket, cascade)] = self._capture_one(
+                    size, bucket, run.stream, kv_caches, backend, cache_ops, cascade
                 )
         logger.info(
             "full CUDA graphs: %d decode graphs for %d sizes (%d..%d requests) and %d sequence-length "
@@ -505,9 +526,10 @@ class FullDecodeGraphs:
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
         cache_ops: CacheOps,
+        cascade: bool = False,
     ) -> _Graph:
         def context() -> ForwardContext:
-            metadata = self.buffers.metadata(size, bucket)
+            metadata = self.buffers.metadata(size, bucket, cascade)
             return ForwardContext(metadata, kv_caches, backend, cache_ops, kv_scales=self.kv_scales)
 
         graph, hidden = capture_whole_forward(
@@ -517,7 +539,8 @@ class FullDecodeGraphs:
             context,
             self._pool,
             stream,
-            f"the full decode CUDA graph for {size} requests (max_seq_len {bucket})",
+            f"the full decode CUDA graph for {size} requests (max_seq_len {bucket}"
+            + (", cascade)" if cascade else ")"),
         )
         return _Graph(size, bucket, graph, hidden)
 
@@ -541,7 +564,7 @@ class FullDecodeGraphs:
         n = metadata.num_reqs
         which = self.index.graph_for(n, metadata.max_seq_len)
         self.buffers.fill(which[0], input_ids, positions, metadata)
-        captured = self._graphs[which]
+        captured = self._graphs[(*which, metadata.cascade is not None)]
         captured.graph.replay()
         self.num_replays += 1
         self.replays[which] += 1

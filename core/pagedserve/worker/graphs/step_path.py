@@ -4,11 +4,13 @@ the `PathPlan` of what start-up built.
 The paths, tried in this order, each only where start-up built it (`graph_modes.plan_graphs`):
 
 1. `full_decode` — a decode batch (every request one new token) no larger than the largest full
-   decode graph, whose longest sequence fits the graphs' last bucket (`full_cuda_graphs`);
+   decode graph, whose longest sequence fits the graphs' last bucket (`full_cuda_graphs`), and,
+   for a step that cascades (a shared prefix read once), whose size was captured with cascade;
 2. `full_mixed` — any other step the mixed-step graphs hold: its padded token count has a graph,
    its requests fit that graph's, and the backend plans it as it planned the capture
    (`full_mixed_graphs`); steps of prompt chunks only stay off these graphs when the backend
    reads the step's new keys and values (its prefill kernel plans from host query lengths);
+   a step that cascades never does (those graphs are captured without it);
 3. `piecewise` — a step whose token count fits the piecewise graphs' ladder (`cuda_graphs`);
 4. `compiled` — a step the compiled forward takes: any step on a GPU (`gpu_compile`), steps of at
    most 32 tokens on a CPU (`cpu_compile`);
@@ -40,6 +42,9 @@ class DecodeGraphCover:
 
     sizes: tuple[int, ...]  # ascending padded request counts with a graph; non-empty
     max_seq_len: int  # the last sequence-length bucket: no graph was planned for longer sequences
+    # Padded request counts captured a second time for cascade steps (plugin API 1.16): a cascade
+    # step's attention is other launches, so it replays only a graph captured with them.
+    cascade_sizes: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +86,16 @@ def step_path(step: AttentionMetadata, plan: PathPlan) -> StepPath:
     decode = step.max_query_len == 1 and tokens == reqs
     full = plan.full_decode
     if decode:
+        size = padded_size(full.sizes, reqs) if full is not None else None
         if (
             full is not None
-            and padded_size(full.sizes, reqs) is not None
+            and size is not None
             and step.max_seq_len <= full.max_seq_len
+            and (step.cascade is None or size in full.cascade_sizes)
         ):
             return "full_decode"
-    elif plan.full_mixed is not None and _mixed_graph_replays(step, plan.full_mixed):
+    # Mixed-step graphs are captured without cascade: piecewise graphs run a cascading mixed step.
+    elif plan.full_mixed is not None and step.cascade is None and _mixed_graph_replays(step, plan.full_mixed):
         return "full_mixed"
     if padded_size(plan.piecewise_sizes, tokens) is not None:
         return "piecewise"

@@ -21,6 +21,7 @@ from pagedserve.lora.manager import LoRAManager
 from pagedserve.platforms.kv_cache_dtype import is_fp8
 from pagedserve.quantization.kv_scales import kv_scales_for_cache
 from pagedserve.spec_decode.proposer import TargetHidden
+from pagedserve.worker.cascade_step import CascadeSteps
 from pagedserve.worker.compile.cpu_compile import CompiledForward, compile_reason
 from pagedserve.worker.compile.saved_compiles import saved_compiles_dir
 from pagedserve.worker.graphs.graph_modes import GraphTarget, StepLimits, plan_graphs
@@ -96,7 +97,14 @@ def build_runner(
         scales=kv_scales_for_cache(dm.loaded.model, spec.num_layers, is_fp8(dm.kv_cache_dtype)),
         num_swap_blocks=swap_space_blocks(dm, cache),
     )
-    step_forward, startup_times = _step_forward(dm, kv, forward, scheduler, device, tensor_parallel)
+    # Where the engine may cascade (plugin API 1.16): its decode graphs are captured for it too.
+    cascade = (
+        CascadeSteps.for_engine(spec, dm.backend, kv.layers[0].dtype, cache.block_size)
+        if forward.cascade_attention
+        else None
+    )
+    min_reqs = cascade.model.min_requests if cascade is not None else None
+    step_forward, startup_times = _step_forward(dm, kv, forward, scheduler, device, tensor_parallel, min_reqs)
     return ModelRunner(
         dm.loaded.model,
         dm.backend,
@@ -112,6 +120,7 @@ def build_runner(
         lora=lora,
         startup_times=startup_times,
         forward_listener=forward_listener,
+        cascade=cascade,
     )
 
 
@@ -122,6 +131,7 @@ def _step_forward(
     scheduler: SchedulerConfig,
     device: torch.device,
     tensor_parallel: bool,
+    cascade_min_reqs: int | None,
 ) -> tuple[StepForward, StartupTimes | None]:
     """The forwards this device serves with: on CUDA, the CUDA graphs (and GPU compile) `forward`
     asks for and the device and backend support, with what getting them ready cost; elsewhere
@@ -136,6 +146,7 @@ def _step_forward(
             attention_warmup_threads=attention_warmup_threads(
                 forward.attention_warmup_threads, dm.backend, os.cpu_count()
             ),
+            cascade_min_reqs=cascade_min_reqs,
         )
     logger.info("no CUDA graphs: %s", graph_plan.describe())
     compiled = _compiled_cpu_forward(dm, kv, forward, device, tensor_parallel)

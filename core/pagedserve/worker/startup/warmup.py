@@ -57,6 +57,7 @@ def build_step_forward(
     limits: StepLimits,
     *,
     attention_warmup_threads: int = 1,  # `attention_sweep.attention_warmup_threads`
+    cascade_min_reqs: int | None = None,  # decode sizes >= this get cascade graphs too; None: none
 ) -> tuple[StepForward, StartupTimes]:
     """Compile, warm up and capture what `plan` asks for over `kv` (module docstring). Call once,
     after the KV cache exists and before the engine takes requests; hand the result to the
@@ -71,7 +72,7 @@ def build_step_forward(
         else None
     )
     # Before the sweep: which full graphs will be captured decides which plans it must compile.
-    full = _full_decode_graphs(dm, kv, compiled, limits) if plan.full_decode else None
+    full = _full_decode_graphs(dm, kv, compiled, limits, cascade_min_reqs) if plan.full_decode else None
     batches = (
         attention_warmup_batches(
             max_num_seqs=limits.max_num_seqs,
@@ -172,7 +173,11 @@ def _log_sweep(
 
 
 def _full_decode_graphs(
-    dm: DeviceModel, kv: KVCaches, compiled: GpuCompiledForward | None, limits: StepLimits
+    dm: DeviceModel,
+    kv: KVCaches,
+    compiled: GpuCompiledForward | None,
+    limits: StepLimits,
+    cascade_min_reqs: int | None,
 ) -> FullDecodeGraphs:
     """The full decode graphs the runner will replay, not yet captured: one per padded size of the
     request ladder and per distinct plan of the backend over the sequence-length buckets, run
@@ -190,6 +195,7 @@ def _full_decode_graphs(
         buckets=seq_len_buckets(limits.max_model_len, kv.block_size),
         graph_key=forward_graph_key(dm.backend, layers),
         kv_scales=kv.scales,
+        cascade_min_reqs=cascade_min_reqs,
     )
 
 

@@ -133,7 +133,7 @@ def test_full_graph_buffers_carry_the_cascade_prefix() -> None:
     import torch
 
     from pagedserve.platforms.attention_metadata import AttentionMetadata, CascadeMetadata
-    from pagedserve.worker.full_cuda_graphs import DecodeGraphBuffers
+    from pagedserve.worker.graphs.full_cuda_graphs import DecodeGraphBuffers
 
     buffers = DecodeGraphBuffers(8, 16, torch.device("cpu"))
     plain = buffers.metadata(8, 256)

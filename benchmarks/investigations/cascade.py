@@ -129,12 +129,11 @@ class CountingPlanner:
 def cascade(engine: LLMEngine, on: bool, counter: CountingPlanner) -> Iterator[CountingPlanner]:
     """The engine with cascade on (the counting planner) or off (no planner) inside the block."""
     runner = engine.core.runner
-    before = runner.cascade
-    runner.cascade = counter if on else None  # type: ignore[assignment]
+    before = runner.swap_cascade(counter if on else None)  # type: ignore[arg-type]
     try:
         yield counter
     finally:
-        runner.cascade = before
+        runner.swap_cascade(before)
 
 
 def _sync(device: str) -> None:

@@ -156,6 +156,13 @@ class ModelRunner:
     def compiled(self) -> CompiledForward | GpuCompiledForward | None:
         return self.forward.compiled
 
+    def swap_cascade(self, planner: CascadeSteps | None) -> CascadeSteps | None:
+        """Plan later steps' cascades with `planner` (None: never cascade) and return the planner
+        before it. For benchmarks that compare cascade on and off in one engine; the graphs
+        captured at start-up stay as they are."""
+        before, self.cascade = self.cascade, planner
+        return before
+
     def drop_graphs(self) -> None:
         """Forget every captured CUDA graph; later steps run the compiled or eager forward. Waits
         for the device, so no replay is in flight when the graphs go. Mutates the runner."""

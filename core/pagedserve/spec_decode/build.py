@@ -30,9 +30,9 @@ from pagedserve.spec_decode.eagle import aux_layer_ids, load_eagle_head
 from pagedserve.spec_decode.hidden_tap import TappedTarget
 from pagedserve.spec_decode.model_proposer import NetworkProposer
 from pagedserve.spec_decode.network import DraftModelNetwork, DraftNetwork
-from pagedserve.spec_decode.proposer import TargetHidden
 from pagedserve.worker.startup.device_model import choose_backend
 from pagedserve.worker.startup.kv_sizing import kv_block_bytes
+from pagedserve.worker.target_hidden import TargetHidden
 
 logger = logging.getLogger(__name__)
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-import numpy as np
-import torch
 
 from pagedserve.scheduler.request import Request, RequestStatus
-from pagedserve.types import RequestId
+from pagedserve.worker.target_hidden import TargetHidden
+
+__all__ = ["Proposer", "TargetHidden", "draft_room", "is_decoding"]
 
 
 class Proposer(ABC):
@@ -44,22 +42,3 @@ def draft_room(request: Request, k: int) -> int:
     """How many drafts may follow the request's tokens: at most k, and never past max_tokens (the
     bonus token after accepted drafts counts too). Pure."""
     return max(0, min(k, request.stop.max_tokens - len(request.output_token_ids) - 1))
-
-
-@dataclass(frozen=True, slots=True)
-class TargetHidden:
-    """The target's hidden states of one forward, for the drafters that read them (EAGLE).
-    Set by the model runner after the forward; read before the next step is scheduled."""
-
-    req_ids: list[RequestId]  # the step's requests, in the order of their tokens
-    query_start: np.ndarray  # [num_reqs + 1] where each request's tokens start in `hidden`
-    positions: np.ndarray  # [num_tokens] absolute position of every token of the step
-    hidden: torch.Tensor  # [num_tokens, width] the states the drafter reads (see `HiddenTap`)
-
-    def rows_of(self) -> dict[RequestId, tuple[int, int, int]]:
-        """req_id -> (first row, row count, absolute position of the first row). Pure."""
-        starts = self.query_start.tolist()
-        first = self.positions[self.query_start[:-1]].tolist() if len(self.req_ids) else []
-        return {
-            req_id: (starts[i], starts[i + 1] - starts[i], first[i]) for i, req_id in enumerate(self.req_ids)
-        }

@@ -36,7 +36,6 @@ from pagedserve.sampling.rows import TokenHistories
 from pagedserve.sampling.sampler import Sampler
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import CachedRequestData, SchedulerOutput
-from pagedserve.spec_decode.proposer import TargetHidden
 from pagedserve.types import RequestId
 from pagedserve.worker.async_output import (
     LogprobRequests,
@@ -55,6 +54,7 @@ from pagedserve.worker.input_batch import InputBatch, RowState
 from pagedserve.worker.kv_caches import KVCaches
 from pagedserve.worker.startup_times import StartupTimes
 from pagedserve.worker.step_forward import StepForward
+from pagedserve.worker.target_hidden import TargetHidden
 
 if TYPE_CHECKING:
     from pagedserve.lora.manager import LoRAManager

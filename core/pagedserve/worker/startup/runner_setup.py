@@ -20,7 +20,6 @@ from pagedserve.config import CacheConfig, ForwardConfig, SchedulerConfig
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.platforms.kv_cache_dtype import is_fp8
 from pagedserve.quantization.kv_scales import kv_scales_for_cache
-from pagedserve.spec_decode.proposer import TargetHidden
 from pagedserve.worker.cascade_step import CascadeSteps
 from pagedserve.worker.compile.cpu_compile import CompiledForward, compile_reason
 from pagedserve.worker.compile.saved_compiles import saved_compiles_dir
@@ -34,6 +33,7 @@ from pagedserve.worker.startup.profile import profile_activation_bytes
 from pagedserve.worker.startup.warmup import build_step_forward
 from pagedserve.worker.startup_times import StartupTimes
 from pagedserve.worker.step_forward import StepForward
+from pagedserve.worker.target_hidden import TargetHidden
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,8 @@ same padded size: a full graph's key need only say whether the step cascades.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 
@@ -127,16 +129,7 @@ class TritonCascade:
             state.out.stride(0),
             state.out.stride(1),
             state.lse.stride(0),
-            QUERIES_PER_KV=group,
-            HEAD_SIZE=query.shape[2],
-            HEAD_PAD=max(16, triton.next_power_of_2(query.shape[2])),
-            BLOCK_SIZE=kv_cache.shape[2],
-            TILE_SIZE=config.tile_size,
-            BLOCK_M=block_m,
-            USE_SOFTCAP=logit_softcap is not None,
-            DOT_IN_FP32=query.dtype == torch.bfloat16 and INTERPRETED,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            **_launch_options(query, kv_cache, config, block_m, logit_softcap),
         )
         return state
 
@@ -179,16 +172,7 @@ class TritonCascade:
             state.out.stride(1),
             state.lse.stride(0),
             metadata.block_table.stride(0),
-            QUERIES_PER_KV=group,
-            HEAD_SIZE=query.shape[2],
-            HEAD_PAD=max(16, triton.next_power_of_2(query.shape[2])),
-            BLOCK_SIZE=kv_cache.shape[2],
-            TILE_SIZE=config.tile_size,
-            BLOCK_M=block_m,
-            USE_SOFTCAP=logit_softcap is not None,
-            DOT_IN_FP32=query.dtype == torch.bfloat16 and INTERPRETED,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            **_launch_options(query, kv_cache, config, block_m, logit_softcap),
         )
         return state
 
@@ -237,3 +221,25 @@ class TritonCascade:
             num_warps=config.num_warps,
         )
         return out
+
+
+def _launch_options(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    config: AttentionLaunchConfig,
+    block_m: int,
+    logit_softcap: float | None,
+) -> dict[str, Any]:
+    """The compile-time options and launch shape the prefix and suffix kernels share. Pure."""
+    return {
+        "QUERIES_PER_KV": query.shape[1] // kv_cache.shape[3],
+        "HEAD_SIZE": query.shape[2],
+        "HEAD_PAD": max(16, triton.next_power_of_2(query.shape[2])),
+        "BLOCK_SIZE": kv_cache.shape[2],
+        "TILE_SIZE": config.tile_size,
+        "BLOCK_M": block_m,
+        "USE_SOFTCAP": logit_softcap is not None,
+        "DOT_IN_FP32": query.dtype == torch.bfloat16 and INTERPRETED,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }

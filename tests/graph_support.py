@@ -23,6 +23,7 @@ def forward_config(mode: str = "full", **overrides: Any) -> ForwardConfig:
         cudagraph_mode=CudaGraphMode.parse(mode),
         cuda_graph_max_tokens=2048,
         gpu_compile=True,
+        cascade_attention=False,
         gpu_compile_scope="layer",
         cpu_compile=False,
         compile_cache=False,

@@ -122,7 +122,7 @@ def test_prefix_cache_hits_are_reported(checkpoints: dict) -> None:
     assert again.num_cached_tokens == 28
     assert again.outputs[0].token_ids == first.outputs[0].token_ids == expected[2]
     # Forgotten: the prompt's 7 registered blocks (and any its decodes filled) are recomputed.
-    assert llm.reset_prefix_cache() >= 7
+    assert llm.reset_prefix_cache() is True  # vLLM's answer: the whole cache was reset
     fresh = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0]
     assert fresh.num_cached_tokens == 0
     assert fresh.outputs[0].token_ids == expected[2]

@@ -203,8 +203,9 @@ def test_output_kind_accepts_its_value_and_names_the_choices() -> None:
     kind = SamplingParams(output_kind="final_only").output_kind  # type: ignore[arg-type]
     assert kind is RequestOutputKind.FINAL_ONLY
     assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert SamplingParams(output_kind="delta").output_kind is RequestOutputKind.DELTA  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind or one of 'cumulative'"):
-        SamplingParams(output_kind="delta")  # type: ignore[arg-type]
+        SamplingParams(output_kind="partial")  # type: ignore[arg-type]
 
 
 def test_final_only_processor_forgets_finished_requests() -> None:

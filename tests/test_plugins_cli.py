@@ -126,6 +126,7 @@ def test_report_shows_every_capability_of_cpu_reference() -> None:
         "deterministic",
         "exact_float32",
         "attention_sinks",
+        "cascade_attention",
     ]
 
     assert _backend_block(format_text(report), "cpu_reference")[1:] == [
@@ -134,7 +135,8 @@ def test_report_shows_every_capability_of_cpu_reference() -> None:
         "    block sizes: 1, 2, 4, 8, 16, 32, 64, 128",
         "    quantized KV caches: float8_e4m3fn, float8_e4m3fnuz, float8_e5m2, float8_e5m2fnuz",
         "    layout: NHD   max query len: any",
-        "    features: sliding_window, logit_softcap, deterministic, exact_float32, attention_sinks",
+        "    features: sliding_window, logit_softcap, deterministic, exact_float32, attention_sinks, "
+        "cascade_attention",
     ]
 
 
@@ -180,5 +182,5 @@ def test_a_capability_field_the_cli_does_not_know_is_shown() -> None:
     assert "    layout: NHD   max query len: any   max batch tokens: 4096" in block
     assert (
         "    features: fused_rope (not declared: sliding_window, logit_softcap, deterministic, "
-        "exact_float32, attention_sinks)" in block
+        "exact_float32, attention_sinks, cascade_attention)" in block
     )

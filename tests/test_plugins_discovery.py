@@ -95,7 +95,7 @@ def test_cli_lists_the_example_plugin(example_installed: None, capsys: pytest.Ca
     # The API 1.8 and 1.13 flags the example leaves at their defaults are listed as not declared.
     assert (
         "features: sliding_window, logit_softcap (not declared: deterministic, exact_float32, "
-        "attention_sinks)" in out
+        "attention_sinks, cascade_attention)" in out
     )
     assert "cache ops: pagedserve_example_plugin.cache_ops.TorchCacheOps" in out
 

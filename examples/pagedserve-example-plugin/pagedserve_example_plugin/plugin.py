@@ -9,7 +9,7 @@ from pagedserve.platforms.hookspecs import hookimpl
 from pagedserve_example_plugin.attention import GatherAttentionBackend
 from pagedserve_example_plugin.cache_ops import TorchCacheOps
 
-PAGEDSERVE_PLUGIN_API = "1.15"
+PAGEDSERVE_PLUGIN_API = "1.16"
 
 PLATFORM_NAME = "example_cpu"
 

@@ -137,8 +137,9 @@ def test_async_engine_streams_what_the_engine_generates(engine: LLMEngine, model
             # Closing the stream early (or cancelling its task) aborts the request.
             stream = aengine.generate([1, 2, 3], LONG, "left")
             await anext(stream)
-            await stream.aclose()
-            await aengine.abort([])  # runs after the abort the stream's close queued
+            await stream.aclose()  # returns once the engine dropped the request
+            assert not aengine.engine.has_unfinished_requests()
+            await aengine.abort([])
             assert not aengine.engine.has_unfinished_requests()
 
             (vector,) = [out async for out in aengine.encode("Hello", PoolingParams(), "emb")]

@@ -18,8 +18,9 @@ engine core in a process of its own beside the HTTP server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -106,24 +107,29 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its `RequestOutput`s until it finishes (as `sampling_params
         .output_kind` asks: cumulative, deltas, or the final one only). Raises ValueError for a
-        request that can never run, `AsyncEngineDeadError` when the engine failed. Leaving the
-        iteration early aborts the request; `abort` from elsewhere ends it with its aborted
+        request that can never run, `AsyncEngineDeadError` when the engine failed. Closing the
+        stream early (`aclose`, or cancelling the task that iterates it) aborts the request and
+        returns once the engine has dropped it; `abort` from elsewhere ends it with its aborted
         output."""
         add = functools.partial(
             self.engine.add_request, request_id, prompt, sampling_params, lora_request=lora_request
         )
-        async for output in self._stream(request_id, add):
-            assert isinstance(output, RequestOutput)
-            yield output
+        # Closed with this one, not when the garbage collector gets to it: the abort its close
+        # sends must be done before our own close returns.
+        async with contextlib.aclosing(self._stream(request_id, add)) as stream:
+            async for output in stream:
+                assert isinstance(output, RequestOutput)
+                yield output
 
     async def encode(
         self, prompt: Prompt, pooling_params: PoolingParams, request_id: str
     ) -> AsyncIterator[PoolingRequestOutput]:
         """Add a pooling request and yield its one `PoolingRequestOutput` when it finishes."""
         add = functools.partial(self.engine.add_request, request_id, prompt, pooling_params)
-        async for output in self._stream(request_id, add):
-            assert isinstance(output, PoolingRequestOutput)
-            yield output
+        async with contextlib.aclosing(self._stream(request_id, add)) as stream:
+            async for output in stream:
+                assert isinstance(output, PoolingRequestOutput)
+                yield output
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort one request or each of several (unknown or finished ids are ignored); a
@@ -148,7 +154,7 @@ class AsyncLLMEngine:
         self._worker.shutdown(wait=True)
 
     # ---- internals -----------------------------------------------------------------------------
-    async def _stream(self, request_id: str, add: Callable[[], None]) -> AsyncIterator[Output]:
+    async def _stream(self, request_id: str, add: Callable[[], None]) -> AsyncGenerator[Output, None]:
         self._check_usable()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -176,7 +182,9 @@ class AsyncLLMEngine:
                 yield item
         finally:
             if not finished and self._streams.pop(request_id, None) is not None and self._dead is None:
-                self._worker.submit(self.engine.abort_request, request_id)  # the consumer left
+                # The consumer left: wait for the abort, so that once the stream's close (or the
+                # cancelled task) is done the engine no longer counts the request as unfinished.
+                await self._call(functools.partial(self.engine.abort_request, request_id))
 
     async def _step_loop(self) -> None:
         """Step while requests stream; hand each output to its request's queue."""

@@ -1,6 +1,7 @@
 """Leaving an `AsyncLLMEngine` stream early is done when it returns: once `aclose()` (or the
 cancelled task that iterated the stream) is over, the engine no longer counts the request as
-unfinished, however late the engine's thread gets to the abort. A hook holds the abort on the
+unfinished, however late the engine's thread gets to the abort; and a consumer cancelled while its
+request is still being added leaves nothing behind. Hooks hold the abort (or the add) on the
 engine's thread until the test lets it go, so the order is forced, not timed."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from server_support import build_tiny_model
@@ -105,3 +107,33 @@ def test_a_cancelled_consumer_ends_once_the_engine_dropped_the_request(
         assert not aengine.engine.has_unfinished_requests()
 
     asyncio.run(main())
+
+
+def test_a_consumer_cancelled_while_its_request_is_added_leaves_nothing_behind(
+    aengine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+    add = aengine.engine.add_request
+
+    def held_add(*args: Any, **kwargs: Any) -> None:
+        entered.set()
+        assert release.wait(timeout=60), "the test never released the add"
+        add(*args, **kwargs)
+
+    monkeypatch.setattr(aengine.engine, "add_request", held_add)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(anext(aengine.generate([1, 2, 3], LONG, "adding")))
+        assert await asyncio.to_thread(entered.wait, 60)
+        task.cancel()  # while the engine's thread is still adding the request
+        await _spin()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await aengine.abort([])  # runs after the add on the engine's thread
+        assert not aengine.engine.has_unfinished_requests()
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()

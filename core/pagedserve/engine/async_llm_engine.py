@@ -163,8 +163,11 @@ class AsyncLLMEngine:
         self._adding.add(request_id)
         try:
             await self._call(add)
-        except BaseException:
+        except BaseException as exc:
             self._streams.pop(request_id, None)
+            if isinstance(exc, asyncio.CancelledError) and self._dead is None:
+                # Cancelling the wait does not stop the add on the engine's thread: undo it there.
+                await self._call(functools.partial(self.engine.abort_request, request_id))
             raise
         finally:
             self._adding.discard(request_id)

@@ -239,3 +239,20 @@ class MergeWithoutWeights(ReferenceAttentionBackend):
 )
 def test_each_group_catches_its_planted_bug(bug: type[AttentionBackend], group: str) -> None:
     assert Status.FAILED in _cascade_results(bug)[group]
+
+
+def test_the_cuda_backend_runs_its_cascade_steps_without_a_triton_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cuda backend's cascade operations are the Triton plugin's own (the kernels, in
+    Triton's interpreter here), reached without the Triton backend it builds for prefill."""
+    from pagedserve_cuda.attention import CudaPagedAttentionBackend
+
+    def no_triton_backend(self: CudaPagedAttentionBackend) -> AttentionBackend:
+        raise AssertionError("a cascade step built the cuda backend's Triton backend")
+
+    monkeypatch.setattr(CudaPagedAttentionBackend, "_triton_backend", no_triton_backend)
+    results = _cascade_results(CudaPagedAttentionBackend)
+    assert {"cascade_partial_block", "cascade_gqa", "cascade_softcap", "cascade_merge"} <= set(results)
+    for group, statuses in results.items():
+        assert statuses == [Status.PASSED] * len(statuses), (group, statuses)

@@ -23,7 +23,6 @@ from pagedserve.platforms.api import (
     UnsupportedCase,
 )
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.platforms.attention_states import AttentionState
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_cuda.compiler import INSTALL_HINT
 from pagedserve_cuda.paged_attention import (
@@ -43,6 +42,8 @@ from pagedserve_cuda.selection import (
 )
 from pagedserve_cuda.tuning import decode_tuning, tuned_config_files
 from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
+from pagedserve_triton.cascade_backend import TritonCascadeBackend
+from pagedserve_triton.launch_params import LaunchParams
 
 if TYPE_CHECKING:  # the CLI defines the query type; the backend only reads its fields
     from pagedserve.cli.platforms import BatchQuery
@@ -78,7 +79,7 @@ def _layout_of(t: torch.Tensor) -> tuple[object, ...]:
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
-class CudaPagedAttentionBackend(AttentionBackend):
+class CudaPagedAttentionBackend(TritonCascadeBackend):
     """Paged attention on NVIDIA GPUs: CUDA v1/v2 decode kernels, Triton for everything else."""
 
     name: ClassVar[str] = "cuda_paged"
@@ -216,41 +217,9 @@ class CudaPagedAttentionBackend(AttentionBackend):
         tuning = self.decode_tuning(props.name, shape.head_size, shape.dtype)
         return explain(shape, props, tuning).describe()
 
-    def prefix_attention(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-        metadata: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        logit_softcap: float | None = None,
-    ) -> AttentionState:
-        """API 1.16: the Triton plugin's cascade prefix kernel."""
-        return self._triton_backend().prefix_attention(
-            query, kv_cache, metadata, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
-        )
-
-    def suffix_attention(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-        metadata: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        logit_softcap: float | None = None,
-    ) -> AttentionState:
-        """API 1.16: the Triton plugin's cascade suffix kernel."""
-        return self._triton_backend().suffix_attention(
-            query, kv_cache, metadata, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
-        )
-
-    def merge_attention_states(
-        self, prefix: AttentionState, suffix: AttentionState, out: torch.Tensor
-    ) -> torch.Tensor:
-        """API 1.16: the Triton plugin's merge kernel."""
-        return self._triton_backend().merge_attention_states(prefix, suffix, out)
+    def _cascade_launch_params(self) -> LaunchParams:
+        """The cascade kernels read the platform's tuned configs (the Triton plugin's schema)."""
+        return LaunchParams(self._configs)
 
     def _triton_backend(self) -> AttentionBackend:
         if self._triton is None:

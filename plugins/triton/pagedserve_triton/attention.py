@@ -19,17 +19,15 @@ import triton
 
 from pagedserve.platforms.api import (
     IDENTITY_GRID_ORDER,
-    AttentionBackend,
     AttentionCapabilities,
     AttentionLayerShape,
     GridOrder,
     KVCacheScales,
 )
 from pagedserve.platforms.attention_metadata import AttentionMetadata
-from pagedserve.platforms.attention_states import AttentionState
 from pagedserve.platforms.tuned_configs import TunedConfigs
 from pagedserve_triton.capabilities import UNIFIED_ATTENTION_CAPABILITIES
-from pagedserve_triton.cascade import TritonCascade
+from pagedserve_triton.cascade_backend import TritonCascadeBackend
 from pagedserve_triton.compile_keys import StandIn
 from pagedserve_triton.fp8_widen import bit_widening
 from pagedserve_triton.interpreter import INTERPRETED
@@ -156,7 +154,7 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(f"TritonUnifiedAttentionBackend: {message}")
 
 
-class TritonUnifiedAttentionBackend(AttentionBackend):
+class TritonUnifiedAttentionBackend(TritonCascadeBackend):
     """Unified paged attention for V1 batches on any GPU Triton targets (one launch per layer for
     the 2D kernel, two for the 3D kernel plus its reduction).
 
@@ -210,45 +208,10 @@ class TritonUnifiedAttentionBackend(AttentionBackend):
         self._step: _StepCache | None = None
         self._dependent_max_tokens = 0  # `enable_programmatic_launch`
         self._new_kv_reads = False  # `enable_new_kv_reads`
-        self._cascade = TritonCascade(self._launch_params)
 
-    def prefix_attention(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-        metadata: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        logit_softcap: float | None = None,
-    ) -> AttentionState:
-        """API 1.16: `cascade_kernels.cascade_prefix_kernel` (see `cascade.TritonCascade`)."""
-        self.check_cascade_call(
-            query, kv_cache, metadata, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
-        )
-        return self._cascade.prefix(query, kv_cache, metadata, scale=scale, logit_softcap=logit_softcap)
-
-    def suffix_attention(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-        metadata: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        logit_softcap: float | None = None,
-    ) -> AttentionState:
-        """API 1.16: `cascade_kernels.cascade_suffix_kernel` (see `cascade.TritonCascade`)."""
-        self.check_cascade_call(
-            query, kv_cache, metadata, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap
-        )
-        return self._cascade.suffix(query, kv_cache, metadata, scale=scale, logit_softcap=logit_softcap)
-
-    def merge_attention_states(
-        self, prefix: AttentionState, suffix: AttentionState, out: torch.Tensor
-    ) -> torch.Tensor:
-        """API 1.16: `cascade_kernels.merge_states_kernel`."""
-        return self._cascade.merge(prefix, suffix, out)
+    def _cascade_launch_params(self) -> LaunchParams:
+        """The cascade kernels read the same tuned configs (and cache) as the unified kernels."""
+        return self._launch_params
 
     def enable_programmatic_launch(self, max_tokens: int) -> bool:
         """Launch the kernels of steps of at most `max_tokens` tokens (the 2D or 3D kernel and the

@@ -42,11 +42,13 @@ def _softcapped(s, softcap, USE_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _attend_keys(
-    q,  # [BLOCK_M, HEAD_PAD]
-    m_i,
-    l_i,
-    acc,
+def _attend_rows(
+    out_ptr,  # [num_tokens, num_q_heads, head_size] float32
+    lse_ptr,  # [num_tokens, num_q_heads] float32
+    q,  # [BLOCK_M, HEAD_PAD] the rows' queries
+    tok,  # [BLOCK_M] each row's token
+    head,  # [BLOCK_M] each row's query head
+    row_ok,  # [BLOCK_M] False for padding rows (neither read nor written)
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     block_row_ptr,  # the block ids of the positions read
     kv_head,
@@ -59,17 +61,26 @@ def _attend_keys(
     stride_b,
     stride_s,
     stride_h,
+    stride_ot,
+    stride_oh,
+    stride_lt,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
+    # The rows' online softmax over keys [start, end) from a fresh state, then their normalised
+    # output and natural log-sum-exp written: all both attention kernels do once they know their rows.
     # Keys and values are one tensor (NHD, keys first): one pointer and one set of strides, which
     # leaves the AMD backend's scalar registers enough room (no SGPR spills on gfx942/gfx950).
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_SIZE
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
     for tile_start in range(start, end, TILE_SIZE):
@@ -103,26 +114,6 @@ def _attend_keys(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _store_state(
-    out_ptr,
-    lse_ptr,
-    tok,
-    head,
-    row_ok,
-    m_i,
-    l_i,
-    acc,
-    stride_ot,
-    stride_oh,
-    stride_lt,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-):
-    d = tl.arange(0, HEAD_PAD)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
@@ -130,7 +121,7 @@ def _store_state(
     tl.store(
         out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         out,
-        mask=row_ok[:, None] & (d < HEAD_SIZE)[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
     )
     tl.store(lse_ptr + tok64 * stride_lt + head, lse, mask=row_ok)
 
@@ -184,15 +175,14 @@ def cascade_prefix_kernel(
     row_ok = (tok < num_tokens) & (rows < BLOCK_T * QUERIES_PER_KV)
     q = _load_rows(query_ptr, tok, head, row_ok, stride_qt, stride_qh, HEAD_SIZE, HEAD_PAD)
     prefix_len = tl.load(prefix_len_ptr)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     last_pos = tl.full([BLOCK_M], 0, tl.int32) + prefix_len  # every row sees the whole prefix
-    m_i, l_i, acc = _attend_keys(
+    _attend_rows(
+        out_ptr,
+        lse_ptr,
         q,
-        m_i,
-        l_i,
-        acc,
+        tok,
+        head,
+        row_ok,
         kv_cache_ptr,
         prefix_blocks_ptr,
         kv_head,
@@ -205,27 +195,16 @@ def cascade_prefix_kernel(
         stride_b,
         stride_s,
         stride_h,
-        HEAD_SIZE,
-        HEAD_PAD,
-        BLOCK_SIZE,
-        TILE_SIZE,
-        USE_SOFTCAP,
-        DOT_IN_FP32,
-    )
-    _store_state(
-        out_ptr,
-        lse_ptr,
-        tok,
-        head,
-        row_ok,
-        m_i,
-        l_i,
-        acc,
         stride_ot,
         stride_oh,
         stride_lt,
         HEAD_SIZE,
         HEAD_PAD,
+        BLOCK_SIZE,
+        TILE_SIZE,
+        BLOCK_M,
+        USE_SOFTCAP,
+        DOT_IN_FP32,
     )
 
 
@@ -279,14 +258,13 @@ def cascade_suffix_kernel(
         q = _load_rows(query_ptr, tok, head, row_ok, stride_qt, stride_qh, HEAD_SIZE, HEAD_PAD)
         prefix_len = tl.load(prefix_len_ptr)
         kv_end = tl.minimum(seq_len, context + (block_in_req + 1) * BLOCK_Q)  # the block's causal end
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        m_i, l_i, acc = _attend_keys(
+        _attend_rows(
+            out_ptr,
+            lse_ptr,
             q,
-            m_i,
-            l_i,
-            acc,
+            tok,
+            head,
+            row_ok,
             kv_cache_ptr,
             block_table_ptr + req.to(tl.int64) * stride_bt,
             kv_head,
@@ -299,27 +277,16 @@ def cascade_suffix_kernel(
             stride_b,
             stride_s,
             stride_h,
-            HEAD_SIZE,
-            HEAD_PAD,
-            BLOCK_SIZE,
-            TILE_SIZE,
-            USE_SOFTCAP,
-            DOT_IN_FP32,
-        )
-        _store_state(
-            out_ptr,
-            lse_ptr,
-            tok,
-            head,
-            row_ok,
-            m_i,
-            l_i,
-            acc,
             stride_ot,
             stride_oh,
             stride_lt,
             HEAD_SIZE,
             HEAD_PAD,
+            BLOCK_SIZE,
+            TILE_SIZE,
+            BLOCK_M,
+            USE_SOFTCAP,
+            DOT_IN_FP32,
         )
 
 

@@ -207,7 +207,6 @@ def _engine(variant: Variant, models: Models, args: argparse.Namespace) -> LLMEn
     options: dict[str, Any] = {
         "dtype": args.dtype,
         "num_kv_blocks": args.num_kv_blocks,
-        "max_num_seqs": 1,
         "enable_prefix_caching": False,
     }
     if variant.method is not None:
@@ -342,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--max-calibrations", type=int, default=4, help="re-runs after the expected tokens moved"
     )
     parser.add_argument(
-        "--num-kv-blocks", type=int, default=256, help="KV blocks (a 640-token stream needs 40)"
+        "--num-kv-blocks", type=int, default=8192, help="the target's KV blocks (as gpu_latency.py)"
     )
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS)
@@ -358,7 +357,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         args.platform, args.shape, args.dtype = "cpu_reference", "tiny", "float32"
-        args.prompt_len, args.output_len, args.repeats = 32, 32, 1
+        args.prompt_len, args.output_len, args.repeats, args.num_kv_blocks = 32, 32, 1, 256
+    if args.output_len < 2 or args.repeats < 1 or args.prompt_len < 1:
+        raise SystemExit("need --output-len >= 2 (TPOT is over the tokens after the first), --repeats >= 1")
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

@@ -12,10 +12,11 @@ Random weights make a draft agree with the target almost never, so the acceptanc
 `common/set_acceptance.py` lets the draft network run as it would, then replaces its tokens with
 the target's own greedy tokens (accepted, each draft whose predecessors were accepted with the set
 probability) or another token (rejected); the engine verifies them as always. The target's tokens
-come from the same prompt run on the same engine first (it is also the warm-up); if a timed run's
-output differs from them (a bfloat16 argmax flipped between differently shaped steps), it
-becomes the new expectation and the run is repeated, and runs stop counting after
-`--max-calibrations` such repeats (the JSON says whether the expectation held).
+come from the baseline's run of the same prompt (lossless drafting emits the same greedy tokens);
+if a timed run's output differs from them (a bfloat16 argmax flipped between differently shaped
+steps), it becomes the new expectation and the run is repeated, at most `--max-calibrations`
+times per variant (the JSON says whether the expectation held). Each engine's first run of the
+prompt is its warm-up, untimed in the results.
 
 Each variant is its own engine, built, measured and freed in turn, prefix caching off (every
 run repeats one prompt). TTFT is the first step; TPOT the decode steps' seconds (synchronised)

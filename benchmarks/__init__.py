@@ -12,6 +12,7 @@ What a user runs: the engine against its peers
                             script builds (`llama_config`, `bench_engine_args`); `--shape`
   gpu_fp8.py                what FP8 weights and an FP8 KV cache buy
   gpu_quantized.py          quantized checkpoints (W4A16, FP8) against bf16: load, memory, latency, throughput
+  speculative_latency.py    single-stream TPOT with EAGLE-3 / a draft model at a set acceptance, against none
   tp_gpu.py                 tensor parallelism: TP=N against TP=1, 8B and 70B shapes
   lora_gpu.py               what 8 LoRA adapters across 64 requests cost a decode step
   serve_throughput.py       `pagedserve serve` under one or more `bench serve` loads (tok/s, latencies)
@@ -24,6 +25,6 @@ Folders
   suite/                    the GPU suite's serve and multi-GPU stages, its rows and Today tables
   kernel_benchmarks/        kernels, one at a time (its docstring lists each script)
   investigations/           scripts that answered one question once (its README says what each answered)
-  common/                   pieces the scripts share: the mixture-of-experts shapes
+  common/                   shared pieces: the mixture-of-experts shapes, the set-acceptance proposer
   workloads/                the ShareGPT-like offline workloads of 256 and 1,000 requests
 """

@@ -62,7 +62,11 @@ class InProcessServer:
         from pagedserve.server.async_engine import AsyncLLMEngine
 
         engine = await AsyncLLMEngine.launch(EngineArgs(model=str(model_dir), **ENGINE))
-        app = build_app(engine, ServerConfig(served_model_name="tiny"))
+        from pagedserve.server.lora_modules import LoRAModule
+
+        # An adapter name, only for the refusal: no request with it reaches the engine.
+        adapter = LoRAModule("adapter", str(model_dir / "no-adapter"), 1)
+        app = build_app(engine, ServerConfig(served_model_name="tiny", lora_modules=(adapter,)))
         transport = httpx.ASGITransport(app=app)
         return engine, httpx.AsyncClient(transport=transport, base_url="http://in-process", timeout=60)
 
@@ -168,6 +172,11 @@ def test_bad_requests_are_400s_naming_the_field(server: InProcessServer) -> None
             server.post("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": bad}),
             "truncate_prompt_tokens",
         )
+    for path, adapter_body in (
+        ("/v1/score", {"model": "adapter", "text_1": "a", "text_2": "b"}),
+        ("/v1/rerank", {"model": "adapter", "query": "a", "documents": ["b"]}),
+    ):
+        _error(server.post(path, adapter_body), "model", "LoRA adapter", "'tiny'")
     missing = server.post("/v1/score", {"model": "other", "text_1": "a", "text_2": "b"})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from pagedserve.engine.input_processor import ParamError
 from pagedserve.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -58,7 +59,7 @@ def classify(
     run: PoolingRun, prompts: list[str | Sequence[int]], params: list[PoolingParams]
 ) -> list[ClassificationRequestOutput]:
     """One `ClassificationRequestOutput` per prompt, in order."""
-    asked = [_classify_params(p) for p in params]
+    asked = [classify_params(p) for p in params]
     return [
         ClassificationRequestOutput(
             o.request_id,
@@ -87,29 +88,58 @@ def score(
     return _embedding_similarity(run, pairs, params)
 
 
-def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
+def score_pairs(
+    data_1: str | Sequence[str], data_2: str | Sequence[str], names: tuple[str, str] = ("data_1", "data_2")
+) -> list[tuple[str, str]]:
     """The (text_1, text_2) pairs to score: one to one, or one text_1 against every text_2.
-    Raises ValueError naming the argument that is wrong."""
-    first, second = _texts(data_1, "data_1"), _texts(data_2, "data_2")
+    Raises ParamError naming the argument that is wrong, as `names` calls the two (the server's
+    fields are text_1 and text_2)."""
+    first, second = _texts(data_1, names[0]), _texts(data_2, names[1])
     if len(first) == 1:
         first = first * len(second)
     if len(first) != len(second):
-        raise ValueError(
-            f"data_1 has {len(first)} texts and data_2 {len(second)}: give one data_1 text for all of "
-            "data_2, or as many as data_2 (pairs one to one)"
+        raise ParamError(
+            f"{names[0]} has {len(first)} texts and {names[1]} {len(second)}: give one {names[0]} text "
+            f"for all of {names[1]}, or as many as {names[1]} (pairs one to one)",
+            names[1],
         )
     return list(zip(first, second, strict=True))
+
+
+def pair_token_ids(
+    tokenizer: PreTrainedTokenizerBase, text_1: str, text_2: str, max_length: int | None = None
+) -> list[int]:
+    """A cross-encoder's prompt for one pair: the tokenizer's own text-pair template. With
+    `max_length`, the tokenizer's pair truncation cuts the longer text first and keeps the special
+    tokens. Does not mutate the tokenizer."""
+    if max_length is None:
+        return list(tokenizer(text=text_1, text_pair=text_2)["input_ids"])
+    return list(tokenizer(text=text_1, text_pair=text_2, truncation=True, max_length=max_length)["input_ids"])
+
+
+def classify_params(params: PoolingParams | None) -> PoolingParams:
+    """The pooling of a classification request: the caller's pooling type, raw logits."""
+    return PoolingParams(
+        pooling_type=(params or PoolingParams()).pooling_type, normalize=False, task="classify"
+    )
+
+
+def cross_encoder_score(logits: torch.Tensor) -> float:
+    """A one-label head's [1] logit -> the pair's score (its sigmoid). Raises ValueError for a
+    head of more labels, which scores no pair."""
+    if logits.numel() != 1:
+        raise ValueError(
+            f"score as a cross-encoder needs a classification head of one label; this one has "
+            f"{logits.numel()}: use classify() for its class probabilities"
+        )
+    return float(class_probabilities(logits).item())
 
 
 def _texts(data: str | Sequence[str], name: str) -> list[str]:
     texts = [data] if isinstance(data, str) else list(data) if isinstance(data, Sequence) else None
     if texts is None or not texts or not all(isinstance(t, str) for t in texts):
-        raise ValueError(f"{name} must be {SCORE_TEXTS} (not empty), got {data!r}")
+        raise ParamError(f"{name} must be {SCORE_TEXTS} (not empty), got {data!r}", name)
     return texts
-
-
-def _classify_params(params: PoolingParams) -> PoolingParams:
-    return PoolingParams(pooling_type=params.pooling_type, normalize=False, task="classify")
 
 
 def _cross_encoder(
@@ -118,22 +148,15 @@ def _cross_encoder(
     pairs: list[tuple[str, str]],
     params: PoolingParams | None,
 ) -> list[ScoringRequestOutput]:
-    prompts: list[str | Sequence[int]] = [
-        list(tokenizer(text=a, text_pair=b)["input_ids"])  # the tokenizer's own pair template
-        for a, b in pairs
-    ]
-    asked = _classify_params(params or PoolingParams())
+    prompts: list[str | Sequence[int]] = [pair_token_ids(tokenizer, a, b) for a, b in pairs]
+    asked = classify_params(params)
     outputs = run(prompts, [asked] * len(prompts))
-    scored = []
-    for o in outputs:
-        if o.outputs.data.numel() != 1:
-            raise ValueError(
-                f"score as a cross-encoder needs a classification head of one label; this one has "
-                f"{o.outputs.data.numel()}: use classify() for its class probabilities"
-            )
-        value = float(class_probabilities(o.outputs.data).item())
-        scored.append(ScoringRequestOutput(o.request_id, ScoringOutput(value), o.prompt_token_ids))
-    return scored
+    return [
+        ScoringRequestOutput(
+            o.request_id, ScoringOutput(cross_encoder_score(o.outputs.data)), o.prompt_token_ids
+        )
+        for o in outputs
+    ]
 
 
 def _embedding_similarity(

@@ -2,12 +2,14 @@
 
 Routes: POST /v1/completions (`completions.py`), POST /v1/chat/completions (`chat.py`), both
 streaming as server-sent events ending with `data: [DONE]`; POST /v1/embeddings (`embeddings.py`);
-POST /v1/responses and GET /v1/responses/{id} (`responses.py`, OpenAI's Responses API over the
-chat path); GET /v1/models, /v1/models/{id}, /health, /version, /metrics; POST /tokenize and
-/detokenize (`tokenization.py`). Every error is OpenAI's JSON shape `{"error": {"message", "type", "param",
-"code"}}`: bad input is 400 naming the field, an unknown model 404, a wrong API key 401, a body over
-the limit 413 (`guards.py`), a dead engine 503. Bad input never reaches a 500. CPU work
-(tokenizing, chat templates, grammars) runs off the event loop, so /health answers while it runs.
+POST /v1/score and /v1/rerank (`scoring.py`, vLLM's cross-encoder scoring; also /score,
+/rerank and /v2/rerank); POST /v1/responses and GET /v1/responses/{id} (`responses.py`, OpenAI's
+Responses API over the chat path); GET /v1/models, /v1/models/{id}, /health, /version, /metrics;
+POST /tokenize and /detokenize (`tokenization.py`). Every error is OpenAI's JSON shape
+`{"error": {"message", "type", "param", "code"}}`: bad input is 400 naming the field, an unknown
+model 404, a wrong API key 401, a body over the limit 413 (`guards.py`), a dead engine 503. Bad
+input never reaches a 500. CPU work (tokenizing, chat templates, grammars) runs off the event
+loop, so /health answers while it runs.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from pagedserve.server.openai_protocol import ChatCompletionRequest, CompletionR
 from pagedserve.server.responses import ResponsesHandler
 from pagedserve.server.responses_protocol import ResponsesRequest
 from pagedserve.server.responses_store import ResponseStore
+from pagedserve.server.scoring import ScoringHandler
+from pagedserve.server.scoring_protocol import RerankRequest, ScoreRequest
 from pagedserve.server.tokenization import DetokenizeRequest, TokenizationHandler, TokenizeRequest
 
 __all__ = ["APIError", "ServerConfig", "build_app"]
@@ -46,6 +50,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     completions_handler = CompletionsHandler(engine, config, created)
     chat_handler = ChatHandler(engine, config, created)
     embeddings_handler = EmbeddingsHandler(engine, config, created)
+    scoring_handler = ScoringHandler(engine, config, created)
     responses_handler = ResponsesHandler(chat_handler, ResponseStore(config.max_stored_responses))
     tokenization = TokenizationHandler(chat_handler)
     _add_error_handlers(app)
@@ -74,6 +79,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/embeddings", response_model=None)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await embeddings_handler(body, request)
+
+    @app.post("/v1/score", response_model=None)
+    @app.post("/score", response_model=None, include_in_schema=False)  # vLLM's alias
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        return await scoring_handler.score(body, request)
+
+    @app.post("/v1/rerank", response_model=None)
+    @app.post("/rerank", response_model=None, include_in_schema=False)  # vLLM's aliases
+    @app.post("/v2/rerank", response_model=None, include_in_schema=False)
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await scoring_handler.rerank(body, request)
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(body: TokenizeRequest) -> Response:

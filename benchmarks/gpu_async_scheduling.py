@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from gpu_latency import _gpu_busy, _prompt, bench_engine_args, kernel_table, llama_8b_config, token_arrivals
 
+from pagedserve import LLMEngine
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling.sampling_params import SamplingParams
 
 

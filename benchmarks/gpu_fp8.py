@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_async_scheduling import single_stream
 from gpu_latency import bench_engine_args, llama_8b_config
 
+from pagedserve import LLMEngine
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput
-from pagedserve.engine.llm_engine import LLMEngine
 
 VARIANTS: dict[str, dict[str, str]] = {  # name -> EngineArgs changes against bfloat16
     "bf16": {},

@@ -48,10 +48,10 @@ from transformers import LlamaConfig, PretrainedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 from benchmarks.common.model_shapes import MOE_SHAPES
+from pagedserve import LLMEngine
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.config import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling.sampling_params import SamplingParams
 
 # Llama-3.1 shapes whose weights are random; the rest of the config is shared.

@@ -94,10 +94,10 @@ from gpu_latency import (  # type: ignore[import-not-found, unused-ignore]
     llama_config,
 )
 
+from pagedserve import LLMEngine
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.config import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.models.fp8 import Fp8Linear, quantize_rows
 from pagedserve.quantization.int_linear import IntWeightLinear
 from pagedserve.worker.model_runner import ModelRunner

@@ -35,7 +35,7 @@ import torch
 from gpu_latency import _gpu_busy, _prompt, bench_engine_args, kernel_table, llama_8b_config
 from safetensors.torch import save_file
 
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve import LLMEngine
 from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling.sampling_params import SamplingParams
 

@@ -39,10 +39,10 @@ import torch
 import torch.multiprocessing as mp
 from gpu_latency import LLAMA_SHAPES, _prompt, bench_engine_args, llama_config, token_arrivals
 
+from pagedserve import LLMEngine
 from pagedserve.bench.datasets import BenchRequest, fit_vocab, load_workload
 from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
 from pagedserve.config import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.processes.tensor_parallel.base import ParallelExecutor
 from pagedserve.processes.tensor_parallel.launch import worker_environment
 from pagedserve.processes.tensor_parallel.worker import host_profile_text

@@ -16,7 +16,7 @@ from config_support import CPU, GPU, resolved
 from pagedserve import LLM
 from pagedserve.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from pagedserve.config.engine_config import resolve_dtype
-from pagedserve.processes.tensor_parallel.base import WorkerReport
+from pagedserve.worker.step_runner import WorkerReport
 
 GIB = 2**30
 

@@ -50,7 +50,9 @@ def _run(engine: LLMEngine) -> dict[str, RequestOutput]:
 def test_the_engine_level_names_import_from_where_vllm_has_them() -> None:
     assert pagedserve.EngineArgs is EngineArgs is ConfigEngineArgs
     assert pagedserve.AsyncEngineArgs is AsyncEngineArgs and issubclass(AsyncEngineArgs, EngineArgs)
-    assert pagedserve.LLMEngine is LLMEngine and pagedserve.AsyncLLMEngine is AsyncLLMEngine
+    # The engine's classes with the process layer supplied (tensor and data parallelism).
+    assert issubclass(pagedserve.LLMEngine, LLMEngine)
+    assert issubclass(pagedserve.AsyncLLMEngine, AsyncLLMEngine)
     assert pagedserve.TokensPrompt is TokensPrompt
     with pytest.raises(ValueError, match="disable_log_requests"):  # no switch pagedserve lacks is ignored
         AsyncEngineArgs(disable_log_requests=True)  # type: ignore[call-arg]

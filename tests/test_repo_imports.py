@@ -153,12 +153,14 @@ _READERS_OF_ENGINE_ARGS = (
     "pagedserve.engine.llm_engine",
     "pagedserve.engine.arg_utils",  # vLLM's import path for EngineArgs
     "pagedserve.engine.async_llm_engine",  # which hands it to LLMEngine
+    "pagedserve.engine.process_layer",  # the data-parallel client is opened from it
     "pagedserve.entrypoints",
     "pagedserve.cli",
     "pagedserve.server",
     "pagedserve.processes.data_parallel",
     "pagedserve.processes.engine_core",
     "pagedserve.processes.api_servers",
+    "pagedserve.processes.layer",  # which opens the data-parallel client
     "pagedserve.bench",
 )
 
@@ -271,6 +273,19 @@ def test_the_process_check_finds_an_import_from_above() -> None:
         "pagedserve.processes.data_parallel.launch": ["pagedserve.server.early_core"],
         "pagedserve.processes.api_servers": ["pagedserve.entrypoints.llm"],
     }
+
+
+def test_the_engine_imports_nothing_of_the_processes_above_it() -> None:
+    """The processes run engines (an engine core per replica, the ranks one core drives), so they
+    import the engine; the engine receives what starts them as an argument
+    (`engine.process_layer`), never by an import, not even inside a function."""
+    found = _reaches(_import_graph(), "pagedserve.engine", ("pagedserve.processes",))
+    assert not found, f"pagedserve.engine imports the processes (pass what it needs in instead): {found}"
+    assert _reaches(
+        {"pagedserve.engine.setup": {"pagedserve.processes.tensor_parallel.launch", "pagedserve.worker"}},
+        "pagedserve.engine",
+        ("pagedserve.processes",),
+    ) == {"pagedserve.engine.setup": ["pagedserve.processes.tensor_parallel.launch"]}
 
 
 def test_the_tensor_parallel_ranks_sit_below_the_engine_core() -> None:

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
+from pagedserve import LLMEngine
 from pagedserve.config import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.async_output import ModelRunnerOutput, PendingOutput

@@ -45,11 +45,11 @@ from typing import Any
 import torch
 from transformers import LlamaConfig
 
+from pagedserve import LLMEngine
 from pagedserve.attention.cascade_plan import CascadeCostModel
 from pagedserve.bench.datasets import BenchRequest, fit_vocab, load_workload
 from pagedserve.bench.throughput import run_throughput
 from pagedserve.config import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.platforms.attention_metadata import AttentionMetadata
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.worker.cascade_step import CascadeSteps

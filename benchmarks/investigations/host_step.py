@@ -60,8 +60,8 @@ from typing import Any
 import torch
 from transformers import LlamaConfig
 
+from pagedserve import LLMEngine
 from pagedserve.config import EngineArgs
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.models.loader import default_model_source, load_tokenizer
 from pagedserve.sampling.sampling_params import SamplingParams
 

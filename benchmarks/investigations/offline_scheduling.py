@@ -46,10 +46,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_latency import _gpu_busy, bench_engine_args, kernel_table, llama_8b_config
 
+from pagedserve import LLMEngine
 from pagedserve.bench.datasets import fit_vocab, load_workload
 from pagedserve.bench.throughput import StepRecord, run_throughput, summarize_trace
 from pagedserve.config import SchedulingPolicy
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.scheduler.output import SchedulerOutput
 
 WINDOW_MODES = ("kernels", "trace", "host", "phases")

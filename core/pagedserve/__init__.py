@@ -14,8 +14,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagedserve.engine.arg_utils import AsyncEngineArgs, EngineArgs
-    from pagedserve.engine.async_llm_engine import AsyncLLMEngine
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.entrypoints.engines import AsyncLLMEngine, LLMEngine
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.inputs import TextPrompt, TokensPrompt
     from pagedserve.outputs import (
@@ -31,8 +30,9 @@ _LAZY = {
     "LLM": "pagedserve.entrypoints.llm",
     "EngineArgs": "pagedserve.engine.arg_utils",
     "AsyncEngineArgs": "pagedserve.engine.arg_utils",
-    "LLMEngine": "pagedserve.engine.llm_engine",
-    "AsyncLLMEngine": "pagedserve.engine.async_llm_engine",
+    # The engine's classes with the process layer supplied (tensor and data parallelism).
+    "LLMEngine": "pagedserve.entrypoints.engines",
+    "AsyncLLMEngine": "pagedserve.entrypoints.engines",
     "TextPrompt": "pagedserve.inputs",
     "TokensPrompt": "pagedserve.inputs",
     "SamplingParams": "pagedserve.sampling.sampling_params",

@@ -172,6 +172,7 @@ def _startup(engine: LLMEngine, build_s: float) -> dict[str, float]:
 def run_throughput_cmd(args: argparse.Namespace) -> int:
     from pagedserve.bench.throughput import format_throughput, run_throughput
     from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.processes.layer import PROCESSES
 
     engine_args = engine_args_from(args, args.model)
     engine: LLMEngine | None = None
@@ -180,7 +181,7 @@ def run_throughput_cmd(args: argparse.Namespace) -> int:
         if args.warmup_requests < 0:
             raise ValueError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
         start = time.perf_counter()
-        engine = LLMEngine(engine_args)
+        engine = LLMEngine(engine_args, processes=PROCESSES)
         startup = _startup(engine, time.perf_counter() - start)
         requests = fit_vocab(requests, engine.vocab_size, wrap=args.wrap_token_ids)
         if args.warmup_requests:

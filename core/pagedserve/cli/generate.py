@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so `pagedserve platforms` does not pay for torch model code.
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.outputs import RequestOutput
+    from pagedserve.processes.layer import PROCESSES
     from pagedserve.sampling.sampling_params import SamplingParams
 
     try:
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        engine = LLMEngine(engine_args)
+        engine = LLMEngine(engine_args, processes=PROCESSES)
         prompt: str | list[int] = args.prompt
         if args.chat:
             tokenizer = engine.require_tokenizer()

@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.process_layer import ProcessLayer
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import PoolingRequestOutput, RequestOutput
 from pagedserve.pooling_params import PoolingParams
@@ -56,8 +57,10 @@ class AsyncLLMEngine:
     """One engine for the coroutines of one event loop. Build it with `from_engine_args` (or with
     `EngineArgs`); it loads the model before returning. `shutdown` stops it."""
 
-    def __init__(self, args: EngineArgs) -> None:
-        self.engine = LLMEngine(args)
+    def __init__(self, args: EngineArgs, *, processes: ProcessLayer | None = None) -> None:
+        # `processes`: what starts the ranks and replicas of tensor / data parallelism
+        # (`engine.process_layer`); `pagedserve.AsyncLLMEngine` supplies it.
+        self.engine = LLMEngine(args, processes=processes)
         # The one thread that calls the engine: steps, adds and aborts in the order they came.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-engine")
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}  # request id -> what it streams

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from pagedserve.engine.step_pipeline import StepPipeline
 from pagedserve.outputs import FinishReason
-from pagedserve.processes.tensor_parallel.base import StepRunner
 from pagedserve.sampling.sampling_params import SamplingParams
 from pagedserve.scheduler.admission import RequestRejected, check_admissible
 from pagedserve.scheduler.output import RequestUpdate, SchedulerOutput
@@ -29,6 +28,7 @@ from pagedserve.spec_decode.proposer import Proposer
 from pagedserve.structured.manager import GrammarFailed, StructuredOutputManager
 from pagedserve.types import RequestId
 from pagedserve.worker.model_runner import ModelRunnerOutput
+from pagedserve.worker.step_runner import StepRunner
 
 logger = logging.getLogger(__name__)
 

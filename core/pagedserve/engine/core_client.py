@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedserve.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from pagedserve.engine.setup import EngineSetup
-from pagedserve.processes.tensor_parallel.base import ParallelExecutor
 from pagedserve.types import RequestId
+from pagedserve.worker.step_runner import RankExecutor
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,5 +134,5 @@ class InProcessCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if the core drives any (else nothing to stop)."""
-        if isinstance(self.core.runner, ParallelExecutor):
+        if isinstance(self.core.runner, RankExecutor):
             self.core.runner.shutdown()

@@ -4,8 +4,10 @@
 The offline `LLM` API drives it step by step. The replicas sit behind a `CoreClient`
 (`engine.core_client`): the engine core itself for one, the data-parallel client for several
 (`processes.data_parallel.offline_client`), so everything a user calls here behaves the same
-whatever the replica count. The server runs the same core in its own process and this front end's
-pieces (tokenizer, `OutputProcessor`) in the API process.
+whatever the replica count. The data-parallel client, like the tensor-parallel ranks, belongs to
+the process layer and reaches this class as an argument (`engine.process_layer`). The server runs
+the same core in its own process and this front end's pieces (tokenizer, `OutputProcessor`) in the
+API process.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pagedserve.engine.core import EngineCore
 from pagedserve.engine.core_client import CoreClient, InProcessCore, Rejection
 from pagedserve.engine.input_processor import InputProcessor, detokenizer_eos_token_id
 from pagedserve.engine.output_processor import OutputProcessor, take_pooled
+from pagedserve.engine.process_layer import ProcessLayer
+from pagedserve.engine.process_layer_missing import missing
 from pagedserve.engine.protocol import POOLING_ROW, EngineCoreRequest
 from pagedserve.engine.setup import EngineSetup, build_engine
 from pagedserve.inputs import to_engine_prompt
@@ -34,25 +38,30 @@ from pagedserve.types import RequestId
 RequestPrompt = str | Sequence[int] | Mapping[str, object]
 
 
-def open_core_client(args: EngineArgs) -> CoreClient:
+def open_core_client(args: EngineArgs, processes: ProcessLayer | None = None) -> CoreClient:
     """The core(s) `args` asks for: the engine core in this process for one replica, one engine-core
-    process (or Ray actor) per replica for `data_parallel_size` > 1."""
+    process (or Ray actor) per replica for `data_parallel_size` > 1, started by `processes` (as are
+    the ranks of `tensor_parallel_size` > 1). Without `processes` such args raise
+    `ProcessLayerMissing` (see `engine.process_layer`)."""
     if args.data_parallel_size == 1:
-        return InProcessCore(build_engine(args, offline=True))
-    # Only a data-parallel engine needs the process layer (and ZeroMQ).
-    from pagedserve.processes.data_parallel.offline_client import DataParallelCores
-
-    return DataParallelCores(args)
+        launcher = processes.start_executor if processes is not None else None
+        return InProcessCore(build_engine(args, offline=True, start_executor=launcher))
+    if processes is None:
+        raise missing("data_parallel_size", args.data_parallel_size, "one engine-core process per replica")
+    return processes.open_data_parallel(args)
 
 
 class LLMEngine:
     """One model on one platform, over any number of data-parallel replicas. Not thread-safe;
     every method but the getters mutates. `shutdown` stops the replicas' processes (garbage
-    collection and interpreter exit do too)."""
+    collection and interpreter exit do too).
 
-    def __init__(self, args: EngineArgs) -> None:
+    `processes` starts the ranks and replicas of `tensor_parallel_size` / `data_parallel_size` > 1
+    (`engine.process_layer`); `pagedserve.LLMEngine` supplies it, this class alone does not."""
+
+    def __init__(self, args: EngineArgs, *, processes: ProcessLayer | None = None) -> None:
         self.args = args
-        self.client = open_core_client(args)
+        self.client = open_core_client(args, processes)
         self.tokenizer = self.client.tokenizer
         self.vocab_size = self.client.vocab_size
         self.eos_token_ids = self.client.eos_token_ids

@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.config import EngineArgs
 from pagedserve.config.engine_config import EngineConfig, resolve_engine_config
 from pagedserve.engine.core import EngineCore
+from pagedserve.engine.process_layer_missing import missing
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.models.loader import (
     LoadedModel,
@@ -36,7 +37,6 @@ from pagedserve.models.spec import ModelSpec
 from pagedserve.platforms.api import AttentionBackend
 from pagedserve.platforms.loaded_platform import LoadedPlatform
 from pagedserve.platforms.registry import load_platforms
-from pagedserve.processes.tensor_parallel.base import StepRunner, WorkerReport
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.spec_decode.build import build_proposer, load_draft, split_kv_blocks
 from pagedserve.spec_decode.ngram import NgramProposer
@@ -48,6 +48,7 @@ from pagedserve.worker.startup.device_model import choose_backend, load_device_m
 from pagedserve.worker.startup.kv_sizing import kv_block_bytes
 from pagedserve.worker.startup.runner_setup import build_runner, fit_kv_blocks, swap_space_blocks
 from pagedserve.worker.startup.startup_heap import freeze_startup_heap
+from pagedserve.worker.step_runner import ExecutorLauncher, StepRunner, WorkerReport
 
 # Re-exported: it lived here before the per-device half of the setup moved to `worker.startup`.
 __all__ = ["EngineSetup", "build_engine", "choose_backend", "eos_token_ids"]
@@ -75,11 +76,17 @@ class EngineSetup:
         return self.config.scheduler.max_model_len
 
 
-def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
+def build_engine(
+    args: EngineArgs, *, offline: bool, start_executor: ExecutorLauncher | None = None
+) -> EngineSetup:
     """Select the platform, resolve the configuration, load the model and build the engine core.
     Slow (loads weights). With `tensor_parallel_size > 1` the model is loaded by one worker
-    process per rank. `offline`: the engine runs batches handed to it whole (`LLMEngine`), not a
+    process per rank, which `start_executor` starts (the process layer's, handed down by the
+    caller: `engine.process_layer`); without it such args raise `ProcessLayerMissing` before
+    anything loads. `offline`: the engine runs batches handed to it whole (`LLMEngine`), not a
     server's stream of requests; it decides what `scheduling_policy="auto"` means."""
+    if args.tensor_parallel_size > 1 and start_executor is None:
+        raise missing("tensor_parallel_size", args.tensor_parallel_size, "one worker process per rank")
     platform = load_platforms().select(args.platform)
     source = resolve_model_source(args.model, args.gguf_file)
     # Read before anything loads: the model's trained context decides the default max_model_len,
@@ -95,7 +102,8 @@ def build_engine(args: EngineArgs, *, offline: bool) -> EngineSetup:
     )
     logger.info("scheduling policy: %s", config.scheduler.policy.value)
     if config.parallel.tensor_parallel_size > 1:
-        return _build_parallel_engine(config, platform, source, hf_config)
+        assert start_executor is not None  # refused above
+        return _build_parallel_engine(config, platform, source, hf_config, start_executor)
     return _build_local_engine(config, platform)
 
 
@@ -169,13 +177,16 @@ def _build_local_engine(config: EngineConfig, platform: LoadedPlatform) -> Engin
 
 
 def _build_parallel_engine(
-    config: EngineConfig, platform: LoadedPlatform, source: ModelSource, hf_config: Any
+    config: EngineConfig,
+    platform: LoadedPlatform,
+    source: ModelSource,
+    hf_config: Any,
+    start_executor: ExecutorLauncher,
 ) -> EngineSetup:
     """The scheduler here, the model in `tensor_parallel_size` worker processes (or Ray actors)."""
     from pagedserve.distributed.group import TensorParallelGroup
     from pagedserve.distributed.sharding import ShardLayout
     from pagedserve.models.decoder import head_size_of
-    from pagedserve.processes.tensor_parallel.launch import start_executor
 
     # Refuse a model that does not split before starting a process per rank to find out.
     world = config.parallel.tensor_parallel_size

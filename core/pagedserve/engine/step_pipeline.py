@@ -37,11 +37,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.processes.tensor_parallel.base import PendingStep, StepRunner
 from pagedserve.scheduler.output import RequestUpdate, SchedulerOutput
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.spec_decode.proposer import Proposer
 from pagedserve.worker.async_output import ModelRunnerOutput
+from pagedserve.worker.step_runner import PendingStep, StepRunner
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ from pagedserve.outputs import (
     ScoringRequestOutput,
 )
 from pagedserve.pooling_params import PoolingParams, PoolingTask
+from pagedserve.processes.layer import PROCESSES
 from pagedserve.sampling.sampling_params import SAMPLING_PARAMS, RequestOutputKind, SamplingParams
 
 PromptInput = str | Sequence[int]
@@ -61,7 +62,8 @@ class LLM:
             args = EngineArgs(model=model, **kwargs)
         except pydantic.ValidationError as exc:
             raise ValueError(_describe_validation_error(exc)) from None
-        self.engine = LLMEngine(args)  # in-process for one replica, processes for several
+        # In-process for one replica, processes for several (and for tensor-parallel ranks).
+        self.engine = LLMEngine(args, processes=PROCESSES)
         self._ids = itertools.count()
         self._default_params: SamplingParams | None = None
         # What this engine serves: generation, pooling or both (`runner`, `task`; vLLM's checks).

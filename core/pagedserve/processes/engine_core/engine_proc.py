@@ -83,9 +83,10 @@ def serve_engine_core(
     outbox.connect(output_addr)
     try:
         from pagedserve.engine.setup import build_engine
+        from pagedserve.processes.tensor_parallel.launch import start_executor
 
         args = EngineArgs.model_validate_json(args_json)
-        setup = build_engine(args, offline=role.offline)
+        setup = build_engine(args, offline=role.offline, start_executor=start_executor)
         if not role.offline:  # a server's first request would pay the first step's extra work
             setup.core.warm_up()
         info = CoreInfo(

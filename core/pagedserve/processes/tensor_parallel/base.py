@@ -1,5 +1,7 @@
-"""What the engine core drives each step, and what every tensor-parallel executor shares: the
-calls every rank answers, the report a rank sends after loading, and the error a lost rank raises.
+"""What every tensor-parallel executor shares: the calls every rank answers, the way a launched
+step's output comes back, and the error a lost rank raises. An executor is the engine core's
+`StepRunner` over several ranks (`worker.step_runner`, where the contract and the report a rank
+sends after loading live).
 
 An executor is symmetric: every rank holds the persistent batch and applies the same
 `SchedulerOutput` diff, runs its shard of the forward and samples. Only rank 0's answer is used;
@@ -21,21 +23,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pagedserve.models.spec import ModelSpec
 from pagedserve.sampling.grammar_mask import GrammarBitmaskFn, PrecomputedBitmask
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.model_runner import ModelRunnerOutput
-
-
-class PendingStep(Protocol):
-    """A launched step whose output is read later."""
-
-    def result(self) -> ModelRunnerOutput:
-        """The step's output; waits for it the first time."""
-        ...
+from pagedserve.worker.step_runner import WorkerReport
 
 
 class PendingCall(Protocol):
@@ -47,37 +40,8 @@ class PendingCall(Protocol):
         ...
 
 
-class StepRunner(Protocol):
-    """Runs one scheduled step: a `ModelRunner` in-process, or an executor over several ranks."""
-
-    def execute(
-        self, so: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
-    ) -> ModelRunnerOutput:
-        """Run the step and wait for its output. Mutates the persistent batch and the KV caches."""
-        ...
-
-    def launch(self, so: SchedulerOutput) -> PendingStep:
-        """Queue the step and return before its output is known (asynchronous scheduling).
-        Mutates the persistent batch and the KV caches."""
-        ...
-
-
 class RankFailedError(RuntimeError):
     """A rank died, raised, or did not answer in time; the engine cannot continue."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerReport:
-    """What one rank found after loading its shard: measurements and choices of its device only.
-    The engine's limits (`max_model_len`, the step budget) were resolved before the rank started
-    and are not reported back."""
-
-    rank: int
-    local_spec: ModelSpec  # this rank's shard: its head counts
-    num_q_heads: int  # of the whole model
-    num_kv_heads: int  # of the whole model
-    num_kv_blocks: int  # blocks that fit in this rank's free memory (`num_kv_blocks` when given)
-    backend_name: str
 
 
 STEP_METHODS = frozenset({"execute", "launch", "flush"})

@@ -7,7 +7,8 @@ import os
 
 from pagedserve.config.engine_config import EngineConfig
 from pagedserve.platforms.loaded_platform import LoadedPlatform
-from pagedserve.processes.tensor_parallel.base import ParallelExecutor, WorkerReport
+from pagedserve.processes.tensor_parallel.base import ParallelExecutor
+from pagedserve.worker.step_runner import WorkerReport
 
 # NVLink SHARP (multicast) collectives are left off unless the user chose otherwise: on hosts
 # whose fabric manager does not support them NCCL fails at the first collective, and on shared

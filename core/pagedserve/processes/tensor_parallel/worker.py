@@ -32,7 +32,6 @@ from pagedserve.config.engine_config import EngineConfig
 from pagedserve.distributed.all_reduce import default_limits, installed
 from pagedserve.distributed.group import destroy_process_group, init_process_group
 from pagedserve.platforms.registry import load_platforms
-from pagedserve.processes.tensor_parallel.base import WorkerReport
 from pagedserve.sampling.grammar_mask import PrecomputedBitmask
 from pagedserve.scheduler.output import SchedulerOutput
 from pagedserve.worker.async_output import PendingOutput
@@ -42,6 +41,7 @@ from pagedserve.worker.rpc import RpcTarget, run_on_runner
 from pagedserve.worker.startup.device_model import DeviceModel, load_device_model
 from pagedserve.worker.startup.runner_setup import build_runner, fit_kv_blocks
 from pagedserve.worker.startup.startup_heap import freeze_startup_heap
+from pagedserve.worker.step_runner import WorkerReport
 
 logger = logging.getLogger(__name__)
 

